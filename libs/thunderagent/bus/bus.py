@@ -1,0 +1,202 @@
+"""Typed publish / request / subscribe over one NATS connection.
+
+Every outgoing message carries the current W3C trace context in its headers; every incoming
+message is decoded into its msgspec type inside a span that continues the sender's trace. A
+message that fails to decode or validate, or whose handler raises, is answered with an
+``ErrorReply`` when it has a reply subject and recorded on the service's dead-letter subject with
+the raw bytes and the reason. The subscription keeps running either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from thunderagent.bus.errors import NoResponders, RequestTimeout
+from thunderagent.schemas import DeadLetter, ErrorCode, ErrorReply, subjects
+from thunderagent.telemetry import extract_context, inject_headers
+from thunderagent.telemetry.setup import meter
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def decoder_for(message_type: Any) -> msgspec.json.Decoder:
+    dec = _decoders.get(message_type)
+    if dec is None:
+        dec = _decoders[message_type] = msgspec.json.Decoder(message_type)
+    return dec
+
+
+@dataclass(slots=True, frozen=True)
+class Delivery:
+    """Where a decoded message came from; handlers use ``reply`` to answer."""
+
+    subject: str
+    reply: str
+    headers: dict[str, str]
+    raw: bytes
+
+
+Handler = Callable[[T, Delivery], Awaitable[None]]
+
+
+@dataclass
+class SubscriptionStats:
+    """Counters a test or health endpoint can read without a metrics backend."""
+
+    delivered: int = 0
+    dead_lettered: int = 0
+    handler_errors: int = 0
+
+
+@dataclass
+class Bus:
+    """One service's view of NATS. ``service`` names the dead-letter subject and the spans."""
+
+    nc: NATS
+    service: str
+    stats: dict[str, SubscriptionStats] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._tracer = trace.get_tracer(f"thunderagent.{self.service}")
+        m = meter(f"thunderagent.{self.service}")
+        self._dead_counter = m.create_counter(
+            "thunderagent_dead_letters",
+            description="Messages rejected into the dead-letter subject",
+        )
+
+    async def publish(
+        self, subject: str, message: Any, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        await self.nc.publish(
+            subject, encode(message), reply=reply, headers=inject_headers(headers)
+        )
+
+    async def publish_raw(self, subject: str, payload: bytes, *, reply: str = "") -> None:
+        await self.nc.publish(subject, payload, reply=reply, headers=inject_headers())
+
+    async def request(
+        self, subject: str, message: Any, response_type: type[T], *, timeout: float = 2.0
+    ) -> T:  # noqa: ASYNC109 - the timeout is nats-py's own request timeout
+        """Request/reply; raises :class:`NoResponders` or :class:`RequestTimeout`."""
+        try:
+            msg = await self.nc.request(
+                subject, encode(message), timeout=timeout, headers=inject_headers()
+            )
+        except NoRespondersError as err:
+            raise NoResponders(subject) from err
+        except NatsTimeout as err:
+            raise RequestTimeout(subject, timeout) from err
+        return decoder_for(response_type).decode(msg.data)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: Any,
+        handler: Handler,
+        *,
+        queue: str = "",
+        concurrent: bool = False,
+    ) -> Subscription:
+        """Decode each message into ``message_type`` and call ``handler(message, delivery)``.
+
+        ``concurrent=True`` runs each handler in its own task (for handlers that stream for a long
+        time, such as a generate request); otherwise messages are handled one at a time in order.
+        """
+        decoder = decoder_for(message_type)
+        stats = self.stats.setdefault(subject, SubscriptionStats())
+        span_name = f"{self.service} {subject.split('.')[1] if '.' in subject else subject}"
+
+        async def process(msg: Msg) -> None:
+            headers = dict(msg.headers or {})
+            delivery = Delivery(msg.subject, msg.reply or "", headers, msg.data)
+            ctx = extract_context(headers)
+            with self._tracer.start_as_current_span(
+                span_name, context=ctx, kind=SpanKind.CONSUMER
+            ) as span:
+                span.set_attribute("messaging.destination.name", msg.subject)
+                try:
+                    decoded = decoder.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                    span.set_status(Status(StatusCode.ERROR, str(err)))
+                    await self.reject(delivery, f"invalid {_type_name(message_type)}: {err}")
+                    return
+                stats.delivered += 1
+                try:
+                    await handler(decoded, delivery)
+                except Exception as err:
+                    stats.handler_errors += 1
+                    span.record_exception(err)
+                    span.set_status(Status(StatusCode.ERROR, str(err)))
+                    log.exception("%s: handler for %s failed", self.service, msg.subject)
+                    await self.reject(
+                        delivery, f"handler failed: {type(err).__name__}: {err}", ErrorCode.INTERNAL
+                    )
+
+        async def on_message(msg: Msg) -> None:
+            if not concurrent:
+                await process(msg)
+                return
+            task = asyncio.create_task(process(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def reject(
+        self, delivery: Delivery, reason: str, code: ErrorCode = ErrorCode.BAD_REQUEST
+    ) -> None:
+        """Answer the sender with an error (if it can hear one); keep the message as a dead letter."""
+        stats = self.stats.setdefault(delivery.subject, SubscriptionStats())
+        stats.dead_lettered += 1
+        self._dead_counter.add(1, {"service": self.service, "reason": code.value})
+        log.warning("%s: dead letter on %s: %s", self.service, delivery.subject, reason)
+        try:
+            if delivery.reply:
+                error = ErrorReply(code=code, message=reason, service=self.service)
+                await self.publish(delivery.reply, error)
+            record = DeadLetter(
+                service=self.service,
+                subject=delivery.subject,
+                reason=reason,
+                raw=delivery.raw,
+                received_at=time.time(),
+                headers=delivery.headers,
+                reply=delivery.reply,
+            )
+            await self.publish(subjects.dead_letter(self.service), record)
+        except Exception:  # the connection may be closing; the log line above keeps the record
+            log.exception("%s: could not publish dead letter", self.service)
+
+    async def drain(self) -> None:
+        """Let running handler tasks finish, then drain the connection."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+def _type_name(message_type: Any) -> str:
+    return getattr(message_type, "__name__", str(message_type))

@@ -1,0 +1,60 @@
+"""Connect to NATS with exponential backoff on the first connection and reconnects after it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import nats
+from nats.aio.client import Client as NATS
+
+log = logging.getLogger(__name__)
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    deadline_s: float = 30.0,
+    first_delay_s: float = 0.05,
+    max_delay_s: float = 2.0,
+) -> NATS:
+    """Connect, retrying with jittered exponential backoff until ``deadline_s`` has passed.
+
+    nats-py reconnects by itself once connected (forever here, every ``reconnect_time_wait`` with
+    jitter), but it gives up on a failed *first* connection, which is common while an embedded
+    server is still starting; hence the loop.
+    """
+
+    async def on_error(err: Exception) -> None:
+        log.warning("nats %s: %s", name, err)
+
+    async def on_disconnect() -> None:
+        log.info("nats %s: disconnected", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats %s: reconnected", name)
+
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + deadline_s
+    delay = first_delay_s
+    while True:
+        try:
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            )
+        except Exception as err:  # nats-py raises several unrelated types for a refused connect
+            if loop.time() + delay > give_up_at:
+                raise ConnectionError(f"cannot connect to NATS at {url}: {err}") from err
+            log.info("nats %s: connect failed (%s), retry in %.2fs", name, err, delay)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, max_delay_s)

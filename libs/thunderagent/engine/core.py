@@ -1,0 +1,382 @@
+"""Engine core: SGLang-style continuous batching over a paged prefix cache, driven by a clock
+it never reads.
+
+One ``step(now)`` is one engine iteration, planned as SGLang's scheduler does by default:
+
+* a prefill batch whenever there is prompt work and room (the partially prefilled "chunked"
+  request first, then waiting requests FCFS), at most ``chunked_prefill_size`` new tokens, so a
+  long prompt prefills over several steps and at most one request is ever part-way through;
+* otherwise a decode batch: one token for every running request.
+
+Cache behaviour follows SGLang's radix cache: a request's prefix hit is pinned at admission;
+the full pages of every prefill chunk are inserted (and pinned) when the chunk ends, so other
+requests can hit them at once; on finish the full pages of prompt + output are inserted and
+everything is unpinned. Output pages have no caller key: their key is derived by chaining
+``xxh3_64(f"{parent_key}/{request_id}/{page_index}")``, so they are reusable only by a retried
+run of the same request. When a decode step finds no free page, the request with the fewest
+generated tokens (longest prompt on ties) is retracted: its pages are released (what it
+inserted stays cached), and it re-queues at the front keeping its generated tokens, which are
+re-prefilled with the prompt later.
+
+``step(now, until=t)`` may fuse several decode iterations into one outcome: a decode batch's
+composition only changes at arrivals, prefill-chunk ends and finishes, so the run stops at the
+first finish or at the first step boundary at or after ``until`` (the next arrival).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import xxhash
+
+from thunderagent.engine.events import CacheEvent
+from thunderagent.engine.prefix_cache import PrefixCache
+from thunderagent.engine.profiles import Profile
+from thunderagent.engine.timing import TimingModel
+
+
+@dataclass(slots=True)
+class Request:
+    """What the engine is asked to run. ``block_keys``: one chained key per full prompt page
+    (extra keys beyond ``prompt_len // page_size`` are ignored: a partial page is not cached)."""
+
+    request_id: str
+    prompt_len: int
+    block_keys: list[int] = field(default_factory=list)
+    max_new_tokens: int = 16
+    token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """Usage of a request that left the engine (SGLang's meta_info fields)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    preemptions: int = 0
+    finish_reason: str = "length"
+    """"length" (max_new_tokens reached), "abort", or "rejected" (cannot fit the KV pool)."""
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one ``step`` did; the shell sleeps ``duration`` and then delivers it."""
+
+    duration: float = 0.0
+    kind: str = "idle"
+    """"idle", "prefill" or "decode"."""
+    decode_steps: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens emitted per request id in this outcome."""
+    first_token: list[str] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    events: list[CacheEvent] = field(default_factory=list)
+    prefill_tokens: int = 0
+    host_loaded_blocks: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLoad:
+    """Routing view, like SGLang's /get_load plus cache occupancy."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    num_tokens: int
+    """Tokens whose KV is held by running requests."""
+    cached_blocks: int
+    host_cached_blocks: int
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    req: Request
+    arrival: float
+    keys: list[int]
+    target: int
+    """Tokens to prefill: prompt, plus generated tokens after a retraction."""
+    held: int = 0
+    """Leading pages pinned in the cache."""
+    private: int = 0
+    """Pages reserved in the pool and not (yet) in the cache."""
+    computed: int = 0
+    """Tokens whose KV exists."""
+    generated: int = 0
+    cached_tokens: int = -1
+    preemptions: int = 0
+
+
+def derived_key(parent: int | None, request_id: str, index: int) -> int:
+    """Key of a page the caller gave no key for (output pages), chained on its parent."""
+    return xxhash.xxh3_64_intdigest(f"{parent}/{request_id}/{index}".encode())
+
+
+class EngineCore:
+    """One simulated engine instance: queues, KV pool, prefix cache, timing."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.page = profile.engine.page_size
+        self.timing = TimingModel(profile)
+        self.cache = PrefixCache(profile.capacity_blocks, profile.engine.host_blocks)
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._prefilling: list[_Seq] = []
+        self._running: dict[str, _Seq] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self.total_preemptions = 0
+
+    # ---- public API ----------------------------------------------------------------------
+    def add(self, request: Request, now: float) -> FinishedRequest | None:
+        """Queue a request; returns a "rejected" record instead if it can never fit."""
+        if request.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        total = request.prompt_len + request.max_new_tokens
+        if request.prompt_len <= 0 or request.max_new_tokens <= 0:
+            raise ValueError(f"request {request.request_id!r}: empty prompt or output")
+        if total > self.cache.capacity * self.page:
+            return FinishedRequest(request.request_id, request.prompt_len, 0, 0, 0, "rejected")
+        keys = list(request.block_keys[: request.prompt_len // self.page])
+        seq = _Seq(req=request, arrival=now, keys=keys, target=request.prompt_len)
+        self._seqs[request.request_id] = seq
+        self._waiting.append(seq)
+        return None
+
+    def abort(self, request_id: str, now: float) -> FinishedRequest | None:
+        """Drop a request wherever it is and free its pages (nothing is inserted)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        elif seq in self._prefilling:
+            self._prefilling.remove(seq)
+        else:
+            self._running.pop(request_id, None)
+        self._free(seq)
+        return self._record(seq, "abort")
+
+    def flush(self, now: float) -> bool:
+        """Clear the prefix cache (SGLang's /flush_cache): refused while requests hold KV."""
+        return self.cache.clear()
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Events produced outside ``step`` (flush); ``step`` returns its own."""
+        return self.cache.drain_events()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
+
+    def load(self) -> EngineLoad:
+        seqs = [*self._prefilling, *self._running.values()]
+        return EngineLoad(
+            num_running=len(seqs),
+            num_waiting=len(self._waiting),
+            kv_used_blocks=self.cache.gpu_blocks + self.cache.reserved,
+            kv_total_blocks=self.cache.capacity,
+            num_tokens=sum(s.computed for s in seqs),
+            cached_blocks=self.cache.gpu_blocks,
+            host_cached_blocks=self.cache.host_blocks,
+        )
+
+    def step(self, now: float, until: float | None = None) -> StepOutcome:
+        """Plan and account one engine iteration starting at ``now``.
+
+        ``until`` (virtual time only): allow fusing decode iterations up to the first step
+        boundary at or after ``until``. State is updated at once; the shell delivers the
+        outcome ``duration`` seconds later.
+        """
+        out = StepOutcome()
+        if not self._prefill(out):
+            self._decode(now, until, out)
+            if not out.decode_steps and self.has_work:
+                self._prefill(out)  # every decode request was retracted: prefill instead
+        out.events = self.cache.drain_events()
+        return out
+
+    # ---- prefill -------------------------------------------------------------------------
+    def _prefill(self, out: StepOutcome) -> bool:
+        """Build and account one prefill batch; False when there is nothing to prefill."""
+        budget = self.profile.engine.chunked_prefill_size
+        cap = self.profile.engine.max_running_requests
+        chunks: list[tuple[_Seq, int, int]] = []
+        for seq in self._prefilling:
+            n = self._chunk(seq, budget)
+            if n == 0:
+                budget = 0  # the chunked request is stuck on memory: admit nobody past it
+                break
+            chunks.append((seq, n, seq.computed))
+            budget -= n
+        while budget > 0 and self._waiting and len(self._prefilling) + len(self._running) < cap:
+            seq = self._waiting[0]
+            out.host_loaded_blocks += self._admit(seq)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                self._free(seq)
+                break
+            self._waiting.popleft()
+            self._prefilling.append(seq)
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = seq.computed
+            chunks.append((seq, n, seq.computed))
+            budget -= n
+        if not chunks:
+            return False
+        out.kind = "prefill"
+        out.duration = self.timing.prefill_time(
+            [(n, c) for _, n, c in chunks], out.host_loaded_blocks
+        )
+        for seq, n, _ in chunks:
+            out.prefill_tokens += n
+            self._end_chunk(seq, n, out)
+        return True
+
+    def _admit(self, seq: _Seq) -> int:
+        """Pin the cached prefix (loading host-tier blocks); returns blocks loaded."""
+        usable = self._keys(seq, (seq.target - 1) // self.page)
+        match = self.cache.match(usable)
+        self.cache.acquire(usable[: match.gpu])
+        loaded = 0
+        if match.host:
+            loaded = self.cache.load(usable[match.gpu : match.gpu + match.host])
+        seq.held = match.gpu + loaded
+        seq.computed = seq.held * self.page
+        return loaded
+
+    def _chunk(self, seq: _Seq, budget: int) -> int:
+        """Tokens of ``seq`` to prefill now within ``budget``, with their pages reserved."""
+        n = min(budget, seq.target - seq.computed)
+        if n <= 0:
+            return 0
+        need = -(-(seq.computed + n) // self.page) - seq.held - seq.private
+        if need > 0 and not self.cache.reserve(need):
+            return 0
+        seq.private += max(need, 0)
+        return n
+
+    def _end_chunk(self, seq: _Seq, n: int, out: StepOutcome) -> None:
+        seq.computed += n
+        self._insert_full_pages(seq)
+        if seq.computed < seq.target:
+            return
+        self._prefilling.remove(seq)
+        if seq.generated == 0:
+            out.first_token.append(seq.req.request_id)
+        self._emit(seq, 1, out)
+        if seq.req.request_id in self._seqs:
+            self._running[seq.req.request_id] = seq
+
+    # ---- decode --------------------------------------------------------------------------
+    def _decode(self, now: float, until: float | None, out: StepOutcome) -> None:
+        while self._running:
+            seqs = list(self._running.values())
+            batch = len(seqs)
+            context = sum(s.computed for s in seqs) + batch
+            k = 1
+            if until is not None and until > now:
+                to_finish = min(s.req.max_new_tokens - s.generated for s in seqs)
+                k = self.timing.decode_steps_until(batch, context, until - now, to_finish)
+            ok = self._grow(seqs, k)
+            if not ok and k > 1:
+                k = 1
+                ok = self._grow(seqs, 1)
+            if ok:
+                break
+            self._retract(min(seqs, key=lambda s: (s.generated, -s.req.prompt_len)), out)
+        else:
+            return
+        out.kind, out.decode_steps = "decode", k
+        out.duration = self.timing.decode_run_time(batch, context, k)
+        for seq in seqs:
+            seq.computed += k
+            self._emit(seq, k, out)
+
+    def _grow(self, seqs: list[_Seq], k: int) -> bool:
+        """Reserve the pages ``k`` more decode tokens need, all or nothing."""
+        page = self.page
+        needs = [-(-(s.computed + k) // page) - s.held - s.private for s in seqs]
+        total = sum(n for n in needs if n > 0)
+        if total and not self.cache.reserve(total):
+            return False
+        for seq, n in zip(seqs, needs, strict=True):
+            if n > 0:
+                seq.private += n
+        return True
+
+    def _retract(self, seq: _Seq, out: StepOutcome) -> None:
+        del self._running[seq.req.request_id]
+        self._free(seq)
+        seq.target = seq.req.prompt_len + seq.generated
+        seq.preemptions += 1
+        self.total_preemptions += 1
+        self._waiting.appendleft(seq)
+        out.preempted.append(seq.req.request_id)
+
+    # ---- shared --------------------------------------------------------------------------
+    def _emit(self, seq: _Seq, k: int, out: StepOutcome) -> None:
+        """Count ``k`` new tokens; finish the request when it reaches max_new_tokens."""
+        rid = seq.req.request_id
+        seq.generated += k
+        out.tokens[rid] = out.tokens.get(rid, 0) + k
+        if seq.generated < seq.req.max_new_tokens:
+            return
+        self._running.pop(rid, None)
+        self._insert_full_pages(seq)
+        self._free(seq)
+        del self._seqs[rid]
+        out.finished.append(self._record(seq, "length"))
+
+    def _insert_full_pages(self, seq: _Seq) -> None:
+        """Move the request's full private pages into the cache (SGLang's cache_*_req)."""
+        full = seq.computed // self.page
+        if full <= seq.held:
+            return
+        keys = self._keys(seq, full)[seq.held : full]
+        parent = seq.keys[seq.held - 1] if seq.held else None
+        tokens = None
+        token_ids = seq.req.token_ids
+        if token_ids is not None and full * self.page <= len(token_ids):
+            tokens = token_ids[seq.held * self.page : full * self.page]
+        self.cache.insert(keys, parent, tokens, reserved=True, page_size=self.page)
+        seq.private -= len(keys)
+        seq.held = full
+
+    def _keys(self, seq: _Seq, n: int) -> list[int]:
+        """The first ``n`` page keys of ``seq``, deriving keys the caller did not give."""
+        keys = seq.keys
+        rid = seq.req.request_id
+        while len(keys) < n:
+            keys.append(derived_key(keys[-1] if keys else None, rid, len(keys)))
+        return keys[:n]
+
+    def _free(self, seq: _Seq) -> None:
+        if seq.held:
+            self.cache.release(seq.keys[: seq.held])
+        if seq.private:
+            self.cache.unreserve(seq.private)
+        seq.held = seq.private = seq.computed = 0
+
+    def _record(self, seq: _Seq, reason: str) -> FinishedRequest:
+        return FinishedRequest(
+            request_id=seq.req.request_id,
+            prompt_tokens=seq.req.prompt_len,
+            cached_tokens=max(seq.cached_tokens, 0),
+            completion_tokens=seq.generated,
+            preemptions=seq.preemptions,
+            finish_reason=reason,
+        )
+
+
+__all__ = [
+    "EngineCore",
+    "EngineLoad",
+    "FinishedRequest",
+    "Request",
+    "StepOutcome",
+    "derived_key",
+]

@@ -1,0 +1,87 @@
+"""Worker registry: registrations with leases, renewed by registration puts and load reports.
+
+A worker whose lease lapses (no renewal for ``lease_s``) disappears from routing; its adapter
+re-registers when it comes back. The registry never reads a clock: every call takes ``now``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunderagent.schemas import LoadReport, WorkerRegistration
+
+
+@dataclass(slots=True)
+class WorkerState:
+    registration: WorkerRegistration
+    renewed_at: float
+    load: LoadReport | None = None
+    assigned_since_report: int = 0
+    """Requests this process sent the worker since its last load report: the report lags, and
+    without this a burst would all go to the worker that looked idle."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.registration.worker_id
+
+    def outstanding(self) -> int:
+        """Requests on the worker that are not finished: the least-loaded criterion."""
+        if self.load is None:
+            return self.assigned_since_report
+        reported = max(self.load.running + self.load.queued, self.load.inflight)
+        return reported + self.assigned_since_report
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerState] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def register(self, registration: WorkerRegistration, now: float) -> bool:
+        """Add or renew; returns True when the worker is new or re-registered with a new epoch."""
+        old = self._workers.get(registration.worker_id)
+        if old is not None and old.registration.registered_at == registration.registered_at:
+            old.renewed_at = now
+            old.registration = registration
+            return False
+        self._workers[registration.worker_id] = WorkerState(registration, renewed_at=now)
+        return True
+
+    def report(self, load: LoadReport, now: float) -> bool:
+        """Record a load report and renew the lease; False when the worker is not registered."""
+        state = self._workers.get(load.worker_id)
+        if state is None:
+            return False
+        state.load = load
+        state.renewed_at = now
+        state.assigned_since_report = 0
+        return True
+
+    def remove(self, worker_id: str) -> bool:
+        return self._workers.pop(worker_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop workers whose lease lapsed; returns their ids."""
+        gone = [
+            wid for wid, s in self._workers.items() if now - s.renewed_at > s.registration.lease_s
+        ]
+        for wid in gone:
+            del self._workers[wid]
+        return gone
+
+    def for_model(self, model: str) -> list[WorkerState]:
+        return [s for s in self._workers.values() if s.registration.model == model]
+
+    def models(self) -> set[str]:
+        return {s.registration.model for s in self._workers.values()}
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())

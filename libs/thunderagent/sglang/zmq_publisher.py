@@ -1,0 +1,259 @@
+"""KV-event publisher speaking SGLang 0.5.23's ZMQ protocol (I/O helper).
+
+Live: a PUB socket sends `[topic, seq, payload]` per batch, `seq` counting from 0 per
+publisher. Replay: a ROUTER socket answers `[b"", start_seq]` from a DEALER with every buffered
+`[b"", topic, seq, payload]` whose seq >= start_seq, then `[b"", b"", REPLAY_END_SEQ, b""]`.
+
+One background thread owns both sockets; `publish` only encodes and enqueues, so the
+simulated engine's asyncio loop never blocks on ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Annotated, Final, Literal, Self
+
+import msgspec
+import zmq
+
+from thunderagent.sglang.kv_wire import (
+    REPLAY_END_SEQ,
+    AnyKvEvent,
+    KvEventBatch,
+    encode_batch,
+    seq_to_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class KvEventsConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """SGLang's `--kv-events-config` JSON; same field names and defaults as 0.5.23."""
+
+    publisher: Literal["null", "zmq"] = "null"
+    """"zmq" publishes; "null" disables publishing."""
+    endpoint: str = "tcp://*:5557"
+    """PUB address; bound when wildcard/ipc/inproc (or `bind`), connected otherwise."""
+    bind: bool | None = None
+    """Force bind (True) or connect (False) of the PUB socket; None infers from `endpoint`."""
+    replay_endpoint: str | None = None
+    """ROUTER address answering replay requests (always bound); None disables replay."""
+    buffer_steps: NonNegative = 10_000
+    """Batches kept for replay."""
+    hwm: NonNegative = 100_000
+    """ZMQ high-water mark of the PUB socket (send and receive)."""
+    max_queue_size: Annotated[int, msgspec.Meta(ge=1)] = 100_000
+    """Batches waiting for the publisher thread; beyond it `publish` drops."""
+    topic: str = ""
+    """Topic frame of every message; "" lets subscribers take everything."""
+    format: Literal["default", "dynamo"] = "default"
+    """Event hash format; the simulated engine only produces "default"."""
+
+    @classmethod
+    def from_cli(cls, text: str | bytes) -> KvEventsConfig:
+        """Parse the CLI JSON; a bad field raises msgspec.ValidationError naming it."""
+        return msgspec.json.decode(text, type=cls)
+
+
+class PublisherClosedError(RuntimeError):
+    """`publish` was called on a publisher that is not running (a caller bug)."""
+
+
+def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
+    """Endpoint for attention-DP rank `dp_rank`: tcp port + rank, inproc name + `_dp<rank>`.
+
+    A wildcard port (`tcp://host:*`, which SGLang would reject here) is left as it is.
+    """
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if "tcp" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        if not base or port == "*":  # a wildcard port is free per rank already
+            return endpoint
+        return f"{base}:{int(port) + dp_rank}"
+    raise ValueError(f"endpoint {endpoint!r} must be tcp:// or inproc://")
+
+
+def _binds(endpoint: str, bind: bool | None) -> bool:
+    if bind is not None:
+        return bind
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or "0.0.0.0" in endpoint
+        or endpoint.startswith(("ipc://", "inproc://"))
+    )
+
+
+_STOP: Final = object()
+
+
+class ZmqKvEventPublisher:
+    """PUB + replay ROUTER publisher; a drop-in peer for SGLang's `ZmqEventPublisher`."""
+
+    def __init__(
+        self,
+        config: KvEventsConfig,
+        *,
+        attn_dp_rank: int = 0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.config = config
+        self.attn_dp_rank = attn_dp_rank
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode("utf-8")
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.endpoint: str | None = None
+        """Address the PUB socket is bound to (resolved wildcard port), None if connected."""
+        self.replay_endpoint: str | None = None
+        """Address the replay ROUTER is bound to, None without replay."""
+        self.published = 0
+        """Batches sent on the PUB socket."""
+        self.dropped = 0
+        """Batches `publish` dropped because the queue was full."""
+
+    @classmethod
+    def from_cli(cls, text: str | bytes, *, attn_dp_rank: int = 0) -> ZmqKvEventPublisher | None:
+        """Started publisher for a `--kv-events-config` JSON; None when publisher is "null"."""
+        config = KvEventsConfig.from_cli(text)
+        if config.publisher == "null":
+            return None
+        return cls(config, attn_dp_rank=attn_dp_rank).start()
+
+    def start(self) -> Self:
+        """Bind/connect the sockets (errors raise here) and start the publisher thread."""
+        if self._running:
+            return self
+        endpoint = offset_endpoint_port(self.config.endpoint, self.attn_dp_rank)
+        assert endpoint is not None
+        pub = self._ctx.socket(zmq.PUB)
+        pub.set_hwm(self.config.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        try:
+            if _binds(endpoint, self.config.bind):
+                pub.bind(endpoint)
+                self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(endpoint)
+            replay_endpoint = offset_endpoint_port(self.config.replay_endpoint, self.attn_dp_rank)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole buffer plus the end marker must fit, or ROUTER drops the tail.
+                self._replay.setsockopt(zmq.SNDHWM, self.config.buffer_steps + 1)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+                self._replay = None
+            raise
+        self._pub = pub
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        return self
+
+    def publish(self, events: Sequence[AnyKvEvent], *, ts: float | None = None) -> bool:
+        """Queue one batch of `events` stamped `ts` (default now); False if it was dropped."""
+        batch = KvEventBatch(
+            ts=time.time() if ts is None else ts, events=list(events), attn_dp_rank=None
+        )
+        return self.publish_batch(batch)
+
+    def publish_batch(self, batch: KvEventBatch) -> bool:
+        """Queue `batch` without blocking; its `attn_dp_rank` defaults to the publisher's."""
+        if not self._running:
+            raise PublisherClosedError("publisher is not running")
+        if batch.attn_dp_rank is None:
+            batch = msgspec.structs.replace(batch, attn_dp_rank=self.attn_dp_rank)
+        try:
+            self._queue.put_nowait(encode_batch(batch))
+        except queue.Full:
+            self.dropped += 1
+            log.warning("kv event queue full (%d); batch dropped", self.config.max_queue_size)
+            return False
+        return True
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is queued (up to `timeout`), stop the thread and close the sockets."""
+        if not self._running:
+            return
+        self._running = False
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            log.warning("kv event queue still full after %.1fs; closing anyway", timeout)
+            return
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("kv event publisher thread did not stop within %.1fs", timeout)
+                return  # the daemon thread still owns the sockets; leave them to it
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- publisher thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        seq = 0
+        assert self._pub is not None
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay()
+                except zmq.ZMQError:
+                    log.exception("replay request failed")
+            try:
+                item = self._queue.get(timeout=0.005)
+            except queue.Empty:
+                continue
+            if item is _STOP:
+                return
+            payload = item
+            assert isinstance(payload, bytes)
+            try:
+                self._pub.send_multipart((self._topic, seq_to_bytes(seq), payload))
+            except zmq.ZMQError:
+                log.exception("kv event batch %d not sent", seq)
+            self._buffer.append((seq, payload))
+            self.published += 1
+            seq += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("invalid replay request with %d frames ignored", len(frames))
+            return
+        client, _, start_frame = frames
+        start = int.from_bytes(start_frame, "big")
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((client, b"", self._topic, seq_to_bytes(seq), payload))
+        self._replay.send_multipart((client, b"", b"", REPLAY_END_SEQ, b""))

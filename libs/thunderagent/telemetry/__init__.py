@@ -1,0 +1,11 @@
+"""OpenTelemetry setup shared by every process: OTLP traces, Prometheus metrics, W3C propagation.
+
+Tracing is on only when an ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+variable is set (the standard OTLP/HTTP exporter reads the rest of the ``OTEL_*`` variables
+itself). Metrics are served on a Prometheus endpoint when a port is given.
+"""
+
+from thunderagent.telemetry.propagation import extract_context, inject_headers
+from thunderagent.telemetry.setup import Telemetry, setup_telemetry, tracer
+
+__all__ = ["Telemetry", "extract_context", "inject_headers", "setup_telemetry", "tracer"]

@@ -1,0 +1,76 @@
+"""Tracer and meter providers for one process."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from opentelemetry import metrics, trace
+
+log = logging.getLogger(__name__)
+
+_TRACE_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def tracing_requested() -> bool:
+    return any(os.environ.get(name) for name in _TRACE_ENV) and (
+        os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true"
+    )
+
+
+@dataclass(kw_only=True)
+class Telemetry:
+    """Handles to flush and stop what :func:`setup_telemetry` started."""
+
+    service_name: str
+    tracing: bool = False
+    metrics_port: int | None = None
+    _shutdowns: list = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        for stop in reversed(self._shutdowns):
+            try:
+                stop()
+            except Exception:  # a failing exporter must not block process exit
+                log.exception("telemetry shutdown failed")
+        self._shutdowns.clear()
+
+
+def setup_telemetry(service_name: str, *, metrics_port: int | None = None) -> Telemetry:
+    """Install global providers. Call once per process, before the first span or instrument."""
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create({"service.name": service_name})
+    tel = Telemetry(service_name=service_name)
+    if tracing_requested():
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+        tel.tracing = True
+        tel._shutdowns.append(provider.shutdown)
+    if metrics_port is not None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(metrics_port, addr="127.0.0.1")
+        reader = PrometheusMetricReader()
+        provider = MeterProvider(resource=resource, metric_readers=[reader])
+        metrics.set_meter_provider(provider)
+        tel.metrics_port = server.server_port
+        tel._shutdowns.append(provider.shutdown)
+        tel._shutdowns.append(server.shutdown)
+    return tel
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def meter(name: str) -> metrics.Meter:
+    return metrics.get_meter(name)

@@ -1,0 +1,11 @@
+"""Tokenizers the router uses to turn text into the token ids the engine will see.
+
+``thunderagent/bytes`` is the built-in, deterministic tokenizer of simulated models (UTF-8 bytes,
+one id each, plus a few special ids): no files, identical in every process. A real model names a
+local HF ``tokenizer.json`` and is loaded with the ``tokenizers`` library (an optional dependency).
+"""
+
+from thunderagent.tokenizer.base import BYTES_SPEC, ByteTokenizer, Tokenizer, load_tokenizer
+from thunderagent.tokenizer.chat import render_chat
+
+__all__ = ["BYTES_SPEC", "ByteTokenizer", "Tokenizer", "load_tokenizer", "render_chat"]

@@ -1,0 +1,77 @@
+"""The list of every message that crosses NATS, and the JSON Schema export of each.
+
+``thunderagent schemas`` writes ``schemas/json/<Message>.json``; a test fails when the committed
+files differ from what the Structs produce, so the documented contract cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from thunderagent.schemas.deadletter import DeadLetter
+from thunderagent.schemas.generate import (
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    ReplyMessage,
+    TokenChunk,
+)
+from thunderagent.schemas.health import Health
+from thunderagent.schemas.kv import KvDump, KvEventBatch, OverlapQuery, OverlapReply, ResyncRequest
+from thunderagent.schemas.routing import (
+    AbortRequest,
+    Ack,
+    RouteDecision,
+    ScheduleRequest,
+    WorkerGenerate,
+)
+from thunderagent.schemas.workers import LoadReport, WorkerRegistration
+
+MESSAGES: Final[dict[str, Any]] = {
+    "GenerateRequest": GenerateRequest,
+    "TokenChunk": TokenChunk,
+    "FinalReply": FinalReply,
+    "ErrorReply": ErrorReply,
+    "ReplyMessage": ReplyMessage,
+    "KvEventBatch": KvEventBatch,
+    "ResyncRequest": ResyncRequest,
+    "KvDump": KvDump,
+    "OverlapQuery": OverlapQuery,
+    "OverlapReply": OverlapReply,
+    "WorkerRegistration": WorkerRegistration,
+    "LoadReport": LoadReport,
+    "RouteDecision": RouteDecision,
+    "ScheduleRequest": ScheduleRequest,
+    "WorkerGenerate": WorkerGenerate,
+    "Ack": Ack,
+    "AbortRequest": AbortRequest,
+    "DeadLetter": DeadLetter,
+    "Health": Health,
+}
+
+JSON_DIR: Final = Path(__file__).resolve().parents[2] / "json"
+"""``schemas/json`` in a source checkout."""
+
+
+def json_schema(name: str) -> str:
+    """Pretty, stable JSON Schema text of one message."""
+    schema = msgspec.json.schema(MESSAGES[name])
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def write_json_schemas(out_dir: Path = JSON_DIR) -> list[Path]:
+    """Write every message's schema; returns the files written. Stale extra files are removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in MESSAGES:
+        path = out_dir / f"{name}.json"
+        path.write_text(json_schema(name))
+        written.append(path)
+    for path in out_dir.glob("*.json"):
+        if path not in written:
+            path.unlink()
+    return written

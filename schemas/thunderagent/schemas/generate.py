@@ -1,0 +1,158 @@
+"""Generate request and the replies streamed back to the client's reply subject."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**32)]
+
+
+class ChatMessage(Struct, frozen=True, kw_only=True):
+    """One chat turn, as in OpenAI's chat API."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    """Who spoke."""
+    content: str
+    """What was said."""
+
+
+class SamplingParams(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Sampling settings, forwarded to the engine unchanged."""
+
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    """0 is greedy; the simulated engine ignores it."""
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling mass."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    ignore_eos: bool = True
+    """Generate exactly ``max_tokens`` (benchmarks rely on it)."""
+
+
+class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A client's request. Exactly one of ``token_ids``, ``text`` or ``messages`` is given.
+
+    Token ids are preferred: the cache is keyed on them, so the router must see the ids the
+    engine will see. Text and messages are tokenized by the router with the model's tokenizer
+    and forwarded as ids.
+    """
+
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    """Model name; only workers registered for this model are candidates."""
+    request_id: str = ""
+    """Client-chosen id, unique per request; the router assigns one when empty."""
+    token_ids: list[TokenId] | None = None
+    """Prompt as token ids (exact, preferred)."""
+    text: str | None = None
+    """Prompt as text, tokenized by the router."""
+    messages: list[ChatMessage] | None = None
+    """Prompt as chat messages, rendered with the model's chat template, then tokenized."""
+    max_tokens: PositiveInt = 128
+    """Upper bound on generated tokens."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling settings."""
+    priority: Annotated[int, Meta(ge=0, le=9)] = 0
+    """0 is the most urgent class; larger numbers are served later (batch work)."""
+    program_id: str | None = None
+    """Agent program / session this request belongs to; steps of one program share KV."""
+    deadline_ms: float | None = None
+    """Absolute deadline (Unix ms); a request that cannot meet it gets an early error."""
+    stream: bool = True
+    """Stream ``TokenChunk`` messages before the ``FinalReply``; when false only the final reply."""
+
+    def __post_init__(self) -> None:
+        given = [x for x in (self.token_ids, self.text, self.messages) if x is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of token_ids, text or messages must be given")
+        if not given[0]:
+            raise ValueError("the prompt is empty")
+
+
+class TokenChunk(Struct, frozen=True, kw_only=True, tag="token", tag_field="type"):
+    """Tokens generated since the previous chunk."""
+
+    request_id: str
+    """The request these tokens belong to."""
+    index: int
+    """Position of the first token of this chunk in the output (0-based)."""
+    token_ids: list[int]
+    """New output token ids."""
+    text: str = ""
+    """New output text (the engine's detokenization), possibly empty."""
+
+
+class Usage(Struct, frozen=True, kw_only=True):
+    """Token accounting of a finished request, as the engine reported it."""
+
+    prompt_tokens: int
+    """Prompt length in tokens."""
+    cached_tokens: int
+    """Prompt tokens served from the engine's prefix cache (not prefilled)."""
+    completion_tokens: int
+    """Generated tokens."""
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+class FinalReply(Struct, frozen=True, kw_only=True, tag="final", tag_field="type"):
+    """Last message for a successful request."""
+
+    request_id: str
+    """The request that finished."""
+    worker_id: str
+    """Worker that generated it."""
+    usage: Usage
+    """Token accounting."""
+    ttft_ms: float
+    """Time to first token measured at the worker adapter (engine + adapter), ms."""
+    e2e_ms: float
+    """Adapter-side end-to-end time, ms."""
+    finish_reason: FinishReason = FinishReason.LENGTH
+    """Why generation stopped."""
+    text: str = ""
+    """Whole output text (only when the request did not stream)."""
+    predicted_cached_tokens: int = -1
+    """Cached tokens the router predicted for this worker; -1 when unknown."""
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_REQUEST = "bad_request"
+    """The message could not be decoded or failed validation."""
+    UNKNOWN_MODEL = "unknown_model"
+    """No worker serves the requested model."""
+    UNAVAILABLE = "unavailable"
+    """A service on the path did not answer (no scheduler, no worker accepted)."""
+    ENGINE_ERROR = "engine_error"
+    """The engine failed the request."""
+    DEADLINE = "deadline"
+    """The deadline passed or cannot be met."""
+    INTERNAL = "internal"
+    """A bug: the service logged it with a traceback."""
+
+
+class ErrorReply(Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
+    """Terminal error for a request; no further messages follow."""
+
+    code: ErrorCode
+    """Machine-readable class of error."""
+    message: str
+    """Human-readable reason."""
+    request_id: str = ""
+    """The request, when it could be decoded."""
+    service: str = ""
+    """Service that gave up on the request."""
+
+
+ReplyMessage = TokenChunk | FinalReply | ErrorReply
+"""Everything a client may receive on its reply subject."""
+
+REPLY_DECODER = msgspec.json.Decoder(ReplyMessage)

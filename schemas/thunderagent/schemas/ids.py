@@ -1,0 +1,26 @@
+"""Identifier types shared by every message.
+
+They are plain ``str``/``int`` on the wire; the NewTypes only document intent and let a type
+checker catch a worker id passed where a request id belongs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+WorkerId = NewType("WorkerId", str)
+ModelName = NewType("ModelName", str)
+ProgramId = NewType("ProgramId", str)
+BlockHash = NewType("BlockHash", int)
+"""64-bit chained block hash (xxh3 over parent hash + token ids), as an unsigned int."""
+
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""Worker ids become one NATS subject token, so they may not hold '.', '*', '>' or spaces."""
+
+_WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
+
+
+def is_valid_worker_id(worker_id: str) -> bool:
+    return bool(_WORKER_ID_RE.match(worker_id))

@@ -1,0 +1,101 @@
+"""KV cache events as the worker adapter republishes them: our block hashes, our sequence numbers.
+
+The adapter re-hashes the token ids of the engine's events with ThunderAgent's scheme (see
+``thunderagent.hashing``), so nothing downstream depends on an engine's internal hash.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from msgspec import Struct, field
+
+
+class Medium(enum.StrEnum):
+    GPU = "GPU"
+    CPU_PINNED = "CPU_PINNED"
+    """Host-memory tier (SGLang hierarchical cache); loading back costs a PCIe transfer."""
+
+
+class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="type"):
+    """Blocks that became reusable on the worker, in prefix order."""
+
+    hashes: list[int]
+    """Chained primary block hashes, one per full page, parent first."""
+    check_hashes: list[int]
+    """Independent second hash per block, compared on a hit (a collision becomes a miss)."""
+    parent_hash: int | None = None
+    """Hash of the block before ``hashes[0]``; None when the first block starts the prompt."""
+    medium: Medium = Medium.GPU
+    """Where the blocks live."""
+
+
+class BlocksRemoved(Struct, frozen=True, kw_only=True, tag="removed", tag_field="type"):
+    """Blocks the worker evicted (from ``medium``)."""
+
+    hashes: list[int]
+    """Primary hashes of the evicted blocks."""
+    medium: Medium = Medium.GPU
+    """Tier they left."""
+
+
+class AllCleared(Struct, frozen=True, kw_only=True, tag="cleared", tag_field="type"):
+    """The worker dropped its whole cache (flush or engine restart)."""
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+class KvEventBatch(Struct, frozen=True, kw_only=True):
+    """One engine batch of cache events; one NATS message per batch, never one per block."""
+
+    worker_id: str
+    """Worker whose cache changed."""
+    seq: int
+    """Per-worker sequence number from 0; a jump means events were lost and triggers a resync."""
+    ts: float
+    """Adapter wall-clock time when the batch was published (Unix seconds)."""
+    events: list[KvEvent]
+    """Events in the order the engine applied them."""
+    epoch: int = 0
+    """Adapter incarnation (start time in ms); a new epoch restarts ``seq`` at 0."""
+
+
+class ResyncRequest(Struct, frozen=True, kw_only=True):
+    """Index -> adapter: send a full dump of your cached blocks."""
+
+    worker_id: str
+    """Worker to resync."""
+    reason: str
+    """Why (gap, restart, startup)."""
+
+
+class KvDump(Struct, frozen=True, kw_only=True):
+    """Adapter -> index: every block the engine holds, as a replacement for the worker's entries."""
+
+    worker_id: str
+    """Worker dumped."""
+    seq: int
+    """Sequence number of the last event folded into this dump; events after it follow."""
+    epoch: int
+    """Adapter incarnation."""
+    stored: list[BlocksStored] = field(default_factory=list)
+    """Cached blocks, grouped as stored chains."""
+
+
+class OverlapQuery(Struct, frozen=True, kw_only=True):
+    """Which workers hold how long a prefix of these blocks."""
+
+    hashes: list[int]
+    """Primary block hashes of the prompt, in order."""
+    check_hashes: list[int] = field(default_factory=list)
+    """Second hashes, when the caller has them."""
+    model: str = ""
+    """Restrict to workers of this model (empty: all)."""
+
+
+class OverlapReply(Struct, frozen=True, kw_only=True):
+    """Matched leading blocks per worker (workers with no match are omitted)."""
+
+    overlaps: dict[str, int]
+    """worker id -> number of leading blocks cached."""

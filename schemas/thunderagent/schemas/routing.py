@@ -1,0 +1,87 @@
+"""Route decisions and the hand-offs router -> scheduler -> worker adapter."""
+
+from __future__ import annotations
+
+from msgspec import Struct, field
+
+from thunderagent.schemas.generate import GenerateRequest
+
+
+class Candidate(Struct, frozen=True, kw_only=True):
+    """One ranked worker for a request."""
+
+    worker_id: str
+    """Worker."""
+    score: float
+    """Policy score; higher is better."""
+    overlap_blocks: int = 0
+    """Leading prompt blocks the router believes this worker has cached."""
+
+
+class RouteDecision(Struct, frozen=True, kw_only=True):
+    """Published by the router for every routed request (observability, benchmarks, migration)."""
+
+    request_id: str
+    """Routed request."""
+    model: str
+    """Its model."""
+    worker_id: str
+    """First choice."""
+    overlap_blocks: int
+    """Predicted cached leading blocks on the first choice."""
+    prompt_blocks: int
+    """Full blocks in the prompt."""
+    candidates: list[Candidate]
+    """Ranked candidates, best first (the scheduler may spill to later ones)."""
+    policy: str
+    """Routing policy that decided."""
+    decided_at: float
+    """Unix seconds."""
+    decision_us: float = 0.0
+    """Time spent hashing and scoring, microseconds."""
+
+
+class ScheduleRequest(Struct, frozen=True, kw_only=True):
+    """Router -> scheduler. The request is tokenized: ``request.token_ids`` is always set."""
+
+    request: GenerateRequest
+    """The request, token ids filled in, request id assigned."""
+    reply_subject: str
+    """Client inbox that receives ``TokenChunk`` / ``FinalReply`` / ``ErrorReply``."""
+    decision: RouteDecision
+    """The router's ranking."""
+    page_size: int = 16
+    """Block size the decision was computed with."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Primary hashes of the prompt's full blocks (for prefix grouping)."""
+
+
+class WorkerGenerate(Struct, frozen=True, kw_only=True):
+    """Scheduler -> adapter (request/reply: the adapter acks, then streams to ``reply_subject``)."""
+
+    request: GenerateRequest
+    """Tokenized request."""
+    reply_subject: str
+    """Client inbox."""
+    predicted_cached_tokens: int = -1
+    """Router's prediction, echoed in the final reply for lazy verification."""
+    attempt: int = 0
+    """How many workers were tried before this one."""
+
+
+class Ack(Struct, frozen=True, kw_only=True):
+    """Acknowledgement of a hand-off; ``accepted=False`` carries the reason."""
+
+    accepted: bool
+    """Whether the receiver took responsibility for the request."""
+    reason: str = ""
+    """Why not."""
+
+
+class AbortRequest(Struct, frozen=True, kw_only=True):
+    """Scheduler -> adapter: stop a running request (preemption or client cancel)."""
+
+    request_id: str
+    """Request to abort."""
+    reason: str = ""
+    """Why."""

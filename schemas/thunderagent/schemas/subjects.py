@@ -1,0 +1,102 @@
+"""Every NATS subject, stream, bucket and queue group name; spelled here and nowhere else.
+
+Subject tokens are separated by '.', so a model name such as ``meta-llama/Llama-3.1-8B`` is escaped
+into a single token by :func:`model_token` (``.``, ``*``, ``>``, ``%`` and white space become
+``%XX``). Worker ids are restricted to subject-safe characters instead (see ``ids.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "thunderagent"
+
+# client -> router: one subject per model, routers subscribe to all of them in one queue group.
+REQUESTS_WILDCARD: Final = f"{PREFIX}.requests.>"
+ROUTER_QUEUE: Final = "router"
+
+# router -> scheduler: request/reply, the scheduler acks once the request is queued.
+SCHED_SUBMIT: Final = f"{PREFIX}.sched.submit"
+SCHEDULER_QUEUE: Final = "scheduler"
+
+# router -> observers (benchmarks, dashboards, the migration service).
+ROUTE_DECISIONS: Final = f"{PREFIX}.route.decisions"
+
+# index service request/reply.
+INDEX_OVERLAP: Final = f"{PREFIX}.index.overlap"
+INDEX_QUEUE: Final = "index"
+
+# adapters -> index/routers: KV events, captured by a JetStream stream so nothing is missed.
+KV_EVENTS_WILDCARD: Final = f"{PREFIX}.kv.events.*"
+KV_EVENTS_STREAM: Final = "THUNDERAGENT_KV"
+INDEX_DURABLE: Final = "thunderagent-index"
+
+# per-worker load reports (also the lease heartbeat) and the registration bucket.
+WORKER_LOAD_WILDCARD: Final = f"{PREFIX}.worker.*.load"
+WORKERS_BUCKET: Final = "thunderagent_workers"
+
+# final replies observed by routers for lazy verification (adapter publishes a copy).
+COMPLETIONS: Final = f"{PREFIX}.completions"
+
+DEAD_LETTER_WILDCARD: Final = f"{PREFIX}.deadletter.>"
+
+_ESCAPED: Final = frozenset(".*>% \t\r\n")
+
+
+def model_token(model: str) -> str:
+    """Escape a model name into one subject token; the inverse is :func:`model_from_token`."""
+    return "".join(f"%{ord(ch):02X}" if ch in _ESCAPED else ch for ch in model)
+
+
+def model_from_token(token: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(token):
+        if token[i] == "%" and i + 3 <= len(token):
+            out.append(chr(int(token[i + 1 : i + 3], 16)))
+            i += 3
+        else:
+            out.append(token[i])
+            i += 1
+    return "".join(out)
+
+
+def requests(model: str) -> str:
+    return f"{PREFIX}.requests.{model_token(model)}"
+
+
+def worker_generate(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.generate"
+
+
+def worker_abort(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.abort"
+
+
+def worker_load(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.load"
+
+
+def worker_resync(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.resync"
+
+
+def kv_events(worker_id: str) -> str:
+    return f"{PREFIX}.kv.events.{worker_id}"
+
+
+def dead_letter(service: str) -> str:
+    return f"{PREFIX}.deadletter.{service}"
+
+
+def worker_key(worker_id: str) -> str:
+    """Key of a worker's registration in the ``WORKERS_BUCKET`` key-value bucket."""
+    return worker_id
+
+
+HEALTH_WILDCARD: Final = f"{PREFIX}.health.>"
+
+
+def health(service: str) -> str:
+    """Request/reply liveness probe answered by every service process with a ``Health``."""
+    return f"{PREFIX}.health.{service}"

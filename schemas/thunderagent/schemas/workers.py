@@ -1,0 +1,59 @@
+"""Worker registration (leased) and load reports."""
+
+from __future__ import annotations
+
+import enum
+
+from msgspec import Struct
+
+
+class WorkerRole(enum.StrEnum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerRegistration(Struct, frozen=True, kw_only=True):
+    """Stored in the workers key-value bucket by the adapter and renewed before its lease lapses."""
+
+    worker_id: str
+    """Unique, subject-safe worker id."""
+    model: str
+    """Model the engine serves."""
+    engine_url: str
+    """Engine HTTP base URL (SGLang or the simulated engine)."""
+    page_size: int
+    """Tokens per KV page in the engine; the router hashes blocks of this size."""
+    kv_capacity_blocks: int
+    """Engine KV capacity in pages (0 when unknown)."""
+    lease_s: float
+    """The registration is void this long after the last renewal or load report."""
+    registered_at: float
+    """Unix seconds when the adapter (re)registered; also its epoch."""
+    role: WorkerRole = WorkerRole.BOTH
+    """Prefill, decode or both (PD disaggregation)."""
+    tokenizer: str = "thunderagent/bytes"
+    """Tokenizer spec: ``thunderagent/bytes`` (built in) or a path to an HF ``tokenizer.json``."""
+    max_running_requests: int = 0
+    """Engine's running-request cap (0 when unknown)."""
+
+
+class LoadReport(Struct, frozen=True, kw_only=True):
+    """Published several times a second; doubles as the lease heartbeat."""
+
+    worker_id: str
+    """Reporting worker."""
+    ts: float
+    """Unix seconds at the adapter."""
+    running: int
+    """Requests in the engine's running batch."""
+    queued: int
+    """Requests waiting inside the engine."""
+    kv_used_blocks: int
+    """KV pages in use (running requests and cache)."""
+    kv_total_blocks: int
+    """KV capacity in pages."""
+    num_tokens: int = 0
+    """Tokens held by running requests (SGLang's ``/get_load`` ``num_tokens``)."""
+    inflight: int = 0
+    """Requests accepted by the adapter and not finished yet."""

@@ -1,0 +1,212 @@
+"""``thunderagent <command>``: every service, the embedded stack, the client and the tools.
+
+Imports are deferred to each command so that ``thunderagent request`` starts quickly and a
+service process loads only what it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+DEFAULT_NATS = os.environ.get("THUNDERAGENT_NATS_URL", "nats://127.0.0.1:4222")
+DEFAULT_REDIS = os.environ.get("THUNDERAGENT_REDIS_URL", "redis://127.0.0.1:6379/0")
+DEFAULT_MODEL = "sim/llama-3.1-8b"
+
+
+def _nats_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=DEFAULT_NATS, help="NATS URL (env THUNDERAGENT_NATS_URL)")
+
+
+def _metrics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve Prometheus metrics on this port (0: any free port; default: off)",
+    )  # fmt: skip
+
+
+def _cmd_router(args: argparse.Namespace) -> None:
+    from thunderagent.router.service import RouterConfig, main
+    from thunderagent.runtime import run_service
+
+    config = RouterConfig(policy=args.policy, seed=args.seed)
+    run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> None:
+    from thunderagent.runtime import run_service
+    from thunderagent.scheduler.service import SchedulerConfig, main
+
+    config = SchedulerConfig()
+    run_service(
+        "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
+    )
+
+
+def _cmd_index(args: argparse.Namespace) -> None:
+    from thunderagent.index.service import IndexConfig, main
+    from thunderagent.runtime import run_service
+
+    config = IndexConfig(redis_url=args.redis)
+    run_service("index", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
+
+
+def _cmd_worker(args: argparse.Namespace) -> None:
+    from thunderagent.runtime import run_service
+    from thunderagent.schemas import WorkerRole
+    from thunderagent.worker.adapter import AdapterConfig, main
+
+    config = AdapterConfig(
+        worker_id=args.worker_id,
+        engine_url=args.engine_url,
+        model=args.model or "",
+        lease_s=args.lease_s,
+        role=WorkerRole(args.role),
+        tokenizer=args.tokenizer,
+        kv_events_endpoint=args.kv_events,
+    )
+    run_service(
+        f"worker-{args.worker_id}", args.nats, lambda ctx: main(ctx, config),
+        metrics_port=args.metrics_port,
+    )  # fmt: skip
+
+
+def _cmd_simengine(args: argparse.Namespace) -> None:
+    from thunderagent.simengine.main import SimEngineConfig, serve
+
+    serve(
+        SimEngineConfig(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            profile=args.profile,
+            page_size=args.page_size,
+            kv_events_config=args.kv_events_config,
+            speedup=args.speedup,
+        )
+    )
+
+
+def _cmd_up(args: argparse.Namespace) -> None:
+    from thunderagent.stack.up import StackConfig, run_up
+
+    sys.exit(run_up(StackConfig.from_args(args)))
+
+
+def _cmd_demo(args: argparse.Namespace) -> None:
+    from thunderagent.stack.demo import run_demo
+
+    sys.exit(run_demo(args))
+
+
+def _cmd_request(args: argparse.Namespace) -> None:
+    from thunderagent.client.cli import run_request
+
+    sys.exit(run_request(args))
+
+
+def _cmd_schemas(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from thunderagent.schemas.catalog import JSON_DIR, write_json_schemas
+
+    out = Path(args.out) if args.out else JSON_DIR
+    for path in write_json_schemas(out):
+        print(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thunderagent", description="KV-cache-aware control plane for LLM inference"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, tuple[str, Callable]] = {}
+
+    def add(name: str, help_text: str, fn: Callable) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=fn)
+        commands[name] = (help_text, fn)
+        return p
+
+    from thunderagent.stack.up import add_stack_arguments
+
+    p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
+    add_stack_arguments(p)
+
+    p = add(
+        "demo", "start the embedded stack, run a short workload, print a summary, stop", _cmd_demo
+    )
+    add_stack_arguments(p)
+    p.add_argument("--requests", type=int, default=200, help="requests in the demo workload")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
+
+    p = add("request", "send one request and stream its tokens", _cmd_request)
+    _nats_arg(p)
+    p.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the final reply as JSON")
+    p.add_argument("--timeout", type=float, default=60.0, help="idle timeout, seconds")
+
+    p = add("router", "run a router replica", _cmd_router)
+    _nats_arg(p)
+    _metrics_arg(p)
+    p.add_argument("--policy", default="least_loaded")
+    p.add_argument("--seed", type=int, default=None)
+
+    p = add("scheduler", "run the scheduler", _cmd_scheduler)
+    _nats_arg(p)
+    _metrics_arg(p)
+
+    p = add("index", "run the KV index service", _cmd_index)
+    _nats_arg(p)
+    _metrics_arg(p)
+    p.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL for snapshots")
+
+    p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
+    _nats_arg(p)
+    _metrics_arg(p)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument(
+        "--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000"
+    )
+    p.add_argument(
+        "--kv-events", default=None, help="engine ZMQ KV-event endpoint (tcp://host:port)"
+    )
+    p.add_argument("--model", default=None, help="model name (default: what the engine reports)")
+    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    p.add_argument("--tokenizer", default="thunderagent/bytes")
+
+    p = add("simengine", "run a simulated SGLang engine (HTTP API + ZMQ KV events)", _cmd_simengine)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
+    p.add_argument(
+        "--speedup", type=float, default=1.0, help="run the engine's clock this much faster"
+    )
+
+    p = add("schemas", "write the JSON Schema of every message", _cmd_schemas)
+    p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
+
+    from thunderagent.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Index service: the authoritative KV block index, fed from JetStream."""

@@ -1,0 +1,1 @@
+"""Router service: prompt to token ids, ranked workers, hand-off to the scheduler."""

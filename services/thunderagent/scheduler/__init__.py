@@ -1,0 +1,1 @@
+"""Scheduler service: owns the waiting queue and hands requests to workers."""

@@ -1,0 +1,1 @@
+"""Simulated SGLang engine: SGLang's HTTP API (and KV-event wire format) on a CPU."""

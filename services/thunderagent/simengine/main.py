@@ -1,0 +1,57 @@
+"""Process entry of the simulated engine: aiohttp on uvloop, OTLP tracing from the environment."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import uvloop
+from aiohttp import web
+
+from thunderagent.runtime.runner import configure_logging
+from thunderagent.simengine.driver import SimpleEngine
+from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.telemetry import setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class SimEngineConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model: str = "sim/llama-3.1-8b"
+    profile: str = "llama-3.1-8b-h100"
+    page_size: int = 16
+    kv_events_config: str | None = None
+    speedup: float = 1.0
+
+
+async def _serve(config: SimEngineConfig) -> None:
+    engine = SimpleEngine(page_size=config.page_size)
+    info = EngineInfo(
+        model=config.model, page_size=config.page_size, kv_events_config=config.kv_events_config
+    )
+    app = SimEngineApp(engine, info).app
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("simulated engine %s on http://%s:%d", config.model, config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def serve(config: SimEngineConfig) -> None:
+    configure_logging(f"simengine:{config.port}")
+    telemetry = setup_telemetry("thunderagent-simengine")
+    try:
+        uvloop.run(_serve(config))
+    finally:
+        telemetry.shutdown()

@@ -1,0 +1,165 @@
+"""SGLang's HTTP surface over the simulated engine.
+
+Endpoints and JSON shapes follow SGLang's server (``/generate`` with ``input_ids`` or ``text``,
+SSE streaming as ``data: {...}`` lines ending with ``data: [DONE]``, ``meta_info`` with
+``prompt_tokens`` / ``cached_tokens`` / ``completion_tokens``), so the worker adapter and SGLang's
+own router talk to it exactly as they talk to SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from thunderagent.simengine.driver import GenerateInput, SimpleEngine
+from thunderagent.telemetry import extract_context
+from thunderagent.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("thunderagent.simengine")
+
+
+@dataclass
+class EngineInfo:
+    model: str
+    page_size: int
+    kv_events_config: str | None = None
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class SimEngineApp:
+    def __init__(self, engine: SimpleEngine, info: EngineInfo) -> None:
+        self.engine = engine
+        self.info = info
+        self.tokenizer = ByteTokenizer()
+        self.app = web.Application()
+        r = self.app.router
+        r.add_post("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/v1/models", self.models)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.info.model,
+                "served_model_name": self.info.model,
+                "page_size": self.info.page_size,
+                "max_running_requests": self.engine.max_running,
+                "max_total_num_tokens": self.engine.capacity_blocks * self.info.page_size,
+                "kv_events_config": self.info.kv_events_config,
+                "version": "thunderagent-simengine",
+            }
+        )
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": self.info.model, "tokenizer_path": None, "is_generation": True}
+        )
+
+    async def get_load(self, _: web.Request) -> web.Response:
+        return web.json_response([{"dp_rank": 0, **self.engine.load()}])
+
+    async def flush_cache(self, _: web.Request) -> web.Response:
+        self.engine.flush()
+        return web.Response(text="Cache flushed.\n")
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.info.model, "object": "model"}]}
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _bad(f"body is not JSON: {err}")
+        parsed = self._parse_generate(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        ctx = extract_context(request.headers)
+        with _tracer.start_as_current_span("engine generate", context=ctx, kind=SpanKind.SERVER):
+            if body.get("stream"):
+                return await self._stream(request, parsed)
+            return await self._whole(parsed)
+
+    def _parse_generate(self, body: Any) -> GenerateInput | web.Response:
+        if not isinstance(body, dict):
+            return _bad("body must be a JSON object")
+        ids = body.get("input_ids")
+        text = body.get("text")
+        if ids is None and text is None:
+            return _bad("one of input_ids or text is required")
+        if ids is None:
+            if not isinstance(text, str):
+                return _bad("text must be a string (batches are not supported)")
+            ids = self.tokenizer.encode(text)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return _bad("input_ids must be a list of non-negative integers")
+        if not ids:
+            return _bad("the prompt is empty")
+        params = body.get("sampling_params") or {}
+        max_new = params.get("max_new_tokens", 128)
+        if not isinstance(max_new, int) or max_new <= 0:
+            return _bad("sampling_params.max_new_tokens must be a positive integer")
+        rid = body.get("rid") or uuid.uuid4().hex
+        return GenerateInput(rid=str(rid), input_ids=ids, max_new_tokens=max_new)
+
+    def _chunk(self, req: GenerateInput, out_ids: list[int], ev, started: float) -> dict:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": ev.prompt_tokens,
+            "cached_tokens": ev.cached_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "finish_reason": None,
+            "e2e_latency": time.monotonic() - started,
+        }
+        if ev.finished:
+            meta["finish_reason"] = {"type": ev.finish_reason, "length": ev.completion_tokens}
+        return {
+            "text": self.tokenizer.decode(out_ids),
+            "output_ids": list(out_ids),
+            "meta_info": meta,
+        }
+
+    async def _stream(self, request: web.Request, req: GenerateInput) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        started = time.monotonic()
+        out_ids: list[int] = []
+        async for ev in self.engine.generate(req):
+            out_ids.extend(ev.token_ids)
+            payload = json.dumps(self._chunk(req, out_ids, ev, started))
+            await resp.write(f"data: {payload}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _whole(self, req: GenerateInput) -> web.Response:
+        started = time.monotonic()
+        out_ids: list[int] = []
+        last = None
+        async for ev in self.engine.generate(req):
+            out_ids.extend(ev.token_ids)
+            last = ev
+        return web.json_response(self._chunk(req, out_ids, last, started))

@@ -1,0 +1,1 @@
+"""The embedded stack: NATS + Redis + every service + N simulated workers on one machine."""

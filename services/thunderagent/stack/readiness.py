@@ -1,0 +1,46 @@
+"""Wait until the stack serves: every service answers its health probe and every worker is
+registered (its registration is in the workers bucket)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from thunderagent.bus import connect
+from thunderagent.schemas import subjects
+
+
+async def wait_until_ready(
+    nats_url: str, services: list[str], workers: int, *, timeout_s: float = 60.0
+) -> None:
+    nc = await connect(nats_url, name="thunderagent-up", deadline_s=timeout_s)
+    try:
+        give_up_at = time.monotonic() + timeout_s
+        missing = list(services)
+        while missing:
+            still = []
+            for name in missing:
+                try:
+                    await nc.request(subjects.health(name), b"", timeout=0.5)
+                except Exception:
+                    still.append(name)
+            missing = still
+            if missing and time.monotonic() > give_up_at:
+                raise TimeoutError(f"services not answering after {timeout_s}s: {missing}")
+            if missing:
+                await asyncio.sleep(0.1)
+        registered = 0
+        js = nc.jetstream()
+        while registered < workers:
+            try:
+                kv = await js.key_value(subjects.WORKERS_BUCKET)
+                registered = len(await kv.keys())
+            except Exception:
+                registered = 0
+            if registered >= workers:
+                break
+            if time.monotonic() > give_up_at:
+                raise TimeoutError(f"{registered}/{workers} workers registered after {timeout_s}s")
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()

@@ -1,0 +1,253 @@
+"""The worker adapter service: registration lease, load reports, generate forwarding.
+
+One adapter per engine. A generate hand-off is acknowledged before streaming starts, so the
+scheduler knows the request has an owner; from then on every outcome, including an engine
+failure, reaches the client as a ``FinalReply`` or an ``ErrorReply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+from opentelemetry import trace
+
+from thunderagent.bus import Bus, Delivery
+from thunderagent.runtime import ServiceContext
+from thunderagent.runtime.fleet import workers_bucket
+from thunderagent.schemas import (
+    Ack,
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    FinishReason,
+    LoadReport,
+    TokenChunk,
+    Usage,
+    WorkerGenerate,
+    WorkerRegistration,
+    WorkerRole,
+    is_valid_worker_id,
+    subjects,
+)
+from thunderagent.tokenizer import BYTES_SPEC
+from thunderagent.worker.engine_client import EngineClient, EngineError
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("thunderagent.worker")
+
+
+@dataclass(kw_only=True)
+class AdapterConfig:
+    worker_id: str
+    engine_url: str
+    model: str = ""
+    """Override the model name the engine reports."""
+    lease_s: float = 10.0
+    load_interval_s: float = 0.2
+    role: WorkerRole = WorkerRole.BOTH
+    tokenizer: str = BYTES_SPEC
+    kv_events_endpoint: str | None = None
+    """Engine's ZMQ KV-event PUB endpoint; None: take it from the engine's ``/server_info``."""
+
+
+class WorkerAdapter:
+    def __init__(self, config: AdapterConfig, bus: Bus, engine: EngineClient) -> None:
+        if not is_valid_worker_id(config.worker_id):
+            raise ValueError(f"worker id {config.worker_id!r} is not subject-safe ([A-Za-z0-9_-])")
+        self.config = config
+        self.bus = bus
+        self.engine = engine
+        self.inflight = 0
+        self.registration: WorkerRegistration | None = None
+
+    async def describe_engine(self) -> WorkerRegistration:
+        info = await self.engine.get_json("/server_info")
+        page_size = int(info.get("page_size") or 1)
+        total_tokens = int(info.get("max_total_num_tokens") or 0)
+        model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
+        if not model:
+            raise RuntimeError("engine reports no model name; pass --model")
+        return WorkerRegistration(
+            worker_id=self.config.worker_id,
+            model=model,
+            engine_url=self.engine.base_url,
+            page_size=page_size,
+            kv_capacity_blocks=total_tokens // page_size,
+            lease_s=self.config.lease_s,
+            registered_at=time.time(),
+            role=self.config.role,
+            tokenizer=self.config.tokenizer,
+            max_running_requests=int(info.get("max_running_requests") or 0),
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.registration = await self._wait_for_engine(stop)
+        if self.registration is None:
+            return
+        await self.bus.subscribe(
+            subjects.worker_generate(self.config.worker_id),
+            WorkerGenerate,
+            self.on_generate,
+            concurrent=True,
+        )
+        kv = await workers_bucket(self.bus)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._lease_loop(kv, stop))
+                tg.create_task(self._load_loop(stop))
+        finally:
+            try:
+                await kv.delete(subjects.worker_key(self.config.worker_id))
+            except Exception:
+                log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
+
+    async def _wait_for_engine(self, stop: asyncio.Event) -> WorkerRegistration | None:
+        delay = 0.1
+        while not stop.is_set():
+            try:
+                return await self.describe_engine()
+            except (TimeoutError, OSError, EngineError) as err:
+                log.info("engine %s not ready (%s)", self.engine.base_url, err)
+            await _sleep_or_stop(stop, delay)
+            delay = min(delay * 2, 2.0)
+        return None
+
+    async def _lease_loop(self, kv, stop: asyncio.Event) -> None:
+        payload = msgspec.json.encode(self.registration)
+        key = subjects.worker_key(self.config.worker_id)
+        while not stop.is_set():
+            try:
+                await kv.put(key, payload)
+            except Exception:
+                log.warning("lease renewal failed", exc_info=True)
+            await _sleep_or_stop(stop, self.config.lease_s / 3)
+
+    async def _load_loop(self, stop: asyncio.Event) -> None:
+        subject = subjects.worker_load(self.config.worker_id)
+        while not stop.is_set():
+            try:
+                report = await self.read_load()
+                await self.bus.publish(subject, report)
+            except (TimeoutError, OSError, EngineError) as err:
+                log.warning("load poll failed: %s", err)
+            await _sleep_or_stop(stop, self.config.load_interval_s)
+
+    async def read_load(self) -> LoadReport:
+        loads = await self.engine.get_json("/get_load")
+        ranks = loads if isinstance(loads, list) else [loads]
+        total = self.registration.kv_capacity_blocks if self.registration else 0
+
+        def total_of(key: str) -> int:
+            return sum(int(r.get(key, 0) or 0) for r in ranks)
+
+        page = self.registration.page_size if self.registration else 1
+        used_blocks = total_of("kv_used_blocks") or total_of("num_tokens") // max(page, 1)
+        return LoadReport(
+            worker_id=self.config.worker_id,
+            ts=time.time(),
+            running=total_of("num_reqs"),
+            queued=total_of("num_waiting_reqs"),
+            kv_used_blocks=used_blocks,
+            kv_total_blocks=total_of("kv_total_blocks") or total,
+            num_tokens=total_of("num_tokens"),
+            inflight=self.inflight,
+        )
+
+    async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, Ack(accepted=True))
+        self.inflight += 1
+        try:
+            await self._generate(work)
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, work: WorkerGenerate) -> None:
+        req = work.request
+        sampling = {
+            "max_new_tokens": req.max_tokens,
+            "temperature": req.sampling.temperature,
+            "top_p": req.sampling.top_p,
+            "ignore_eos": req.sampling.ignore_eos,
+        }
+        if req.sampling.stop:
+            sampling["stop"] = req.sampling.stop
+        started = time.monotonic()
+        first_token_at: float | None = None
+        emitted = 0
+        text_parts: list[str] = []
+        meta: dict = {}
+        try:
+            async for chunk in self.engine.generate(req.request_id, req.token_ids or [], sampling):
+                meta = chunk.meta
+                if chunk.new_token_ids and first_token_at is None:
+                    first_token_at = time.monotonic()
+                if req.stream and chunk.new_token_ids:
+                    await self.bus.publish(
+                        work.reply_subject,
+                        TokenChunk(
+                            request_id=req.request_id,
+                            index=emitted,
+                            token_ids=chunk.new_token_ids,
+                            text=chunk.new_text,
+                        ),
+                    )
+                elif not req.stream:
+                    text_parts.append(chunk.new_text)
+                emitted += len(chunk.new_token_ids)
+        except (TimeoutError, EngineError, OSError) as err:
+            log.warning("request %s failed at the engine: %s", req.request_id, err)
+            await self.bus.publish(
+                work.reply_subject,
+                ErrorReply(
+                    code=ErrorCode.ENGINE_ERROR,
+                    message=str(err),
+                    request_id=req.request_id,
+                    service=f"worker/{self.config.worker_id}",
+                ),
+            )
+            return
+        finished = time.monotonic()
+        final = FinalReply(
+            request_id=req.request_id,
+            worker_id=self.config.worker_id,
+            usage=Usage(
+                prompt_tokens=int(meta.get("prompt_tokens", len(req.token_ids or []))),
+                cached_tokens=int(meta.get("cached_tokens", 0)),
+                completion_tokens=int(meta.get("completion_tokens", emitted)),
+            ),
+            ttft_ms=((first_token_at or finished) - started) * 1e3,
+            e2e_ms=(finished - started) * 1e3,
+            finish_reason=_finish_reason(meta),
+            text="".join(text_parts),
+            predicted_cached_tokens=work.predicted_cached_tokens,
+        )
+        await self.bus.publish(work.reply_subject, final)
+        await self.bus.publish(subjects.COMPLETIONS, final)
+
+
+def _finish_reason(meta: dict) -> FinishReason:
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "stop":
+        return FinishReason.STOP
+    if kind == "abort":
+        return FinishReason.ABORT
+    return FinishReason.LENGTH
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
+    async with EngineClient(config.engine_url) as engine:
+        adapter = WorkerAdapter(config, ctx.bus, engine)
+        await adapter.run(ctx.stop)

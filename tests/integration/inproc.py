@@ -1,0 +1,132 @@
+"""Run the real services inside the test's event loop: each with its own NATS connection and
+stop event, simulated engines on real HTTP ports. Faster than processes, same code paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from thunderagent.bus import Bus, connect
+from thunderagent.embedded import free_port
+from thunderagent.runtime import ServiceContext
+from thunderagent.runtime.fleet import workers_bucket
+from thunderagent.simengine.driver import SimpleEngine
+from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.telemetry import Telemetry
+
+MODEL = "sim/test-model.v1"
+
+
+@dataclass
+class RunningService:
+    name: str
+    bus: Bus
+    stop: asyncio.Event
+    task: asyncio.Task
+
+
+@dataclass
+class InprocStack:
+    nats_url: str
+    services: dict[str, RunningService] = field(default_factory=dict)
+    engines: dict[str, SimpleEngine] = field(default_factory=dict)
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    _runners: list[web.AppRunner] = field(default_factory=list)
+
+    async def start_service(
+        self, name: str, main: Callable[[ServiceContext], Awaitable[None]]
+    ) -> RunningService:
+        nc = await connect(self.nats_url, name=name)
+        bus = Bus(nc, service=name)
+        stop = asyncio.Event()
+        ctx = ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
+        task = asyncio.create_task(main(ctx), name=name)
+        svc = RunningService(name, bus, stop, task)
+        self.services[name] = svc
+        return svc
+
+    async def stop_service(self, name: str) -> None:
+        svc = self.services.pop(name)
+        svc.stop.set()
+        try:
+            await asyncio.wait_for(svc.task, 5)
+        finally:
+            with contextlib.suppress(Exception):
+                await svc.bus.nc.close()
+
+    async def start_engine(self, worker_id: str, **engine_kwargs) -> str:
+        engine = SimpleEngine(**engine_kwargs)
+        app = SimEngineApp(engine, EngineInfo(model=MODEL, page_size=engine.page_size)).app
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self._runners.append(runner)
+        self.engines[worker_id] = engine
+        self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
+        return self.engine_urls[worker_id]
+
+    async def wait_for_workers(self, count: int, timeout_s: float = 10.0) -> None:
+        nc = await connect(self.nats_url, name="wait")
+        try:
+            kv = await workers_bucket(Bus(nc, service="wait"))
+            loop = asyncio.get_running_loop()
+            give_up_at = loop.time() + timeout_s
+            while True:
+                try:
+                    keys = await kv.keys()
+                except Exception:
+                    keys = []
+                if len(keys) >= count:
+                    return
+                if loop.time() > give_up_at:
+                    raise TimeoutError(f"{len(keys)}/{count} workers registered")
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+
+    async def close(self) -> None:
+        crashed = [
+            f"{svc.name}: {svc.task.exception()!r}"
+            for svc in self.services.values()
+            if svc.task.done() and not svc.task.cancelled() and svc.task.exception()
+        ]
+        for name in list(self.services):
+            with contextlib.suppress(Exception):
+                await self.stop_service(name)
+        for runner in self._runners:
+            await runner.cleanup()
+        if crashed:
+            raise AssertionError("services crashed during the test: " + "; ".join(crashed))
+
+
+@contextlib.asynccontextmanager
+async def inproc_stack(nats_url: str) -> AsyncIterator[InprocStack]:
+    stack = InprocStack(nats_url)
+    try:
+        yield stack
+    finally:
+        await stack.close()
+
+
+async def start_full_stack(stack: InprocStack, workers: int = 2, **engine_kwargs) -> None:
+    """Router, scheduler and ``workers`` adapters with engines; returns when routable."""
+    from thunderagent.router.service import RouterConfig
+    from thunderagent.router.service import main as router_main
+    from thunderagent.scheduler.service import SchedulerConfig
+    from thunderagent.scheduler.service import main as scheduler_main
+    from thunderagent.worker.adapter import AdapterConfig
+    from thunderagent.worker.adapter import main as worker_main
+
+    for i in range(workers):
+        wid = f"w{i}"
+        url = await stack.start_engine(wid, **engine_kwargs)
+        config = AdapterConfig(worker_id=wid, engine_url=url, lease_s=2.0, load_interval_s=0.05)
+        await stack.start_service(f"worker-{wid}", lambda ctx, c=config: worker_main(ctx, c))
+    await stack.start_service("scheduler", lambda ctx: scheduler_main(ctx, SchedulerConfig()))
+    await stack.start_service("router", lambda ctx: router_main(ctx, RouterConfig(seed=1)))
+    await stack.wait_for_workers(workers)

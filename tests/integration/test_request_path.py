@@ -1,0 +1,140 @@
+"""One request end to end through router, scheduler, adapter and engine, over real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import msgspec
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from thunderagent.bus import connect
+from thunderagent.client import RequestFailed, ThunderClient
+from thunderagent.schemas import (
+    REPLY_DECODER,
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    TokenChunk,
+    subjects,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def _routable_client(stack, nats_url: str) -> ThunderClient:
+    """Workers are registered; wait until the router's fleet view has them too."""
+    client = await ThunderClient.connect(nats_url, idle_timeout_s=10)
+    for _ in range(100):
+        try:
+            await client.generate(GenerateRequest(model=MODEL, token_ids=[5], max_tokens=1))
+            return client
+        except RequestFailed as err:
+            if err.error.code != ErrorCode.UNKNOWN_MODEL:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError("router never saw the workers")
+
+
+async def test_request_streams_tokens_and_final_usage(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2)
+        client = await _routable_client(stack, nats_server.url)
+        replies = []
+        request = GenerateRequest(model=MODEL, text="hello " * 20, max_tokens=12)
+        async for reply in client.stream(request):
+            replies.append(reply)
+        await client.close()
+    chunks = [r for r in replies if isinstance(r, TokenChunk)]
+    final = replies[-1]
+    assert isinstance(final, FinalReply), final
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    assert [c.index for c in chunks] == sorted(c.index for c in chunks)
+    assert final.usage.prompt_tokens == len("hello " * 20)  # byte tokenizer: one id per byte
+    assert final.usage.completion_tokens == 12
+    assert final.worker_id in {"w0", "w1"}
+    assert final.ttft_ms <= final.e2e_ms
+
+
+async def test_repeated_prompt_reports_cached_tokens(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await _routable_client(stack, nats_server.url)
+        prompt = list(range(10, 10 + 100))  # 6 full pages of 16, 4 tokens left over
+        first = await client.generate(GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=2))
+        second = await client.generate(GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=2))
+        await client.close()
+    assert first.final.usage.cached_tokens == 0
+    assert second.final.usage.cached_tokens == 96
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "fragment"),
+    [
+        (GenerateRequest(model="no/such-model", text="hi"), ErrorCode.UNKNOWN_MODEL, "no worker"),
+        (GenerateRequest(model=MODEL, token_ids=[2**32 - 1], max_tokens=1), None, None),
+    ],
+)
+async def test_clear_errors_for_unknown_model(nats_server, request_, code, fragment):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await _routable_client(stack, nats_server.url)
+        if code is None:
+            done = await client.generate(request_)
+            assert done.final is not None
+        else:
+            with pytest.raises(RequestFailed) as info:
+                await client.generate(request_)
+            assert info.value.error.code == code
+            assert fragment in info.value.error.message
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (b"{not json", "invalid GenerateRequest"),
+        (b'{"model": "m"}', "exactly one of token_ids, text or messages"),
+        (b'{"model": "m", "text": ""}', "the prompt is empty"),
+        (b'{"model": "m", "token_ids": [1], "max_tokens": 0}', "max_tokens"),
+    ],
+)
+async def test_malformed_request_gets_error_reply_and_dead_letter(nats_server, payload, fragment):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        await (await _routable_client(stack, nats_server.url)).close()
+        nc = await connect(nats_server.url, name="raw")
+        dead = asyncio.get_running_loop().create_future()
+
+        async def on_dead(msg) -> None:
+            if not dead.done():
+                dead.set_result(msg.data)
+
+        await nc.subscribe(subjects.dead_letter("router"), cb=on_dead)
+        reply = await nc.request(subjects.requests(MODEL), payload, timeout=5)
+        error = REPLY_DECODER.decode(reply.data)
+        record = msgspec.json.decode(await asyncio.wait_for(dead, 5))
+        # the router survived: a good request still works afterwards
+        client = ThunderClient(nc)
+        done = await client.generate(GenerateRequest(model=MODEL, token_ids=[7] * 3, max_tokens=2))
+        await nc.close()
+    assert isinstance(error, ErrorReply)
+    assert error.code == ErrorCode.BAD_REQUEST
+    assert fragment in error.message
+    assert record["service"] == "router"
+    assert fragment in record["reason"]
+    assert base64.b64decode(record["raw"]) == payload
+    assert done.final is not None
+
+
+async def test_no_router_is_an_immediate_error_not_a_timeout(nats_server):
+    client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(RequestFailed) as info:
+        await client.generate(GenerateRequest(model=MODEL, text="anyone?"))
+    await client.close()
+    assert info.value.error.code == ErrorCode.UNAVAILABLE
+    assert loop.time() - started < 5
