@@ -14,7 +14,8 @@ from thunderagent.bus import Bus, connect
 from thunderagent.embedded import free_port
 from thunderagent.runtime import ServiceContext
 from thunderagent.runtime.fleet import workers_bucket
-from thunderagent.simengine.driver import SimpleEngine
+from thunderagent.engine import get_profile
+from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 from thunderagent.telemetry import Telemetry
 
@@ -33,7 +34,7 @@ class RunningService:
 class InprocStack:
     nats_url: str
     services: dict[str, RunningService] = field(default_factory=dict)
-    engines: dict[str, SimpleEngine] = field(default_factory=dict)
+    engines: dict[str, EngineDriver] = field(default_factory=dict)
     engine_urls: dict[str, str] = field(default_factory=dict)
     _runners: list[web.AppRunner] = field(default_factory=list)
 
@@ -58,8 +59,12 @@ class InprocStack:
             with contextlib.suppress(Exception):
                 await svc.bus.nc.close()
 
-    async def start_engine(self, worker_id: str, **engine_kwargs) -> str:
-        engine = SimpleEngine(**engine_kwargs)
+    async def start_engine(
+        self, worker_id: str, *, profile: str = "tiny", page_size: int = 16, speedup: float = 1.0
+    ) -> str:
+        engine = EngineDriver(
+            get_profile(profile).with_engine(page_size=page_size), speedup=speedup
+        )
         app = SimEngineApp(engine, EngineInfo(model=MODEL, page_size=engine.page_size)).app
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -100,6 +105,8 @@ class InprocStack:
                 await self.stop_service(name)
         for runner in self._runners:
             await runner.cleanup()
+        for engine in self.engines.values():
+            await engine.close()
         if crashed:
             raise AssertionError("services crashed during the test: " + "; ".join(crashed))
 
@@ -113,7 +120,9 @@ async def inproc_stack(nats_url: str) -> AsyncIterator[InprocStack]:
         await stack.close()
 
 
-async def start_full_stack(stack: InprocStack, workers: int = 2, **engine_kwargs) -> None:
+async def start_full_stack(
+    stack: InprocStack, workers: int = 2, *, policy: str = "least_loaded", **engine_kwargs
+) -> None:
     """Router, scheduler and ``workers`` adapters with engines; returns when routable."""
     from thunderagent.router.service import RouterConfig
     from thunderagent.router.service import main as router_main
@@ -128,5 +137,6 @@ async def start_full_stack(stack: InprocStack, workers: int = 2, **engine_kwargs
         config = AdapterConfig(worker_id=wid, engine_url=url, lease_s=2.0, load_interval_s=0.05)
         await stack.start_service(f"worker-{wid}", lambda ctx, c=config: worker_main(ctx, c))
     await stack.start_service("scheduler", lambda ctx: scheduler_main(ctx, SchedulerConfig()))
-    await stack.start_service("router", lambda ctx: router_main(ctx, RouterConfig(seed=1)))
+    router_config = RouterConfig(seed=1, policy=policy)
+    await stack.start_service("router", lambda ctx: router_main(ctx, router_config))
     await stack.wait_for_workers(workers)

@@ -38,8 +38,8 @@ from thunderagent.engine.timing import TimingModel
 
 @dataclass(slots=True)
 class Request:
-    """What the engine is asked to run. ``block_keys``: one chained key per full prompt page
-    (extra keys beyond ``prompt_len // page_size`` are ignored: a partial page is not cached)."""
+    """What the engine is asked to run. ``block_keys``: one chained key per full prompt page,
+    optionally followed by keys of output pages (with ``token_ids`` holding prompt + output)."""
 
     request_id: str
     prompt_len: int
@@ -140,7 +140,9 @@ class EngineCore:
             raise ValueError(f"request {request.request_id!r}: empty prompt or output")
         if total > self.cache.capacity * self.page:
             return FinishedRequest(request.request_id, request.prompt_len, 0, 0, 0, "rejected")
-        keys = list(request.block_keys[: request.prompt_len // self.page])
+        # Keys past the prompt name output pages, when the caller knows its output (the HTTP
+        # shell's deterministic output); otherwise output page keys are derived.
+        keys = list(request.block_keys[: total // self.page])
         seq = _Seq(req=request, arrival=now, keys=keys, target=request.prompt_len)
         self._seqs[request.request_id] = seq
         self._waiting.append(seq)

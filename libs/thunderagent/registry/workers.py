@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from thunderagent.routing.policy import WorkerView
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
 
@@ -23,6 +24,22 @@ class WorkerState:
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
+
+    def view(self) -> WorkerView:
+        """What a routing policy sees of this worker."""
+        load = self.load
+        if load is None:
+            return WorkerView(worker_id=self.worker_id, pending=self.assigned_since_report)
+        return WorkerView(
+            worker_id=self.worker_id,
+            running=load.running,
+            # requests the adapter accepted but the engine has not reported yet count as queued
+            queued=max(load.queued, load.inflight - load.running),
+            kv_used_blocks=load.kv_used_blocks,
+            kv_total_blocks=load.kv_total_blocks or self.registration.kv_capacity_blocks,
+            active_tokens=load.num_tokens,
+            pending=self.assigned_since_report,
+        )
 
     def outstanding(self) -> int:
         """Requests on the worker that are not finished: the least-loaded criterion."""

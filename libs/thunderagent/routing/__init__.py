@@ -1,5 +1,21 @@
 """Routing policies (pure): given a request and the candidate workers, a ranked candidate list."""
 
-from thunderagent.routing.policy import REGISTRY, RouteInput, RoutingPolicy, get_policy
+from thunderagent.routing.policy import (
+    REGISTRY,
+    RouteQuery,
+    RoutingPolicy,
+    WorkerView,
+    get_policy,
+    policy_names,
+    register,
+)
 
-__all__ = ["REGISTRY", "RouteInput", "RoutingPolicy", "get_policy"]
+__all__ = [
+    "REGISTRY",
+    "RouteQuery",
+    "RoutingPolicy",
+    "WorkerView",
+    "get_policy",
+    "policy_names",
+    "register",
+]

@@ -1,22 +1,37 @@
-"""Least outstanding requests, ties broken at random (the no-cache-hit fallback of every policy)."""
+"""Least outstanding requests, then most free KV; ties broken at random. Ignores the cache."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
-from thunderagent.registry import WorkerState
-from thunderagent.routing.policy import RouteInput, register
+from thunderagent.routing.policy import RouteQuery, WorkerView, register
 from thunderagent.schemas import Candidate
 
 
+def by_load(workers: Sequence[WorkerView], rng: random.Random) -> list[WorkerView]:
+    """Workers by outstanding requests, then by free KV (more first), ties at random."""
+    return sorted(workers, key=lambda w: (w.outstanding, -w.free_blocks, rng.random()))
+
+
 @register("least_loaded")
+@dataclass
 class LeastLoaded:
     name: ClassVar[str] = "least_loaded"
 
     def rank(
-        self, route: RouteInput, workers: Sequence[WorkerState], rng: random.Random
+        self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
     ) -> list[Candidate]:
-        keyed = sorted(workers, key=lambda w: (w.outstanding(), rng.random()))
-        return [Candidate(worker_id=w.worker_id, score=-float(w.outstanding())) for w in keyed]
+        return [
+            Candidate(
+                worker_id=w.worker_id,
+                score=-float(w.outstanding),
+                overlap_blocks=query.overlaps.get(w.worker_id, 0),
+            )
+            for w in by_load(workers, rng)
+        ]
+
+    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+        pass

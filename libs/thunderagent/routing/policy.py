@@ -1,37 +1,87 @@
-"""The policy contract and the registry; one small module per policy registers itself here."""
+"""The routing-policy contract and the registry.
+
+A policy sees one request (``RouteQuery``: its block hashes, length and the prefix each worker is
+believed to hold) and a snapshot of every candidate worker (``WorkerView``), and returns the
+workers ranked best first with scores. It may keep state of its own (``on_routed`` is called with
+the final choice), which is how SGLang's cache-aware policy tracks what it sent where. Policies
+are pure: no I/O, no clock; randomness only through the ``rng`` they are given. The same policy
+objects run in the router service and in the virtual-time replay benchmark.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
-from thunderagent.registry import WorkerState
-from thunderagent.schemas import Candidate, GenerateRequest
+from thunderagent.schemas import Candidate
 
 
 @dataclass(slots=True, frozen=True)
-class RouteInput:
-    """What a policy may look at for one request."""
+class RouteQuery:
+    """One request as the policy sees it."""
 
-    request: GenerateRequest
+    request_id: str
+    prompt_tokens: int
+    block_size: int
+    block_hashes: Sequence[int]
+    """Primary chained hashes of the prompt's full blocks."""
+    overlaps: Mapping[str, int] = field(default_factory=dict)
+    """worker id -> leading blocks cached on its GPU (from the prefix index; absent = 0)."""
+    host_overlaps: Mapping[str, int] = field(default_factory=dict)
+    """worker id -> leading blocks cached including its host-memory tier (>= ``overlaps``)."""
+    expected_output_tokens: int = 128
+    priority: int = 0
+
+    @property
+    def prompt_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerView:
+    """A worker's load as the router last heard it (plus what it sent since)."""
+
+    worker_id: str
+    running: int = 0
+    queued: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    active_tokens: int = 0
+    """Tokens held by running requests (decode load)."""
+    pending: int = 0
+    """Requests routed here since the last load report (not yet visible in it)."""
+
+    @property
+    def outstanding(self) -> int:
+        return self.running + self.queued + self.pending
+
+    @property
+    def free_blocks(self) -> int:
+        return max(self.kv_total_blocks - self.kv_used_blocks, 0)
 
 
 class RoutingPolicy(Protocol):
     name: ClassVar[str]
 
     def rank(
-        self, route: RouteInput, workers: Sequence[WorkerState], rng: random.Random
+        self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
     ) -> list[Candidate]:
-        """Candidates best first; ``workers`` is non-empty and all serve the request's model."""
+        """All ``workers``, best first. ``workers`` is non-empty."""
+        ...
+
+    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+        """The request went to ``worker_id`` (stateful policies learn from it)."""
         ...
 
 
-REGISTRY: dict[str, Callable[[], RoutingPolicy]] = {}
+REGISTRY: dict[str, Callable[..., RoutingPolicy]] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
+    """Class decorator: one line per policy; registering a name twice is a bug."""
+
     def add(cls: type) -> type:
         if name in REGISTRY:
             raise ValueError(f"routing policy {name!r} registered twice")
@@ -41,10 +91,27 @@ def register(name: str) -> Callable[[type], type]:
     return add
 
 
-def get_policy(name: str) -> RoutingPolicy:
-    from thunderagent.routing import least_loaded  # noqa: F401  (registers itself)
+def _load_builtin_policies() -> None:
+    import importlib
 
+    for module in ("least_loaded", "round_robin", "sglang_cache_aware", "dynamo_kv", "thunder"):
+        try:
+            importlib.import_module(f"thunderagent.routing.{module}")
+        except ModuleNotFoundError as err:
+            if err.name != f"thunderagent.routing.{module}":
+                raise
+
+
+def get_policy(name: str, **params: Any) -> RoutingPolicy:
+    """A new policy instance; ``params`` override its documented defaults."""
+    _load_builtin_policies()
     try:
-        return REGISTRY[name]()
+        factory = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(REGISTRY)}") from None
+    return factory(**params)
+
+
+def policy_names() -> list[str]:
+    _load_builtin_policies()
+    return sorted(REGISTRY)

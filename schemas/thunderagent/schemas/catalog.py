@@ -21,7 +21,7 @@ from thunderagent.schemas.generate import (
     TokenChunk,
 )
 from thunderagent.schemas.health import Health
-from thunderagent.schemas.kv import KvDump, KvEventBatch, OverlapQuery, OverlapReply, ResyncRequest
+from thunderagent.schemas.kv import KvEventBatch, OverlapQuery, OverlapReply, ResyncRequest
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
@@ -39,7 +39,6 @@ MESSAGES: Final[dict[str, Any]] = {
     "ReplyMessage": ReplyMessage,
     "KvEventBatch": KvEventBatch,
     "ResyncRequest": ResyncRequest,
-    "KvDump": KvDump,
     "OverlapQuery": OverlapQuery,
     "OverlapReply": OverlapReply,
     "WorkerRegistration": WorkerRegistration,

@@ -62,25 +62,16 @@ class KvEventBatch(Struct, frozen=True, kw_only=True):
 
 
 class ResyncRequest(Struct, frozen=True, kw_only=True):
-    """Index -> adapter: send a full dump of your cached blocks."""
+    """Index -> adapter (request/reply, answered with an ``Ack``): republish your whole cache.
+
+    The adapter answers by publishing, in sequence on its KV-event subject, one batch holding
+    ``AllCleared`` followed by every block it mirrors, so every consumer (index and router
+    replicas alike) repairs itself the same way, from the stream."""
 
     worker_id: str
     """Worker to resync."""
     reason: str
     """Why (gap, restart, startup)."""
-
-
-class KvDump(Struct, frozen=True, kw_only=True):
-    """Adapter -> index: every block the engine holds, as a replacement for the worker's entries."""
-
-    worker_id: str
-    """Worker dumped."""
-    seq: int
-    """Sequence number of the last event folded into this dump; events after it follow."""
-    epoch: int
-    """Adapter incarnation."""
-    stored: list[BlocksStored] = field(default_factory=list)
-    """Cached blocks, grouped as stored chains."""
 
 
 class OverlapQuery(Struct, frozen=True, kw_only=True):

@@ -39,6 +39,9 @@ class RouteDecision(Struct, frozen=True, kw_only=True):
     """Unix seconds."""
     decision_us: float = 0.0
     """Time spent hashing and scoring, microseconds."""
+    prefix_hash: int | None = None
+    """Hash of the deepest prompt block cached on the chosen worker (names the reused prefix;
+    the index counts these to find hot prefixes). None without a hit."""
 
 
 class ScheduleRequest(Struct, frozen=True, kw_only=True):

@@ -100,3 +100,10 @@ HEALTH_WILDCARD: Final = f"{PREFIX}.health.>"
 def health(service: str) -> str:
     """Request/reply liveness probe answered by every service process with a ``Health``."""
     return f"{PREFIX}.health.{service}"
+
+
+# Redis keys (Redis holds no message traffic, only state that lets replicas start warm).
+REDIS_INDEX_SNAPSHOT: Final = f"{PREFIX}:index:snapshot"
+"""Latest index snapshot with the KV-event stream sequence it covers."""
+REDIS_HOT_PREFIXES: Final = f"{PREFIX}:index:hot_prefixes"
+"""Hot-prefix table: the top prefixes by routed hits over a sliding window (JSON)."""

@@ -8,13 +8,18 @@ import sys
 
 BENCHES = {
     "index": ("thunderagent.bench.index", "prefix index ingest and query speed (vs Dynamo)"),
-    "latency": ("thunderagent.bench.latency", "round trip through the stack vs straight to an engine"),
+    "latency": (
+        "thunderagent.bench.latency",
+        "round trip through the stack vs straight to an engine",
+    ),
 }
 
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="run a benchmark")
-    p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
+    p.add_argument(
+        "name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items())
+    )
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(func=_run)
 

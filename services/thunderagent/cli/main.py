@@ -31,7 +31,7 @@ def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.router.service import RouterConfig, main
     from thunderagent.runtime import run_service
 
-    config = RouterConfig(policy=args.policy, seed=args.seed)
+    config = RouterConfig(policy=args.policy, seed=args.seed, redis_url=args.redis)
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
@@ -155,8 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("router", "run a router replica", _cmd_router)
     _nats_arg(p)
     _metrics_arg(p)
-    p.add_argument("--policy", default="least_loaded")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
+    p.add_argument(
+        "--redis", default=None, help="Redis URL of the index snapshot (default: replay the stream)"
+    )
 
     p = add("scheduler", "run the scheduler", _cmd_scheduler)
     _nats_arg(p)

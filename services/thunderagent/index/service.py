@@ -1,16 +1,156 @@
-"""Index service (placeholder until the prefix index lands): creates the KV-event stream."""
+"""Index service: the authoritative block -> workers index.
+
+Consumes every worker's KV events from JetStream (durable consumer), asks an adapter to resync
+when its sequence shows a gap, forgets a worker whose lease lapsed, expires unconfirmed blocks
+(TTL), writes snapshots and the hot-prefix table to Redis, and answers overlap queries.
+Redis being down delays snapshots; it never stops indexing.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
 from dataclasses import dataclass
 
-from thunderagent.runtime import ServiceContext
+import redis.asyncio as aioredis
+
+from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.hotness import HotPrefixCounter
+from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
+from thunderagent.prefix_index.feed import FeedOutcome
+from thunderagent.registry import WorkerRegistry
+from thunderagent.runtime import FleetWatcher, ServiceContext
+from thunderagent.runtime.index_follower import IndexFollower
+from thunderagent.schemas import (
+    Ack,
+    KvEventBatch,
+    OverlapQuery,
+    OverlapReply,
+    ResyncRequest,
+    RouteDecision,
+    subjects,
+)
+from thunderagent.telemetry.setup import meter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
 class IndexConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    ttl_s: float = DEFAULT_TTL_S
+    snapshot_interval_s: float = 5.0
+    """Bounds how much of the stream a new router replica replays after loading the snapshot."""
+    resync_cooldown_s: float = 2.0
+    """At most one resync request per worker in this time: a burst of gaps needs only one."""
+    hot_window_s: float = 60.0
+    hot_top_n: int = 32
+
+
+class IndexService:
+    def __init__(self, config: IndexConfig, bus: Bus, redis) -> None:
+        self.config = config
+        self.bus = bus
+        self.redis = redis
+        self.follower = IndexFollower(
+            bus,
+            PrefixIndex(config.ttl_s),
+            redis=redis,
+            durable=subjects.INDEX_DURABLE,
+            on_outcome=self.on_outcome,
+        )
+        self.hot = HotPrefixCounter(window_s=config.hot_window_s)
+        self._last_resync: dict[str, float] = {}
+        m = meter("thunderagent.index")
+        self.resyncs = m.create_counter("thunderagent_index_resyncs", description="Resync requests")
+        m.create_observable_gauge(
+            "thunderagent_index_blocks",
+            [lambda _: [_obs(len(self.follower.index))]],
+            description="Blocks in the index",
+        )
+        m.create_observable_gauge(
+            "thunderagent_kv_event_lag_seconds",
+            [lambda _: [_obs(self.follower.last_event_lag_s)]],
+            description="Age of the last KV event when the index applied it",
+        )
+
+    async def on_outcome(self, batch: KvEventBatch, outcome: FeedOutcome) -> None:
+        if outcome is FeedOutcome.GAP:
+            asyncio.create_task(self.request_resync(batch.worker_id, "sequence gap"))
+
+    async def request_resync(self, worker_id: str, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._last_resync.get(worker_id, -1e9) < self.config.resync_cooldown_s:
+            return
+        self._last_resync[worker_id] = now
+        self.resyncs.add(1, {"reason": reason})
+        log.warning("worker %s: %s: requesting resync", worker_id, reason)
+        try:
+            await self.bus.request(
+                subjects.worker_resync(worker_id),
+                ResyncRequest(worker_id=worker_id, reason=reason),
+                Ack,
+                timeout=5,
+            )
+        except BusError as err:
+            log.warning("resync of %s failed: %s", worker_id, err)
+
+    async def on_overlap(self, query: OverlapQuery, delivery: Delivery) -> None:
+        overlaps = self.follower.index.overlap(query.hashes, query.check_hashes or query.hashes)
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, OverlapReply(overlaps=overlaps))
+
+    async def on_decision(self, decision: RouteDecision, _: Delivery) -> None:
+        if decision.prefix_hash is not None:
+            self.hot.hit(decision.prefix_hash, decision.overlap_blocks, time.time())
+
+    def on_fleet_change(self, worker_id: str, what: str) -> None:
+        if what in ("expired", "removed"):
+            log.info("worker %s %s: dropping its index entries", worker_id, what)
+            self.follower.forget_worker(worker_id)
+
+    async def periodic(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.snapshot_interval_s)
+            except TimeoutError:
+                pass
+            self.follower.index.expire(time.time())
+            await self.write_snapshot()
+
+    async def write_snapshot(self) -> None:
+        data = self.follower.snapshot_bytes()
+        top = self.hot.top(self.config.hot_top_n, time.time())
+        try:
+            await self.redis.set(subjects.REDIS_INDEX_SNAPSHOT, data)
+            await self.redis.set(subjects.REDIS_HOT_PREFIXES, json.dumps(top))
+        except Exception as err:  # Redis down: keep indexing, try again next time
+            log.warning("snapshot not written (Redis: %s)", err)
+
+
+def _obs(value: float):
+    from opentelemetry.metrics import Observation
+
+    return Observation(value)
 
 
 async def main(ctx: ServiceContext, config: IndexConfig) -> None:
-    await ctx.stop.wait()
+    redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    service = IndexService(config, ctx.bus, redis)
+    registry = WorkerRegistry()
+    fleet = FleetWatcher(ctx.bus, registry, on_change=service.on_fleet_change)
+    await service.follower.start()
+    await ctx.bus.subscribe(
+        subjects.INDEX_OVERLAP, OverlapQuery, service.on_overlap, queue=subjects.INDEX_QUEUE
+    )
+    await ctx.bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecision, service.on_decision)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(fleet.run(ctx.stop))
+            tg.create_task(service.periodic(ctx.stop))
+    finally:
+        await service.follower.stop()
+        await service.write_snapshot()
+        await redis.aclose()

@@ -1,28 +1,37 @@
-"""Router shell: decode -> resolve prompt -> rank workers -> publish decision -> submit.
+"""Router shell: decode -> resolve prompt -> hash -> overlap -> rank -> decision -> submit.
 
-Stateless apart from caches rebuilt from NATS, so any number of replicas share the ``router``
-queue group.
+Stateless apart from what it rebuilds from NATS (fleet view, prefix index), so any number of
+replicas share the ``router`` queue group. Each replica keeps its own copy of the prefix index,
+started from the index service's Redis snapshot and the KV-event stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
 from msgspec import structs
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.hashing import BlockHasher
+from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.registry import WorkerRegistry, WorkerState
-from thunderagent.routing import RouteInput, get_policy
+from thunderagent.router.metrics import RouterMetrics
+from thunderagent.router.verification import Routed, Verifier
+from thunderagent.routing import RouteQuery, get_policy
 from thunderagent.runtime import FleetWatcher, ServiceContext
+from thunderagent.runtime.index_follower import IndexFollower
 from thunderagent.schemas import (
     Ack,
     ErrorCode,
     ErrorReply,
+    FinalReply,
     GenerateRequest,
     RouteDecision,
     ScheduleRequest,
@@ -36,33 +45,46 @@ _tracer = trace.get_tracer("thunderagent.router")
 
 @dataclass(kw_only=True)
 class RouterConfig:
-    policy: str = "least_loaded"
+    policy: str = "thunder"
     submit_timeout_s: float = 2.0
     seed: int | None = None
+    redis_url: str | None = None
+    """Where the index service keeps its snapshot; None starts from a full stream replay."""
+    ttl_s: float = DEFAULT_TTL_S
 
 
 class Router:
-    def __init__(self, config: RouterConfig, bus: Bus, registry: WorkerRegistry) -> None:
+    def __init__(
+        self, config: RouterConfig, bus: Bus, registry: WorkerRegistry, follower: IndexFollower
+    ) -> None:
         self.config = config
         self.bus = bus
         self.registry = registry
+        self.follower = follower
         self.policy = get_policy(config.policy)
         self.rng = random.Random(config.seed)
+        self.verifier = Verifier()
+        self.metrics = RouterMetrics()
+        self._hashers: dict[int, BlockHasher] = {}
+
+    def hasher(self, page_size: int) -> BlockHasher:
+        hasher = self._hashers.get(page_size)
+        if hasher is None:
+            hasher = self._hashers[page_size] = BlockHasher(page_size)
+        return hasher
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
         reply = delivery.reply
         if not reply:
-            await self.bus.reject(
-                delivery, "request has no reply subject: nowhere to stream tokens"
-            )
+            await self.bus.reject(delivery, "request has no reply subject: nowhere to stream tokens")
             return
         if not req.request_id:
             req = structs.replace(req, request_id=uuid.uuid4().hex)
         workers = self.registry.for_model(req.model)
         if not workers:
             known = ", ".join(sorted(self.registry.models())) or "none"
-            await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL,
-                             f"no worker serves model {req.model!r} (served: {known})")  # fmt: skip
+            message = f"no worker serves model {req.model!r} (served: {known})"
+            await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
             return
         try:
             req = self._resolve_prompt(req, workers[0])
@@ -70,27 +92,92 @@ class Router:
             await self._fail(reply, req, ErrorCode.BAD_REQUEST, f"cannot tokenize: {err}")
             return
         with _tracer.start_as_current_span("router route") as span:
-            started = time.perf_counter()
-            ranked = self.policy.rank(RouteInput(request=req), workers, self.rng)
-            decision = RouteDecision(
-                request_id=req.request_id,
-                model=req.model,
-                worker_id=ranked[0].worker_id,
-                overlap_blocks=ranked[0].overlap_blocks,
-                prompt_blocks=len(req.token_ids or []) // workers[0].registration.page_size,
-                candidates=ranked,
-                policy=self.policy.name,
-                decided_at=time.time(),
-                decision_us=(time.perf_counter() - started) * 1e6,
-            )
-            chosen = self.registry.get(decision.worker_id)
-            if chosen is not None:
-                chosen.assigned_since_report += 1
-            span.set_attribute("thunderagent.worker_id", decision.worker_id)
+            submit = self.route(req, reply, workers)
             span.set_attribute("thunderagent.request_id", req.request_id)
-            await self.bus.publish(subjects.ROUTE_DECISIONS, decision)
-            submit = ScheduleRequest(request=req, reply_subject=reply, decision=decision)
+            span.set_attribute("thunderagent.worker_id", submit.decision.worker_id)
+            span.set_attribute("thunderagent.overlap_blocks", submit.decision.overlap_blocks)
+            await self.bus.publish(subjects.ROUTE_DECISIONS, submit.decision)
             await self._submit(submit)
+
+    def route(self, req: GenerateRequest, reply: str, workers: list[WorkerState]) -> ScheduleRequest:
+        """The pure part of a routing decision (hash, overlap, rank), timed."""
+        started = time.perf_counter()
+        page_size = workers[0].registration.page_size
+        hashes = self.hasher(page_size).hash_tokens(req.token_ids or [])
+        index = self.follower.index
+        overlaps = index.overlap(hashes.primary, hashes.check) if hashes.primary else {}
+        serving = {w.worker_id for w in workers}
+        overlaps = {w: n for w, n in overlaps.items() if w in serving}
+        query = RouteQuery(
+            request_id=req.request_id,
+            prompt_tokens=len(req.token_ids or []),
+            block_size=page_size,
+            block_hashes=hashes.primary,
+            overlaps=overlaps,
+            host_overlaps=overlaps,
+            expected_output_tokens=req.max_tokens,
+            priority=req.priority,
+        )
+        ranked = self.policy.rank(query, [w.view() for w in workers], self.rng)
+        best = ranked[0]
+        self.policy.on_routed(query, best.worker_id)
+        chosen = self.registry.get(best.worker_id)
+        if chosen is not None:
+            chosen.assigned_since_report += 1
+        elapsed = time.perf_counter() - started
+        overlap = overlaps.get(best.worker_id, 0)
+        decision = RouteDecision(
+            request_id=req.request_id,
+            model=req.model,
+            worker_id=best.worker_id,
+            overlap_blocks=overlap,
+            prompt_blocks=len(hashes.primary),
+            candidates=ranked,
+            policy=self.policy.name,
+            decided_at=time.time(),
+            decision_us=elapsed * 1e6,
+            prefix_hash=hashes.primary[overlap - 1] if overlap else None,
+        )
+        self._account(query, decision, elapsed)
+        self.verifier.remember(
+            req.request_id, Routed(best.worker_id, hashes.primary, overlap, page_size)
+        )
+        return ScheduleRequest(
+            request=req,
+            reply_subject=reply,
+            decision=decision,
+            page_size=page_size,
+            block_hashes=hashes.primary,
+        )
+
+    def _account(self, query: RouteQuery, decision: RouteDecision, elapsed: float) -> None:
+        m = self.metrics
+        attrs = {"policy": decision.policy}
+        m.requests.add(1, attrs)
+        m.decision_latency.record(elapsed, attrs)
+        m.routed_prompt_tokens.add(query.prompt_tokens, attrs)
+        if decision.overlap_blocks:
+            m.predicted_hits.add(1, attrs)
+        best_anywhere = max(query.overlaps.values(), default=0)
+        if best_anywhere > decision.overlap_blocks:
+            lost = (best_anywhere - decision.overlap_blocks) * query.block_size
+            m.recompute_tokens.add(lost, attrs)
+
+    async def on_completion(self, final: FinalReply, _: Delivery) -> None:
+        verdict = self.verifier.verify(
+            final.request_id, final.worker_id, final.usage.cached_tokens
+        )
+        if verdict is None:
+            return
+        m = self.metrics
+        m.verified.add(1)
+        m.prompt_tokens.add(final.usage.prompt_tokens)
+        m.cached_tokens.add(final.usage.cached_tokens)
+        if verdict.false_hit:
+            m.false_hits.add(1, {"worker": verdict.worker_id})
+            self.follower.feeder.evict_locally(verdict.worker_id, verdict.stale_hashes, time.time())
+        elif verdict.missed_hit:
+            m.missed_hits.add(1, {"worker": verdict.worker_id})
 
     async def _submit(self, submit: ScheduleRequest) -> None:
         try:
@@ -98,12 +185,12 @@ class Router:
                 subjects.SCHED_SUBMIT, submit, Ack, timeout=self.config.submit_timeout_s
             )
         except BusError as err:
-            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE,
-                             f"scheduler unavailable: {err}")  # fmt: skip
+            message = f"scheduler unavailable: {err}"
+            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE, message)
             return
         if not ack.accepted:
-            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE,
-                             f"scheduler refused: {ack.reason}")  # fmt: skip
+            message = f"scheduler refused: {ack.reason}"
+            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE, message)
 
     def _resolve_prompt(self, req: GenerateRequest, worker: WorkerState) -> GenerateRequest:
         if req.token_ids is not None:
@@ -123,9 +210,25 @@ class Router:
 
 async def main(ctx: ServiceContext, config: RouterConfig) -> None:
     registry = WorkerRegistry()
-    fleet = FleetWatcher(ctx.bus, registry)
-    router = Router(config, ctx.bus, registry)
+    redis = None
+    if config.redis_url:
+        redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    follower = IndexFollower(ctx.bus, PrefixIndex(config.ttl_s), redis=redis)
+    router = Router(config, ctx.bus, registry, follower)
+
+    def on_fleet_change(worker_id: str, what: str) -> None:
+        if what in ("expired", "removed"):
+            follower.forget_worker(worker_id)
+
+    fleet = FleetWatcher(ctx.bus, registry, on_change=on_fleet_change)
+    await follower.start()
+    await ctx.bus.subscribe(subjects.COMPLETIONS, FinalReply, router.on_completion)
     await ctx.bus.subscribe(
         subjects.REQUESTS_WILDCARD, GenerateRequest, router.on_request, queue=subjects.ROUTER_QUEUE
     )
-    await fleet.run(ctx.stop)
+    try:
+        await fleet.run(ctx.stop)
+    finally:
+        await follower.stop()
+        if redis is not None:
+            await redis.aclose()

@@ -1,19 +1,29 @@
-"""Wall-clock driver of the simulated engine: turns engine steps into per-request token streams.
+"""Wall-clock driver: runs the pure engine core in real time behind the HTTP server.
 
-Placeholder timing until the engine core lands: a fixed per-token prefill cost for uncached
-tokens and a fixed delay per decode token, with an exact prefix cache over chained page hashes.
+One loop task steps the core while it has work: it plans a step, sleeps the step's modelled
+duration (divided by ``speedup``), then delivers the step's tokens to each request's stream and
+publishes the step's cache events in SGLang's wire format. Requests join the core whenever they
+arrive, exactly as in SGLang's scheduler, so batching, chunked prefill, retraction and eviction
+come from the same code the virtual-time benchmark runs.
+
+Output tokens are deterministic filler text, known in advance, so output pages get real SGLang
+block hashes and token ids: a follow-up turn that contains the previous answer hits its cache,
+as it would on SGLang.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import xxhash
+from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Removed, Request
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+
+log = logging.getLogger(__name__)
 
 _OUTPUT_TEXT = (
     b"Simulated output: the KV cache of this prompt now lives on this worker, so a follow-up "
@@ -24,6 +34,10 @@ _OUTPUT_TEXT = (
 def output_token(index: int) -> int:
     """Readable filler text in the byte tokenizer's ids (specials are 0..3)."""
     return 4 + _OUTPUT_TEXT[index % len(_OUTPUT_TEXT)]
+
+
+class EngineRejected(Exception):
+    """The request can never fit the engine's KV pool (SGLang answers such requests with 400)."""
 
 
 @dataclass(slots=True)
@@ -45,82 +59,155 @@ class TokenEvent:
     finish_reason: str = "length"
 
 
-@dataclass
-class SimpleEngine:
-    page_size: int = 16
-    capacity_blocks: int = 4096
-    prefill_us_per_token: float = 20.0
-    decode_ms_per_token: float = 2.0
-    max_running: int = 64
-    _cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    _running: int = 0
-    _queued: int = 0
-    _tokens_in_use: int = 0
-    _sem: asyncio.Semaphore | None = None
+@dataclass(slots=True)
+class _Stream:
+    request: GenerateInput
+    output: list[int]
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    sent: int = 0
 
-    def _page_hashes(self, ids: list[int]) -> list[int]:
-        out, parent = [], 0
-        for i in range(0, len(ids) - len(ids) % self.page_size, self.page_size):
-            h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
-            for t in ids[i : i + self.page_size]:
-                h.update(t.to_bytes(4, "little"))
-            parent = h.intdigest()
-            out.append(parent)
-        return out
+
+def to_wire(events: list[CacheEvent], page_size: int) -> list[kv_wire.AnyKvEvent]:
+    """Engine cache events -> SGLang 0.5.23 KV events."""
+    out: list[kv_wire.AnyKvEvent] = []
+    for ev in events:
+        if isinstance(ev, AllCleared):
+            out.append(kv_wire.AllBlocksCleared())
+        elif isinstance(ev, Removed):
+            out.append(kv_wire.BlockRemoved(block_hashes=ev.block_keys, medium=ev.medium.value))
+        else:
+            out.append(
+                kv_wire.BlockStored(
+                    block_hashes=ev.block_keys,
+                    parent_block_hash=ev.parent_key,
+                    token_ids=ev.token_ids or [],
+                    block_size=page_size,
+                    lora_id=None,
+                    medium=ev.medium.value,
+                )
+            )
+    return out
+
+
+class EngineDriver:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        publisher: ZmqKvEventPublisher | None = None,
+        speedup: float = 1.0,
+    ) -> None:
+        self.profile = profile
+        self.core = EngineCore(profile)
+        self.page_size = profile.engine.page_size
+        self.publisher = publisher
+        self.speedup = speedup
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._epoch = time.monotonic()
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.core.cache.capacity
+
+    @property
+    def max_running(self) -> int:
+        return self.profile.engine.max_running_requests
+
+    def now(self) -> float:
+        """Engine time: wall time since start, times ``speedup``."""
+        return (time.monotonic() - self._epoch) * self.speedup
 
     def load(self) -> dict:
+        load = self.core.load()
         return {
-            "num_reqs": self._running,
-            "num_waiting_reqs": self._queued,
-            "num_tokens": self._tokens_in_use,
-            "kv_used_blocks": len(self._cache),
-            "kv_total_blocks": self.capacity_blocks,
+            "num_reqs": load.num_running,
+            "num_waiting_reqs": load.num_waiting,
+            "num_tokens": load.num_tokens,
+            "kv_used_blocks": load.kv_used_blocks,
+            "kv_total_blocks": load.kv_total_blocks,
+            "cached_blocks": load.cached_blocks,
         }
 
-    def flush(self) -> None:
-        self._cache.clear()
+    def flush(self) -> bool:
+        flushed = self.core.flush(self.now())
+        self._publish(self.core.drain_events())
+        return flushed
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[TokenEvent]:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_running)
-        self._queued += 1
-        async with self._sem:
-            self._queued -= 1
-            self._running += 1
-            self._tokens_in_use += len(req.input_ids)
-            try:
-                async for ev in self._run(req):
-                    yield ev
-            finally:
-                self._running -= 1
-                self._tokens_in_use -= len(req.input_ids)
-
-    async def _run(self, req: GenerateInput) -> AsyncIterator[TokenEvent]:
-        hashes = self._page_hashes(req.input_ids)
-        cached_blocks = 0
-        for h in hashes:
-            if h not in self._cache:
-                break
-            self._cache.move_to_end(h)
-            cached_blocks += 1
-        cached = cached_blocks * self.page_size
-        await asyncio.sleep((len(req.input_ids) - cached) * self.prefill_us_per_token / 1e6)
-        for h in hashes[cached_blocks:]:
-            self._cache[h] = None
-        while len(self._cache) > self.capacity_blocks:
-            self._cache.popitem(last=False)
-        started = time.monotonic()
-        for i in itertools.count():
-            token = output_token(i)
-            last = i + 1 == req.max_new_tokens
-            yield TokenEvent(
-                token_ids=[token],
-                finished=last,
-                prompt_tokens=len(req.input_ids),
-                cached_tokens=cached,
-                completion_tokens=i + 1,
+        if req.rid in self._streams:
+            raise ValueError(f"request id {req.rid!r} is already running")
+        output = [output_token(i) for i in range(req.max_new_tokens)]
+        token_ids = req.input_ids + output
+        keys = kv_wire.sglang_block_hashes(token_ids, self.page_size)
+        request = Request(req.rid, len(req.input_ids), keys, req.max_new_tokens, token_ids)
+        rejected = self.core.add(request, self.now())
+        if rejected is not None:
+            raise EngineRejected(
+                f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the KV pool ({self.core.cache.capacity * self.page_size} tokens)"
             )
-            if last:
-                return
-            target = started + (i + 1) * self.decode_ms_per_token / 1e3
-            await asyncio.sleep(max(0.0, target - time.monotonic()))
+        stream = self._streams[req.rid] = _Stream(req, output)
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            while True:
+                event = await stream.queue.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if self._streams.pop(req.rid, None) is not None:
+                self.core.abort(req.rid, self.now())  # client went away mid-stream
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.core.has_work:
+                started = time.monotonic()
+                outcome = self.core.step(self.now())
+                target = started + outcome.duration / self.speedup
+                await asyncio.sleep(max(0.0, target - time.monotonic()))
+                self._deliver(outcome)
+                self._publish(outcome.events)
+
+    def _deliver(self, outcome) -> None:
+        for rid, count in outcome.tokens.items():
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            ids = stream.output[stream.sent : stream.sent + count]
+            stream.sent += count
+            stream.queue.put_nowait(TokenEvent(token_ids=ids, completion_tokens=stream.sent))
+        for fin in outcome.finished:
+            stream = self._streams.get(fin.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(
+                TokenEvent(
+                    token_ids=[],
+                    finished=True,
+                    prompt_tokens=fin.prompt_tokens,
+                    cached_tokens=fin.cached_tokens,
+                    completion_tokens=fin.completion_tokens,
+                    finish_reason=fin.finish_reason,
+                )
+            )
+            del self._streams[fin.request_id]
+
+    def _publish(self, events: list[CacheEvent]) -> None:
+        if self.publisher is not None and events:
+            if not self.publisher.publish(to_wire(events, self.page_size)):
+                log.warning("KV event queue full: a batch was dropped (subscribers will resync)")
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self.publisher is not None:
+            self.publisher.close()

@@ -11,7 +11,9 @@ import uvloop
 from aiohttp import web
 
 from thunderagent.runtime.runner import configure_logging
-from thunderagent.simengine.driver import SimpleEngine
+from thunderagent.engine import get_profile
+from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 from thunderagent.telemetry import setup_telemetry
 
@@ -30,7 +32,11 @@ class SimEngineConfig:
 
 
 async def _serve(config: SimEngineConfig) -> None:
-    engine = SimpleEngine(page_size=config.page_size)
+    profile = get_profile(config.profile).with_engine(page_size=config.page_size)
+    publisher = None
+    if config.kv_events_config:
+        publisher = ZmqKvEventPublisher.from_cli(config.kv_events_config)
+    engine = EngineDriver(profile, publisher=publisher, speedup=config.speedup)
     info = EngineInfo(
         model=config.model, page_size=config.page_size, kv_events_config=config.kv_events_config
     )
@@ -46,6 +52,7 @@ async def _serve(config: SimEngineConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    await engine.close()
 
 
 def serve(config: SimEngineConfig) -> None:

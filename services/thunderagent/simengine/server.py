@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from thunderagent.simengine.driver import GenerateInput, SimpleEngine
+from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
 from thunderagent.telemetry import extract_context
 from thunderagent.tokenizer import ByteTokenizer
 
@@ -39,7 +39,7 @@ def _bad(message: str, status: int = 400) -> web.Response:
 
 
 class SimEngineApp:
-    def __init__(self, engine: SimpleEngine, info: EngineInfo) -> None:
+    def __init__(self, engine: EngineDriver, info: EngineInfo) -> None:
         self.engine = engine
         self.info = info
         self.tokenizer = ByteTokenizer()
@@ -81,7 +81,8 @@ class SimEngineApp:
         return web.json_response([{"dp_rank": 0, **self.engine.load()}])
 
     async def flush_cache(self, _: web.Request) -> web.Response:
-        self.engine.flush()
+        if not self.engine.flush():
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
         return web.Response(text="Cache flushed.\n")
 
     async def models(self, _: web.Request) -> web.Response:
@@ -99,9 +100,14 @@ class SimEngineApp:
             return parsed
         ctx = extract_context(request.headers)
         with _tracer.start_as_current_span("engine generate", context=ctx, kind=SpanKind.SERVER):
+            events = self.engine.generate(parsed)
+            try:
+                first = await anext(events)
+            except (EngineRejected, ValueError) as err:
+                return _bad(str(err))
             if body.get("stream"):
-                return await self._stream(request, parsed)
-            return await self._whole(parsed)
+                return await self._stream(request, parsed, first, events)
+            return await self._whole(parsed, first, events)
 
     def _parse_generate(self, body: Any) -> GenerateInput | web.Response:
         if not isinstance(body, dict):
@@ -142,24 +148,28 @@ class SimEngineApp:
             "meta_info": meta,
         }
 
-    async def _stream(self, request: web.Request, req: GenerateInput) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, req: GenerateInput, first, events
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         started = time.monotonic()
         out_ids: list[int] = []
-        async for ev in self.engine.generate(req):
+        ev = first
+        while ev is not None:
             out_ids.extend(ev.token_ids)
             payload = json.dumps(self._chunk(req, out_ids, ev, started))
             await resp.write(f"data: {payload}\n\n".encode())
+            ev = await anext(events, None)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    async def _whole(self, req: GenerateInput) -> web.Response:
+    async def _whole(self, req: GenerateInput, first, events) -> web.Response:
         started = time.monotonic()
-        out_ids: list[int] = []
-        last = None
-        async for ev in self.engine.generate(req):
+        out_ids: list[int] = list(first.token_ids)
+        last = first
+        async for ev in events:
             out_ids.extend(ev.token_ids)
             last = ev
         return web.json_response(self._chunk(req, out_ids, last, started))

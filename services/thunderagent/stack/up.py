@@ -30,7 +30,7 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--profile", default="llama-3.1-8b-h100", help="simulated engine profile")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--policy", default="least_loaded", help="routing policy")
+    p.add_argument("--policy", default="thunder", help="routing policy")
     p.add_argument("--routers", type=int, default=1, help="router replicas")
     p.add_argument(
         "--speedup", type=float, default=1.0, help="simulated engines run this much faster"
@@ -47,7 +47,7 @@ class StackConfig:
     model: str = DEFAULT_MODEL
     profile: str = "llama-3.1-8b-h100"
     page_size: int = 16
-    policy: str = "least_loaded"
+    policy: str = "thunder"
     routers: int = 1
     speedup: float = 1.0
     run_dir: Path | None = None
@@ -126,11 +126,18 @@ class Stack:
         self._service("index", "index", *nats, "--redis", self.redis_url)
         self._service("scheduler", "scheduler", *nats)
         for i in range(c.routers):
-            self._service(f"router-{i}", "router", *nats, "--policy", c.policy)
+            self._service(
+                f"router-{i}", "router", *nats, "--policy", c.policy, "--redis", self.redis_url
+            )
         for i in range(c.workers):
-            port, events_port = free_port(), free_port()
+            port, events_port, replay_port = free_port(), free_port(), free_port()
             events = json.dumps(
-                {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv"}
+                {
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://127.0.0.1:{events_port}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                    "topic": "kv",
+                }
             )
             self._service(
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,

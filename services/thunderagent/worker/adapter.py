@@ -8,8 +8,10 @@ failure, reaches the client as a ``FinalReply`` or an ``ErrorReply``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from urllib.parse import urlparse
 from dataclasses import dataclass
 
 import msgspec
@@ -35,6 +37,7 @@ from thunderagent.schemas import (
 )
 from thunderagent.tokenizer import BYTES_SPEC
 from thunderagent.worker.engine_client import EngineClient, EngineError
+from thunderagent.worker.kv_relay import KvRelay
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.worker")
@@ -95,8 +98,15 @@ class WorkerAdapter:
             concurrent=True,
         )
         kv = await workers_bucket(self.bus)
+        events = await self._kv_event_source()
+        relay = None
+        if events is not None:
+            relay = KvRelay(self.bus, self.config.worker_id, self.registration.page_size)
+            await relay.start()
         try:
             async with asyncio.TaskGroup() as tg:
+                if relay is not None:
+                    tg.create_task(relay.run(*events, stop))
                 tg.create_task(self._lease_loop(kv, stop))
                 tg.create_task(self._load_loop(stop))
         finally:
@@ -104,6 +114,31 @@ class WorkerAdapter:
                 await kv.delete(subjects.worker_key(self.config.worker_id))
             except Exception:
                 log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
+
+    async def _kv_event_source(self) -> tuple[str, str | None, str] | None:
+        """(endpoint, replay endpoint, topic) of the engine's KV events, or None when off.
+
+        ``--kv-events`` wins; otherwise the engine's ``kv_events_config`` from ``/server_info``
+        (SGLang reports its server args there), with a wildcard host replaced by the engine's.
+        """
+        info = await self.engine.get_json("/server_info")
+        raw = info.get("kv_events_config")
+        config = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+        endpoint = self.config.kv_events_endpoint or config.get("endpoint")
+        if (
+            not endpoint
+            or config.get("publisher", "zmq") == "null"
+            and not self.config.kv_events_endpoint
+        ):
+            log.warning("engine publishes no KV events: routing will not see its cache")
+            return None
+        host = urlparse(self.engine.base_url).hostname or "127.0.0.1"
+        replay = config.get("replay_endpoint")
+        return (
+            _connectable(endpoint, host),
+            _connectable(replay, host) if replay else None,
+            config.get("topic", ""),
+        )
 
     async def _wait_for_engine(self, stop: asyncio.Event) -> WorkerRegistration | None:
         delay = 0.1
@@ -228,6 +263,13 @@ class WorkerAdapter:
         )
         await self.bus.publish(work.reply_subject, final)
         await self.bus.publish(subjects.COMPLETIONS, final)
+
+
+def _connectable(endpoint: str, host: str) -> str:
+    """``tcp://*:5557`` (a bind address) -> ``tcp://<engine host>:5557``."""
+    for wildcard in ("*", "0.0.0.0"):
+        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
+    return endpoint
 
 
 def _finish_reason(meta: dict) -> FinishReason:

@@ -1,0 +1,144 @@
+"""The adapter's mirror of its engine's cache, and the translation of SGLang's KV events into
+ThunderAgent's (pure: no sockets, no clock).
+
+SGLang names blocks by its own hash (SHA-256 chained); ThunderAgent's index names them by the
+xxh3 chain of ``thunderagent.hashing``. Every ``BlockStored`` carries the token ids, so the
+mirror re-hashes them, continuing the chain from the parent block's *our* hash, and remembers
+engine hash -> (our hash, check hash, tier) so removals, which carry engine hashes only, can be
+translated, and so a full dump can be answered at any time.
+
+A stored block whose parent the mirror does not know (an event was lost for good) cannot be
+chained: it is skipped and counted. Such blocks simply never produce hits, which the approximate
+index tolerates (a miss costs a prefill, never a wrong answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thunderagent.hashing import BlockHasher
+from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEvent, Medium
+from thunderagent.sglang import kv_wire
+
+
+@dataclass(slots=True)
+class MirrorBlock:
+    primary: int
+    check: int
+    parent_engine_hash: int | None
+    medium: Medium
+
+
+@dataclass(slots=True)
+class MirrorStats:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    orphan_blocks: int = 0
+    """Stored blocks skipped because their parent was unknown."""
+    unknown_removals: int = 0
+    """Removed hashes the mirror did not hold (already removed, or never seen)."""
+    size_mismatches: int = 0
+    """Stored events whose block size differs from the registered page size."""
+
+
+@dataclass
+class KvMirror:
+    page_size: int
+    hasher: BlockHasher = field(init=False)
+    blocks: dict[int, MirrorBlock] = field(default_factory=dict)
+    stats: MirrorStats = field(default_factory=MirrorStats)
+
+    def __post_init__(self) -> None:
+        self.hasher = BlockHasher(self.page_size)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def apply(self, events: list[kv_wire.AnyKvEvent]) -> list[KvEvent]:
+        """Fold one engine batch into the mirror; returns the same changes in our hashes."""
+        out: list[KvEvent] = []
+        for ev in events:
+            if isinstance(ev, kv_wire.BlockStored):
+                stored = self._stored(ev)
+                if stored is not None:
+                    out.append(stored)
+            elif isinstance(ev, kv_wire.BlockRemoved):
+                removed = self._removed(ev)
+                if removed is not None:
+                    out.append(removed)
+            elif isinstance(ev, kv_wire.AllBlocksCleared):
+                self.blocks.clear()
+                out.append(AllCleared())
+        return out
+
+    def _stored(self, ev: kv_wire.BlockStored) -> BlocksStored | None:
+        if ev.block_size != self.page_size:
+            self.stats.size_mismatches += 1
+            return None
+        if len(ev.token_ids) != len(ev.block_hashes) * self.page_size:
+            self.stats.orphan_blocks += len(ev.block_hashes)
+            return None
+        parent_engine = ev.parent_block_hash
+        parent: tuple[int, int] | None = None
+        if parent_engine is not None:
+            known = self.blocks.get(parent_engine)
+            if known is None:
+                self.stats.orphan_blocks += len(ev.block_hashes)
+                return None
+            parent = (known.primary, known.check)
+        ours = self.hasher.hash_tokens(ev.token_ids, parent)
+        medium = Medium(ev.medium) if ev.medium else Medium.GPU
+        prev = parent_engine
+        for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):
+            self.blocks[engine_hash] = MirrorBlock(p, c, prev, medium)
+            prev = engine_hash
+        self.stats.stored_blocks += len(ev.block_hashes)
+        return BlocksStored(
+            hashes=ours.primary,
+            check_hashes=ours.check,
+            parent_hash=parent[0] if parent else None,
+            medium=medium,
+        )
+
+    def _removed(self, ev: kv_wire.BlockRemoved) -> BlocksRemoved | None:
+        medium = Medium(ev.medium) if ev.medium else Medium.GPU
+        hashes = []
+        for engine_hash in ev.block_hashes:
+            block = self.blocks.get(engine_hash)
+            if block is None or block.medium != medium:
+                self.stats.unknown_removals += 1
+                continue
+            del self.blocks[engine_hash]
+            hashes.append(block.primary)
+        self.stats.removed_blocks += len(hashes)
+        return BlocksRemoved(hashes=hashes, medium=medium) if hashes else None
+
+    def dump(self) -> list[BlocksStored]:
+        """Every mirrored block, parents before children, grouped by tier."""
+        ordered: list[BlocksStored] = []
+        emitted: set[int] = set()
+
+        def emit(engine_hash: int) -> None:
+            chain = []
+            h: int | None = engine_hash
+            while h is not None and h not in emitted and h in self.blocks:
+                chain.append(h)
+                h = self.blocks[h].parent_engine_hash
+            for eh in reversed(chain):
+                block = self.blocks[eh]
+                parent = (
+                    self.blocks.get(block.parent_engine_hash) if block.parent_engine_hash else None
+                )
+                ordered.append(
+                    BlocksStored(
+                        hashes=[block.primary],
+                        check_hashes=[block.check],
+                        parent_hash=parent.primary if parent else None,
+                        medium=block.medium,
+                    )
+                )
+                emitted.add(eh)
+
+        for engine_hash in list(self.blocks):
+            emit(engine_hash)
+        return ordered

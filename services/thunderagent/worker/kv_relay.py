@@ -1,0 +1,113 @@
+"""Relay an engine's ZMQ KV events onto NATS: re-hashed, with the adapter's own sequence.
+
+Each engine batch becomes one ``KvEventBatch`` published to JetStream (acked), so the index and
+late router replicas can replay it. The relay also answers resync requests with a full dump of
+its mirror, republished in sequence on the stream. ZMQ gaps are repaired by replay where the engine still buffers them; a gap that
+cannot be repaired, or an engine restart, makes the relay start a new epoch: the index drops the
+worker's entries and rebuilds them from the dump and the events that follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from thunderagent.bus import Bus, Delivery
+from thunderagent.bus.streams import ensure_kv_events_stream
+from thunderagent.schemas import Ack, AllCleared, KvEvent, KvEventBatch, ResyncRequest, subjects
+from thunderagent.sglang.mirror import KvMirror
+from thunderagent.sglang.zmq_subscriber import (
+    Gap,
+    Received,
+    Restarted,
+    Undecodable,
+    ZmqKvEventSubscriber,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KvRelay:
+    def __init__(self, bus: Bus, worker_id: str, page_size: int) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.mirror = KvMirror(page_size)
+        self.epoch = int(time.time() * 1000)
+        self.seq = -1
+        self._subject = subjects.kv_events(worker_id)
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await ensure_kv_events_stream(self.bus.nc.jetstream())
+        await self.bus.subscribe(
+            subjects.worker_resync(self.worker_id), ResyncRequest, self.on_resync
+        )
+        # A fresh epoch starts empty: whatever the index held for this worker is void.
+        await self._publish([AllCleared()])
+
+    async def run(
+        self, endpoint: str, replay_endpoint: str | None, topic: str, stop: asyncio.Event
+    ) -> None:
+        async with ZmqKvEventSubscriber(
+            endpoint, replay_endpoint=replay_endpoint, topic=topic
+        ) as sub:
+            iterator = aiter(sub)
+            while not stop.is_set():
+                try:
+                    notice = await asyncio.wait_for(anext(iterator), 0.5)
+                except TimeoutError:
+                    continue
+                except StopAsyncIteration:
+                    return
+                await self.handle(notice)
+
+    async def handle(self, notice) -> None:
+        if isinstance(notice, Received):
+            events = self.mirror.apply(list(notice.batch.events))
+            if events:
+                await self._publish(events)
+        elif isinstance(notice, Restarted):
+            log.warning(
+                "%s: engine restarted (seq back to %d): cache is empty", self.worker_id, notice.seq
+            )
+            self.mirror.clear()
+            await self._publish([AllCleared()])
+        elif isinstance(notice, Gap) and not notice.recovered:
+            log.warning(
+                "%s: lost engine events %s: clearing this worker's index",
+                self.worker_id,
+                notice.lost,
+            )
+            # The engine cannot be asked for its cache contents, so the mirror cannot be repaired;
+            # drop it (the index follows) and let new stores rebuild it. Costs hits, never errors.
+            self.mirror.clear()
+            await self._publish([AllCleared()])
+        elif isinstance(notice, Undecodable):
+            log.warning(
+                "%s: undecodable KV batch seq %d: %s", self.worker_id, notice.seq, notice.error
+            )
+
+    async def _publish(self, events: list[KvEvent]) -> None:
+        async with self._lock:  # seq order == publish order
+            self.seq += 1
+            batch = KvEventBatch(
+                worker_id=self.worker_id,
+                seq=self.seq,
+                ts=time.time(),
+                events=events,
+                epoch=self.epoch,
+            )
+            await self.bus.nc.jetstream().publish(self._subject, _encode(batch))
+
+    async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
+        log.info("%s: resync requested (%s)", self.worker_id, request.reason)
+        await self._publish([AllCleared(), *self.mirror.dump()])
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, Ack(accepted=True))
+
+
+def _encode(batch: KvEventBatch) -> bytes:
+    from thunderagent.bus.bus import encode
+
+    return encode(batch)
