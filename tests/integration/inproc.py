@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -12,9 +13,10 @@ from aiohttp import web
 
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import free_port
+from thunderagent.engine import get_profile
 from thunderagent.runtime import ServiceContext
 from thunderagent.runtime.fleet import workers_bucket
-from thunderagent.engine import get_profile
+from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 from thunderagent.telemetry import Telemetry
@@ -28,6 +30,12 @@ class RunningService:
     bus: Bus
     stop: asyncio.Event
     task: asyncio.Task
+    hold: dict = field(default_factory=dict)
+    """Services that accept a ``hold`` dict put their runtime object under ``runtime``."""
+
+    @property
+    def runtime(self):
+        return self.hold.get("runtime")
 
 
 @dataclass
@@ -39,14 +47,17 @@ class InprocStack:
     _runners: list[web.AppRunner] = field(default_factory=list)
 
     async def start_service(
-        self, name: str, main: Callable[[ServiceContext], Awaitable[None]]
+        self, name: str, main: Callable[..., Awaitable[None]], *, hold: bool = False
     ) -> RunningService:
+        """``hold=True``: ``main(ctx, hold)`` stores its runtime object for the test to inspect."""
         nc = await connect(self.nats_url, name=name)
         bus = Bus(nc, service=name)
         stop = asyncio.Event()
         ctx = ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
-        task = asyncio.create_task(main(ctx), name=name)
-        svc = RunningService(name, bus, stop, task)
+        held: dict = {}
+        coro = main(ctx, held) if hold else main(ctx)
+        task = asyncio.create_task(coro, name=name)
+        svc = RunningService(name, bus, stop, task, held)
         self.services[name] = svc
         return svc
 
@@ -60,12 +71,35 @@ class InprocStack:
                 await svc.bus.nc.close()
 
     async def start_engine(
-        self, worker_id: str, *, profile: str = "tiny", page_size: int = 16, speedup: float = 1.0
+        self,
+        worker_id: str,
+        *,
+        profile: str = "tiny",
+        page_size: int = 16,
+        speedup: float = 1.0,
+        kv_events: bool = True,
     ) -> str:
+        events_config = None
+        publisher = None
+        if kv_events:
+            events_config = json.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                    "topic": "kv",
+                    # SGLang connects a PUB socket to a concrete host; bind it here instead
+                    "bind": True,
+                }
+            )
+            publisher = ZmqKvEventPublisher.from_cli(events_config)
         engine = EngineDriver(
-            get_profile(profile).with_engine(page_size=page_size), speedup=speedup
+            get_profile(profile).with_engine(page_size=page_size),
+            publisher=publisher,
+            speedup=speedup,
         )
-        app = SimEngineApp(engine, EngineInfo(model=MODEL, page_size=engine.page_size)).app
+        info = EngineInfo(model=MODEL, page_size=engine.page_size, kv_events_config=events_config)
+        app = SimEngineApp(engine, info).app
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         port = free_port()
@@ -74,6 +108,15 @@ class InprocStack:
         self.engines[worker_id] = engine
         self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
         return self.engine_urls[worker_id]
+
+    @property
+    def relays(self) -> dict:
+        """worker id -> the adapter's KV relay (for tests that inspect or perturb it)."""
+        out = {}
+        for name, svc in self.services.items():
+            if name.startswith("worker-") and svc.runtime is not None:
+                out[name.removeprefix("worker-")] = svc.runtime.relay
+        return out
 
     async def wait_for_workers(self, count: int, timeout_s: float = 10.0) -> None:
         nc = await connect(self.nats_url, name="wait")
@@ -121,9 +164,15 @@ async def inproc_stack(nats_url: str) -> AsyncIterator[InprocStack]:
 
 
 async def start_full_stack(
-    stack: InprocStack, workers: int = 2, *, policy: str = "least_loaded", **engine_kwargs
+    stack: InprocStack,
+    workers: int = 2,
+    *,
+    policy: str = "least_loaded",
+    redis_url: str | None = None,
+    **engine_kwargs,
 ) -> None:
-    """Router, scheduler and ``workers`` adapters with engines; returns when routable."""
+    """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
+    Redis URL is given); returns when the workers are registered."""
     from thunderagent.router.service import RouterConfig
     from thunderagent.router.service import main as router_main
     from thunderagent.scheduler.service import SchedulerConfig
@@ -135,8 +184,18 @@ async def start_full_stack(
         wid = f"w{i}"
         url = await stack.start_engine(wid, **engine_kwargs)
         config = AdapterConfig(worker_id=wid, engine_url=url, lease_s=2.0, load_interval_s=0.05)
-        await stack.start_service(f"worker-{wid}", lambda ctx, c=config: worker_main(ctx, c))
+        await stack.start_service(
+            f"worker-{wid}", lambda ctx, hold, c=config: worker_main(ctx, c, hold), hold=True
+        )
+    if redis_url:
+        from thunderagent.index.service import IndexConfig
+        from thunderagent.index.service import main as index_main
+
+        index_config = IndexConfig(redis_url=redis_url, snapshot_interval_s=0.5)
+        await stack.start_service(
+            "index", lambda ctx, hold: index_main(ctx, index_config, hold), hold=True
+        )
     await stack.start_service("scheduler", lambda ctx: scheduler_main(ctx, SchedulerConfig()))
-    router_config = RouterConfig(seed=1, policy=policy)
+    router_config = RouterConfig(seed=1, policy=policy, redis_url=redis_url)
     await stack.start_service("router", lambda ctx: router_main(ctx, router_config))
     await stack.wait_for_workers(workers)

@@ -99,7 +99,7 @@ class Bus:
 
     async def request(
         self, subject: str, message: Any, response_type: type[T], *, timeout: float = 2.0
-    ) -> T:  # noqa: ASYNC109 - the timeout is nats-py's own request timeout
+    ) -> T:
         """Request/reply; raises :class:`NoResponders` or :class:`RequestTimeout`."""
         try:
             msg = await self.nc.request(

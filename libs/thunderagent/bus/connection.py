@@ -6,7 +6,6 @@ import asyncio
 import logging
 import random
 
-import nats
 from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,7 @@ async def connect(
     """
 
     async def on_error(err: Exception) -> None:
-        log.warning("nats %s: %s", name, err)
+        log.info("nats %s: %s", name, err)
 
     async def on_disconnect() -> None:
         log.info("nats %s: disconnected", name)
@@ -40,21 +39,36 @@ async def connect(
     give_up_at = loop.time() + deadline_s
     delay = first_delay_s
     while True:
+        client = NATS()
         try:
-            return await nats.connect(
-                url,
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
+            # nats-py retries a refused first connection itself when reconnects are allowed,
+            # without a deadline: the attempt is bounded here, and retried with our backoff.
+            await asyncio.wait_for(
+                client.connect(
+                    url,
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                ),
+                timeout=max(0.05, min(give_up_at - loop.time(), 5.0)),
             )
+            return client
         except Exception as err:  # nats-py raises several unrelated types for a refused connect
+            await _discard(client)
             if loop.time() + delay > give_up_at:
-                raise ConnectionError(f"cannot connect to NATS at {url}: {err}") from err
-            log.info("nats %s: connect failed (%s), retry in %.2fs", name, err, delay)
+                raise ConnectionError(f"cannot connect to NATS at {url}: {err!r}") from err
+            log.info("nats %s: connect failed (%r), retry in %.2fs", name, err, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)
+
+
+async def _discard(client: NATS) -> None:
+    try:
+        await client.close()
+    except Exception:  # never connected: nothing to close
+        pass

@@ -54,4 +54,10 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def run_request(args: argparse.Namespace) -> int:
-    return asyncio.run(_run(args))
+    from thunderagent.telemetry import setup_telemetry
+
+    telemetry = setup_telemetry("thunderagent-client")
+    try:
+        return asyncio.run(_run(args))
+    finally:
+        telemetry.shutdown()  # flushes the client's span when tracing is on

@@ -63,6 +63,7 @@ class IndexService:
         )
         self.hot = HotPrefixCounter(window_s=config.hot_window_s)
         self._last_resync: dict[str, float] = {}
+        self.resyncs_requested = 0
         m = meter("thunderagent.index")
         self.resyncs = m.create_counter("thunderagent_index_resyncs", description="Resync requests")
         m.create_observable_gauge(
@@ -85,6 +86,7 @@ class IndexService:
         if now - self._last_resync.get(worker_id, -1e9) < self.config.resync_cooldown_s:
             return
         self._last_resync[worker_id] = now
+        self.resyncs_requested += 1
         self.resyncs.add(1, {"reason": reason})
         log.warning("worker %s: %s: requesting resync", worker_id, reason)
         try:
@@ -129,6 +131,22 @@ class IndexService:
         except Exception as err:  # Redis down: keep indexing, try again next time
             log.warning("snapshot not written (Redis: %s)", err)
 
+    async def run(self, ctx: ServiceContext) -> None:
+        registry = WorkerRegistry()
+        fleet = FleetWatcher(ctx.bus, registry, on_change=self.on_fleet_change)
+        await self.follower.start()
+        await ctx.bus.subscribe(
+            subjects.INDEX_OVERLAP, OverlapQuery, self.on_overlap, queue=subjects.INDEX_QUEUE
+        )
+        await ctx.bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecision, self.on_decision)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(fleet.run(ctx.stop))
+                tg.create_task(self.periodic(ctx.stop))
+        finally:
+            await self.follower.stop()
+            await self.write_snapshot()
+
 
 def _obs(value: float):
     from opentelemetry.metrics import Observation
@@ -136,21 +154,12 @@ def _obs(value: float):
     return Observation(value)
 
 
-async def main(ctx: ServiceContext, config: IndexConfig) -> None:
+async def main(ctx: ServiceContext, config: IndexConfig, hold: dict | None = None) -> None:
     redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
     service = IndexService(config, ctx.bus, redis)
-    registry = WorkerRegistry()
-    fleet = FleetWatcher(ctx.bus, registry, on_change=service.on_fleet_change)
-    await service.follower.start()
-    await ctx.bus.subscribe(
-        subjects.INDEX_OVERLAP, OverlapQuery, service.on_overlap, queue=subjects.INDEX_QUEUE
-    )
-    await ctx.bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecision, service.on_decision)
+    if hold is not None:
+        hold["runtime"] = service
     try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(fleet.run(ctx.stop))
-            tg.create_task(service.periodic(ctx.stop))
+        await service.run(ctx)
     finally:
-        await service.follower.stop()
-        await service.write_snapshot()
         await redis.aclose()

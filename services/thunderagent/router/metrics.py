@@ -33,10 +33,12 @@ class RouterMetrics:
             "thunderagent_router_prompt_tokens", description="Prompt tokens of routed requests"
         )
         self.false_hits = m.create_counter(
-            "thunderagent_false_hits", description="Verified requests with fewer cached tokens than predicted"
+            "thunderagent_false_hits",
+            description="Verified requests with fewer cached tokens than predicted",
         )
         self.missed_hits = m.create_counter(
-            "thunderagent_missed_hits", description="Verified requests with more cached tokens than predicted"
+            "thunderagent_missed_hits",
+            description="Verified requests with more cached tokens than predicted",
         )
         self.verified = m.create_counter(
             "thunderagent_verified_requests", description="Requests whose prediction was checked"

@@ -7,7 +7,6 @@ started from the index service's Redis snapshot and the KV-event stream.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -76,7 +75,9 @@ class Router:
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
         reply = delivery.reply
         if not reply:
-            await self.bus.reject(delivery, "request has no reply subject: nowhere to stream tokens")
+            await self.bus.reject(
+                delivery, "request has no reply subject: nowhere to stream tokens"
+            )
             return
         if not req.request_id:
             req = structs.replace(req, request_id=uuid.uuid4().hex)
@@ -99,7 +100,9 @@ class Router:
             await self.bus.publish(subjects.ROUTE_DECISIONS, submit.decision)
             await self._submit(submit)
 
-    def route(self, req: GenerateRequest, reply: str, workers: list[WorkerState]) -> ScheduleRequest:
+    def route(
+        self, req: GenerateRequest, reply: str, workers: list[WorkerState]
+    ) -> ScheduleRequest:
         """The pure part of a routing decision (hash, overlap, rank), timed."""
         started = time.perf_counter()
         page_size = workers[0].registration.page_size
@@ -164,9 +167,7 @@ class Router:
             m.recompute_tokens.add(lost, attrs)
 
     async def on_completion(self, final: FinalReply, _: Delivery) -> None:
-        verdict = self.verifier.verify(
-            final.request_id, final.worker_id, final.usage.cached_tokens
-        )
+        verdict = self.verifier.verify(final.request_id, final.worker_id, final.usage.cached_tokens)
         if verdict is None:
             return
         m = self.metrics
@@ -208,27 +209,42 @@ class Router:
         await self.bus.publish(reply, error)
 
 
-async def main(ctx: ServiceContext, config: RouterConfig) -> None:
-    registry = WorkerRegistry()
-    redis = None
-    if config.redis_url:
-        redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
-    follower = IndexFollower(ctx.bus, PrefixIndex(config.ttl_s), redis=redis)
-    router = Router(config, ctx.bus, registry, follower)
+class RouterService:
+    """One router replica: fleet view, local index follower, request subscription."""
 
-    def on_fleet_change(worker_id: str, what: str) -> None:
+    def __init__(self, ctx: ServiceContext, config: RouterConfig) -> None:
+        self.ctx = ctx
+        self.registry = WorkerRegistry()
+        self.redis = None
+        if config.redis_url:
+            self.redis = aioredis.from_url(
+                config.redis_url, socket_timeout=2, socket_connect_timeout=2
+            )
+        self.follower = IndexFollower(ctx.bus, PrefixIndex(config.ttl_s), redis=self.redis)
+        self.router = Router(config, ctx.bus, self.registry, self.follower)
+        self.fleet = FleetWatcher(ctx.bus, self.registry, on_change=self._on_fleet_change)
+
+    def _on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
-            follower.forget_worker(worker_id)
+            self.follower.forget_worker(worker_id)
 
-    fleet = FleetWatcher(ctx.bus, registry, on_change=on_fleet_change)
-    await follower.start()
-    await ctx.bus.subscribe(subjects.COMPLETIONS, FinalReply, router.on_completion)
-    await ctx.bus.subscribe(
-        subjects.REQUESTS_WILDCARD, GenerateRequest, router.on_request, queue=subjects.ROUTER_QUEUE
-    )
-    try:
-        await fleet.run(ctx.stop)
-    finally:
-        await follower.stop()
-        if redis is not None:
-            await redis.aclose()
+    async def run(self) -> None:
+        bus = self.ctx.bus
+        await self.follower.start()
+        await bus.subscribe(subjects.COMPLETIONS, FinalReply, self.router.on_completion)
+        await bus.subscribe(
+            subjects.REQUESTS_WILDCARD,
+            GenerateRequest,
+            self.router.on_request,
+            queue=subjects.ROUTER_QUEUE,
+        )
+        try:
+            await self.fleet.run(self.ctx.stop)
+        finally:
+            await self.follower.stop()
+            if self.redis is not None:
+                await self.redis.aclose()
+
+
+async def main(ctx: ServiceContext, config: RouterConfig) -> None:
+    await RouterService(ctx, config).run()

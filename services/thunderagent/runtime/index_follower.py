@@ -85,7 +85,9 @@ class IndexFollower:
         if last <= self.stream_seq:
             self.caught_up.set()
         config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if self.stream_seq else DeliverPolicy.ALL,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE
+            if self.stream_seq
+            else DeliverPolicy.ALL,
             opt_start_seq=self.stream_seq + 1 if self.stream_seq else None,
         )
         self._catch_up_to = last

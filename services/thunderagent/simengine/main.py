@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import uvloop
 from aiohttp import web
 
-from thunderagent.runtime.runner import configure_logging
 from thunderagent.engine import get_profile
+from thunderagent.runtime.runner import configure_logging
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp

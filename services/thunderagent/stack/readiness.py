@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from thunderagent.bus import connect
 from thunderagent.schemas import subjects
 
 
 async def wait_until_ready(
-    nats_url: str, services: list[str], workers: int, *, timeout_s: float = 60.0
+    nats_url: str,
+    services: list[str],
+    workers: int,
+    *,
+    timeout_s: float = 60.0,
+    check: Callable[[], None] = lambda: None,
 ) -> None:
+    """``check`` is called on every poll; it raises when a child process died, so a broken
+    service fails the start at once with its log instead of after the timeout."""
     nc = await connect(nats_url, name="thunderagent-up", deadline_s=timeout_s)
     try:
         give_up_at = time.monotonic() + timeout_s
@@ -25,6 +33,7 @@ async def wait_until_ready(
                 except Exception:
                     still.append(name)
             missing = still
+            check()
             if missing and time.monotonic() > give_up_at:
                 raise TimeoutError(f"services not answering after {timeout_s}s: {missing}")
             if missing:
@@ -39,6 +48,7 @@ async def wait_until_ready(
                 registered = 0
             if registered >= workers:
                 break
+            check()
             if time.monotonic() > give_up_at:
                 raise TimeoutError(f"{registered}/{workers} workers registered after {timeout_s}s")
             await asyncio.sleep(0.1)

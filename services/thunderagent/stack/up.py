@@ -91,7 +91,14 @@ class Stack:
         try:
             stack._start_servers()
             stack._start_services()
-            asyncio.run(wait_until_ready(stack.nats_url, stack.expected_services(), config.workers))
+            asyncio.run(
+                wait_until_ready(
+                    stack.nats_url,
+                    stack.expected_services(),
+                    config.workers,
+                    check=stack.raise_if_a_child_died,
+                )
+            )
         except BaseException:
             stack.stop()
             raise
@@ -137,6 +144,8 @@ class Stack:
                     "endpoint": f"tcp://127.0.0.1:{events_port}",
                     "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
                     "topic": "kv",
+                    # SGLang connects a PUB socket to a concrete host; bind it here instead
+                    "bind": True,
                 }
             )
             self._service(
@@ -152,6 +161,15 @@ class Stack:
 
     def expected_services(self) -> list[str]:
         return ["index", "scheduler", "router"]
+
+    def raise_if_a_child_died(self) -> None:
+        dead = self.dead_children()
+        if dead:
+            child = dead[0]
+            raise RuntimeError(
+                f"{child.name} exited with {child.popen.returncode} while starting; "
+                f"its log ({child.log_path}) ends with:\n{child.tail()}"
+            )
 
     def dead_children(self) -> list[ChildProcess]:
         return [c for c in self.children if not c.alive()]

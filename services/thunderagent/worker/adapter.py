@@ -11,8 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from urllib.parse import urlparse
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import msgspec
 from opentelemetry import trace
@@ -66,6 +66,7 @@ class WorkerAdapter:
         self.engine = engine
         self.inflight = 0
         self.registration: WorkerRegistration | None = None
+        self.relay: KvRelay | None = None
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")
@@ -101,7 +102,9 @@ class WorkerAdapter:
         events = await self._kv_event_source()
         relay = None
         if events is not None:
-            relay = KvRelay(self.bus, self.config.worker_id, self.registration.page_size)
+            relay = self.relay = KvRelay(
+                self.bus, self.config.worker_id, self.registration.page_size
+            )
             await relay.start()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -127,8 +130,8 @@ class WorkerAdapter:
         endpoint = self.config.kv_events_endpoint or config.get("endpoint")
         if (
             not endpoint
-            or config.get("publisher", "zmq") == "null"
-            and not self.config.kv_events_endpoint
+            or (config.get("publisher", "zmq") == "null"
+            and not self.config.kv_events_endpoint)
         ):
             log.warning("engine publishes no KV events: routing will not see its cache")
             return None
@@ -289,7 +292,9 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
         pass
 
 
-async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
+async def main(ctx: ServiceContext, config: AdapterConfig, hold: dict | None = None) -> None:
     async with EngineClient(config.engine_url) as engine:
         adapter = WorkerAdapter(config, ctx.bus, engine)
+        if hold is not None:
+            hold["runtime"] = adapter
         await adapter.run(ctx.stop)

@@ -52,15 +52,19 @@ class KvRelay:
         async with ZmqKvEventSubscriber(
             endpoint, replay_endpoint=replay_endpoint, topic=topic
         ) as sub:
-            iterator = aiter(sub)
-            while not stop.is_set():
-                try:
-                    notice = await asyncio.wait_for(anext(iterator), 0.5)
-                except TimeoutError:
-                    continue
-                except StopAsyncIteration:
-                    return
-                await self.handle(notice)
+            # Consume in a task that is cancelled on stop: timing out ``anext`` instead would
+            # close the subscriber's async generator after the first quiet period.
+            consume = asyncio.create_task(self._consume(sub))
+            stopped = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({consume, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (consume, stopped):
+                task.cancel()
+            if consume in done:
+                consume.result()
+
+    async def _consume(self, sub: ZmqKvEventSubscriber) -> None:
+        async for notice in sub:
+            await self.handle(notice)
 
     async def handle(self, notice) -> None:
         if isinstance(notice, Received):

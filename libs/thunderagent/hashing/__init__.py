@@ -1,0 +1,19 @@
+"""Chained block hashing with a second verification hash (see ``blocks`` for the scheme)."""
+
+from thunderagent.hashing.blocks import (
+    SCHEME_VERSION,
+    BlockHash,
+    BlockHasher,
+    BlockHashes,
+    CheckHash,
+    namespace_roots,
+)
+
+__all__ = [
+    "SCHEME_VERSION",
+    "BlockHash",
+    "BlockHasher",
+    "BlockHashes",
+    "CheckHash",
+    "namespace_roots",
+]

@@ -1,0 +1,43 @@
+"""Round robin over the workers sorted by id; ignores cache and load (the blind baseline)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.schemas import Candidate
+
+
+@register("round_robin")
+@dataclass
+class RoundRobin:
+    """The i-th routed request goes to worker ``i mod n`` of the id-sorted worker list.
+
+    Sorting by id makes the cycle independent of the order the registry lists workers in. The
+    counter advances in ``on_routed`` (once per routed request), so ``rank`` is a pure query. No
+    parameters.
+    """
+
+    name: ClassVar[str] = "round_robin"
+    _next: int = field(default=0, init=False, repr=False)
+
+    def rank(
+        self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
+    ) -> list[Candidate]:
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        start = self._next % len(ordered)
+        turn = ordered[start:] + ordered[:start]
+        return [
+            Candidate(
+                worker_id=w.worker_id,
+                score=float(-i),
+                overlap_blocks=query.overlaps.get(w.worker_id, 0),
+            )
+            for i, w in enumerate(turn)
+        ]
+
+    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+        self._next += 1

@@ -1,0 +1,123 @@
+"""SGLang router 0.3.2 ``cache_aware``, on token blocks instead of characters.
+
+Per worker, an approximate cache of the block hashes this policy has *routed* there (not what the
+engine reports), capped and LRU-evicted. Per request: if the load is imbalanced, the least loaded
+worker; else the worker holding the longest prefix if that prefix covers more than
+``cache_threshold`` of the prompt; else the worker with the smallest tree. See README.md for the
+source this was checked against and the deviations.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from thunderagent.routing.cost import (
+    by_key,
+    finite_at_least,
+    in_unit_interval,
+    pick_among_best,
+    require,
+)
+from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.schemas import Candidate
+
+_P = "sglang_cache_aware"
+
+
+@register("sglang_cache_aware")
+@dataclass
+class SglangCacheAware:
+    name: ClassVar[str] = _P
+
+    cache_threshold: float = 0.3
+    """sglang-router 0.3.2 default: follow the cache only when the best match covers more than 30%
+    of the prompt; a shorter match is not worth giving up the emptiest worker."""
+    balance_abs_threshold: int = 64
+    """0.3.2 default: load is imbalanced only if max - min outstanding requests exceeds 64 ..."""
+    balance_rel_threshold: float = 1.5
+    """... and max > 1.5 x min (0.3.2 default); both must hold, so small fleets stay cache-led."""
+    max_tree_tokens: int = 2**24
+    """Per-worker cap of the approximate tree. 0.3.2 caps each tree at 2**26 characters; at ~4
+    characters per token that is 2**24 tokens (32768 blocks of 512). Deliberately far above a
+    worker's real KV capacity, as in SGLang: the tree forgets much later than the engine does."""
+
+    _trees: dict[str, OrderedDict[int, None]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        in_unit_interval(_P, "cache_threshold", self.cache_threshold)
+        require(
+            _P,
+            "balance_abs_threshold",
+            self.balance_abs_threshold,
+            isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
+            "must be an integer >= 0",
+        )
+        finite_at_least(_P, "balance_rel_threshold", self.balance_rel_threshold, 1.0)
+        require(
+            _P,
+            "max_tree_tokens",
+            self.max_tree_tokens,
+            isinstance(self.max_tree_tokens, int) and self.max_tree_tokens > 0,
+            "must be an integer > 0",
+        )
+
+    def matched_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """Leading prompt blocks this policy has routed to ``worker_id`` (and not evicted)."""
+        tree = self._trees.get(worker_id)
+        n = 0
+        if tree:
+            for h in block_hashes:
+                if h not in tree:
+                    break
+                n += 1
+        return n
+
+    def tree_blocks(self, worker_id: str) -> int:
+        return len(self._trees.get(worker_id, ()))
+
+    def rank(
+        self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
+    ) -> list[Candidate]:
+        loads = [w.outstanding for w in workers]
+        hi, lo = max(loads), min(loads)
+        imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+        match = {w.worker_id: self.matched_blocks(w.worker_id, query.block_hashes) for w in workers}
+        size = {w.worker_id: self.tree_blocks(w.worker_id) for w in workers}
+        blocks = query.prompt_blocks
+        if imbalanced:  # shortest queue
+            score = {w.worker_id: float(-w.outstanding) for w in workers}
+        elif blocks and max(match.values()) / blocks > self.cache_threshold:  # longest match
+            score = {wid: m / blocks for wid, m in match.items()}
+        else:  # smallest tree: most room for a new prefix
+            score = {wid: float(-s) for wid, s in size.items()}
+        # Ties for first: uniformly at random (SGLang takes whichever its hash map yields first).
+        first = pick_among_best(workers, lambda w: score[w.worker_id], rng)
+        rest = [w for w in workers if w.worker_id != first.worker_id]
+
+        def key(w: WorkerView) -> tuple[float, ...]:  # score, longer match, smaller tree, load
+            i = w.worker_id
+            return (-score[i], -match[i], size[i], w.outstanding)
+
+        ordered = by_key(rest, key, rng)
+        return [
+            Candidate(
+                worker_id=w.worker_id, score=score[w.worker_id], overlap_blocks=match[w.worker_id]
+            )
+            for w in [first, *ordered]
+        ]
+
+    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+        """Insert the prompt's blocks into the chosen worker's tree (both modes, as SGLang does)."""
+        tree = self._trees.setdefault(worker_id, OrderedDict())
+        # Deepest block first, so the prompt's root ends most recent: LRU then evicts from the
+        # leaves up, as SGLang's leaf-LRU does, and a surviving block keeps its whole prefix.
+        for h in reversed(query.block_hashes):
+            tree[h] = None
+            tree.move_to_end(h)
+        cap = max(1, self.max_tree_tokens // query.block_size)
+        while len(tree) > cap:
+            tree.popitem(last=False)

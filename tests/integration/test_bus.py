@@ -1,0 +1,100 @@
+"""The bus helpers against a real NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import msgspec
+import pytest
+
+from thunderagent.bus import Bus, NoResponders, RequestTimeout, connect
+from thunderagent.schemas import REPLY_DECODER, Ack, ErrorCode, ErrorReply, ResyncRequest, subjects
+
+pytestmark = pytest.mark.integration
+
+
+async def test_handler_failure_is_answered_dead_lettered_and_survived(nats_server):
+    nc = await connect(nats_server.url, name="svc")
+    bus = Bus(nc, service="svc")
+    calls = []
+
+    async def handler(msg: ResyncRequest, delivery) -> None:
+        calls.append(msg.worker_id)
+        if msg.worker_id == "boom":
+            raise RuntimeError("kaput")
+        await bus.publish(delivery.reply, Ack(accepted=True))
+
+    await bus.subscribe("t.resync", ResyncRequest, handler)
+    client = await connect(nats_server.url, name="client")
+    dead: asyncio.Queue = asyncio.Queue()
+    await client.subscribe(subjects.dead_letter("svc"), cb=dead.put)
+    payload = msgspec.json.encode(ResyncRequest(worker_id="boom", reason="x"))
+    reply = REPLY_DECODER.decode((await client.request("t.resync", payload, timeout=2)).data)
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.INTERNAL
+    assert "kaput" in reply.message
+    record = msgspec.json.decode((await asyncio.wait_for(dead.get(), 2)).data)
+    assert base64.b64decode(record["raw"]) == payload
+    ok = await bus.request("t.resync", ResyncRequest(worker_id="fine", reason="x"), Ack, timeout=2)
+    assert ok.accepted and calls == ["boom", "fine"]
+    assert bus.stats["t.resync"].handler_errors == 1
+    assert bus.stats["t.resync"].dead_lettered == 1
+    await client.close()
+    await nc.close()
+
+
+async def test_traceparent_travels_in_headers(nats_server):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("t")
+    nc = await connect(nats_server.url, name="a")
+    bus = Bus(nc, service="a")
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on_msg(msg) -> None:
+        got.set_result(msg.headers)
+
+    await nc.subscribe("t.trace", cb=on_msg)
+    with tracer.start_as_current_span("parent") as span:
+        await bus.publish("t.trace", Ack(accepted=True))
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    headers = await asyncio.wait_for(got, 2)
+    assert headers["traceparent"].split("-")[1] == trace_id
+    await nc.close()
+
+
+async def test_request_errors_are_typed(nats_server):
+    nc = await connect(nats_server.url, name="a")
+    bus = Bus(nc, service="a")
+    with pytest.raises(NoResponders):
+        await bus.request("nobody.here", Ack(accepted=True), Ack, timeout=1)
+
+    async def ignore(msg) -> None:
+        pass
+
+    await nc.subscribe("silent", cb=ignore)
+    with pytest.raises(RequestTimeout):
+        await bus.request("silent", Ack(accepted=True), Ack, timeout=0.2)
+    await nc.close()
+
+
+async def test_connect_retries_until_the_server_appears(tmp_path):
+    from thunderagent.embedded import NatsServer
+
+    server = NatsServer(tmp_path / "late")
+    task = asyncio.create_task(connect(server.url, name="early", deadline_s=20))
+    await asyncio.sleep(0.5)
+    server.start()
+    try:
+        nc = await asyncio.wait_for(task, 20)
+        assert nc.is_connected
+        await nc.close()
+    finally:
+        server.stop()
+
+
+async def test_connect_gives_up_with_a_clear_error():
+    from thunderagent.embedded import free_port
+
+    with pytest.raises(ConnectionError, match="cannot connect to NATS"):
+        await connect(f"nats://127.0.0.1:{free_port()}", name="x", deadline_s=0.5)

@@ -1,0 +1,132 @@
+"""KV-aware routing over real NATS + JetStream + Redis: cache hits follow the prefix, late
+router replicas agree, lost events are repaired, and Redis going away stops nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from thunderagent.client import ThunderClient
+from thunderagent.hashing import BlockHasher
+from thunderagent.router.service import RouterConfig, RouterService
+from thunderagent.schemas import GenerateRequest
+
+pytestmark = pytest.mark.integration
+PAGE = 16
+
+
+async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if loop.time() > give_up_at:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def routable(nats_url: str, workers: int) -> ThunderClient:
+    client = await ThunderClient.connect(nats_url, idle_timeout_s=20)
+    for i in range(200):
+        try:
+            await client.generate(GenerateRequest(model=MODEL, token_ids=[3, i], max_tokens=1))
+            return client
+        except Exception:
+            await asyncio.sleep(0.05)
+    raise AssertionError("stack never became routable")
+
+
+def conversation(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i) % 50_000 + 4 for i in range(blocks * PAGE)]
+
+
+async def start_router(stack, name: str, redis_url: str | None) -> RouterService:
+    async def run(ctx, hold):
+        hold["runtime"] = svc = RouterService(
+            ctx, RouterConfig(seed=1, policy="thunder", redis_url=redis_url)
+        )
+        await svc.run()
+
+    running = await stack.start_service(name, run, hold=True)
+    return await wait_for(lambda: running.runtime, what=f"{name} to start")
+
+
+async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50)  # fmt: skip
+        client = await routable(nats_server.url, 3)
+        prefix = conversation(1, 12)  # 192 tokens, 12 full pages
+        first = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+        )
+        # the router learns the first request's blocks from the KV events before the second
+        await asyncio.sleep(0.5)
+        second = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
+        )
+        await client.close()
+    assert second.final.worker_id == first.final.worker_id
+    assert second.final.usage.cached_tokens == 12 * PAGE
+    assert second.final.predicted_cached_tokens == 12 * PAGE
+
+
+async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_server, redis_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50, redis_url=redis_server.url)  # fmt: skip
+        first_router = await start_router(stack, "router-a", redis_server.url)
+        client = await routable(nats_server.url, 3)
+        prompts = [conversation(s, 6 + s % 5) for s in range(12)]
+        for p in prompts:
+            await client.generate(GenerateRequest(model=MODEL, token_ids=p + [1], max_tokens=3))
+        hasher = BlockHasher(PAGE)
+        probes = [hasher.hash_tokens(p) for p in prompts]
+
+        def overlaps(svc):
+            return [svc.follower.index.overlap(h.primary, h.check) for h in probes]
+
+        # 1. a replica started now (snapshot from Redis + stream replay) sees what the others see
+        await asyncio.sleep(1.0)  # at least one snapshot interval
+        late = await start_router(stack, "router-late", redis_server.url)
+        await wait_for(lambda: late.follower.caught_up.is_set(), what="late replica catch-up")
+        await wait_for(lambda: overlaps(late) == overlaps(first_router), what="replicas to agree")
+        assert late.follower.restored_from > 0, "the late replica should start from the snapshot"
+        assert any(overlaps(late)), "the probes should hit somewhere"
+
+        # 2. a lost KV event is detected by the index service and repaired by a resync
+        index_svc = stack.services["index"].runtime
+        for relay in stack.relays.values():
+            relay.seq += 1  # each worker's next batch skips a number, as if one was lost
+        before = index_svc.resyncs_requested
+        await client.generate(
+            GenerateRequest(model=MODEL, token_ids=conversation(99, 8), max_tokens=2)
+        )
+        await wait_for(lambda: index_svc.resyncs_requested > before, what="a resync request")
+
+        def index_matches_mirrors():
+            return all(
+                set(index_svc.follower.index.dump_worker(wid).primary)
+                == {b.primary for b in relay.mirror.blocks.values()}
+                for wid, relay in stack.relays.items()
+            )
+
+        await wait_for(index_matches_mirrors, what="the index to match every adapter's mirror")
+
+        # 3. Redis dies: routing goes on, and a replica started now replays the whole stream
+        redis_server.stop()
+        done = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prompts[0] + [2], max_tokens=2)
+        )
+        assert done.final.usage.cached_tokens >= 6 * PAGE
+        cold = await start_router(stack, "router-cold", redis_server.url)
+        await wait_for(lambda: cold.follower.caught_up.is_set(), what="cold replica catch-up")
+        assert cold.follower.restored_from == 0
+        await wait_for(
+            lambda: overlaps(cold) == overlaps(first_router), what="cold replica to agree"
+        )
+        await client.close()

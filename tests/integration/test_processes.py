@@ -1,0 +1,145 @@
+"""The embedded stack as real processes: one request is one trace across every service, and
+SIGTERM stops everything with no orphan process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.otlp_receiver import OtlpReceiver
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "sim/llama-3.1-8b"
+
+
+def _start_up(
+    tmp_path: Path, env: dict[str, str], workers: int = 2
+) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thunderagent.cli.main", "up", "--workers", str(workers),
+         "--run-dir", str(tmp_path / "run"), "--speedup", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.strip().startswith("NATS"):
+            return proc, line.split()[-1]
+    proc.kill()
+    raise AssertionError("thunderagent up did not start:\n" + "".join(lines))
+
+
+def _descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,pgid=,sid="], capture_output=True, text=True)
+    rows = [tuple(int(x) for x in line.split()) for line in out.stdout.splitlines() if line.strip()]
+    children: dict[int, list[int]] = {}
+    for p, pp, *_ in rows:
+        children.setdefault(pp, []).append(p)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "thunderagent.cli.main", "request", "--nats", nats_url,
+         "--model", MODEL, "--max-tokens", "8", "--json", prompt],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_sigterm_stops_every_process(tmp_path):
+    proc, nats_url = _start_up(tmp_path, dict(os.environ))
+    try:
+        final = _request(nats_url, dict(os.environ), "hello from the process test")
+        assert final["type"] == "final"
+        children = _descendants(proc.pid)
+        # nats, redis, index, scheduler, router, 2 x (engine + adapter)
+        assert len(children) >= 9, children
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    left = [pid for pid in children if _alive(pid)]
+    assert not left, f"orphans after SIGTERM: {left}"
+
+
+def test_sigkill_of_up_leaves_no_orphans(tmp_path):
+    proc, _ = _start_up(tmp_path, dict(os.environ), workers=1)
+    children = _descendants(proc.pid)
+    assert children
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in children):
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)]
+
+
+def test_one_request_is_one_trace_across_processes(tmp_path):
+    with OtlpReceiver() as receiver:
+        env = dict(os.environ)
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+        proc, nats_url = _start_up(tmp_path, env)
+        try:
+            final = _request(nats_url, env, "trace me through every service")
+            request_id = final["request_id"]
+            deadline = time.monotonic() + 20
+            wanted = {"thunderagent-client", "thunderagent-router", "thunderagent-scheduler",
+                      "thunderagent-worker-w0", "thunderagent-worker-w1", "thunderagent-simengine"}  # fmt: skip
+            trace = []
+            while time.monotonic() < deadline:
+                spans = receiver.snapshot()
+                roots = [s for s in spans if s.service == "thunderagent-client"]
+                if roots:
+                    trace_id = roots[-1].trace_id
+                    trace = [s for s in spans if s.trace_id == trace_id]
+                    services = {s.service for s in trace}
+                    if {"thunderagent-router", "thunderagent-scheduler",
+                        "thunderagent-simengine"} <= services and services & {
+                            "thunderagent-worker-w0", "thunderagent-worker-w1"}:  # fmt: skip
+                        break
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    assert request_id
+    services = {s.service for s in trace}
+    assert "thunderagent-client" in services
+    assert {"thunderagent-router", "thunderagent-scheduler", "thunderagent-simengine"} <= services
+    assert services & wanted - {"thunderagent-client"}
+    ids = {s.span_id for s in trace}
+    roots = [s for s in trace if not s.parent_span_id]
+    assert len(roots) == 1 and roots[0].service == "thunderagent-client", roots
+    orphans = [s for s in trace if s.parent_span_id and s.parent_span_id not in ids]
+    assert not orphans, f"spans whose parent is not in the trace: {orphans}"

@@ -1,0 +1,126 @@
+"""SGLang events -> our events (mirror), batches -> index (feeder), lazy verification."""
+
+from __future__ import annotations
+
+from thunderagent.hashing import BlockHasher
+from thunderagent.prefix_index import PrefixIndex
+from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
+from thunderagent.prefix_index.state import capture, restore
+from thunderagent.router.verification import Routed, Verifier
+from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch, Medium
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.mirror import KvMirror
+
+PAGE = 4
+
+
+def stored(tokens, parent=None, medium="GPU"):
+    hashes = kv_wire.sglang_block_hashes(tokens, PAGE)
+    return kv_wire.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=PAGE,
+        lora_id=None,
+        medium=medium,
+    ), hashes
+
+
+def test_mirror_rehashes_token_ids_into_our_chain():
+    tokens = list(range(12))
+    ev, _ = stored(tokens)
+    mirror = KvMirror(PAGE)
+    [out] = mirror.apply([ev])
+    ours = BlockHasher(PAGE).hash_tokens(tokens)
+    assert isinstance(out, BlocksStored)
+    assert (out.hashes, out.check_hashes, out.parent_hash) == (ours.primary, ours.check, None)
+
+
+def test_mirror_continues_the_chain_from_a_known_parent_and_skips_orphans():
+    tokens = list(range(16))
+    first, engine_hashes = stored(tokens[:8])
+    # SGLang chains the second event on the full digest of page 2; take its hashes from the
+    # whole-prompt computation and give the event the parent SGLang would give it.
+    all_hashes = kv_wire.sglang_block_hashes(tokens, PAGE)
+    second = kv_wire.BlockStored(
+        block_hashes=all_hashes[2:],
+        parent_block_hash=all_hashes[1],
+        token_ids=tokens[8:],
+        block_size=PAGE,
+        lora_id=None,
+        medium="GPU",
+    )
+    mirror = KvMirror(PAGE)
+    mirror.apply([first])
+    [out] = mirror.apply([second])
+    ours = BlockHasher(PAGE).hash_tokens(tokens)
+    assert out.hashes == ours.primary[2:]
+    assert out.parent_hash == ours.primary[1]
+    orphan = kv_wire.BlockStored(
+        block_hashes=[123], parent_block_hash=999, token_ids=[1, 2, 3, 4],
+        block_size=PAGE, lora_id=None, medium="GPU",
+    )  # fmt: skip
+    assert mirror.apply([orphan]) == []
+    assert mirror.stats.orphan_blocks == 1
+
+
+def test_mirror_translates_removals_and_tiers_and_dumps_parents_first():
+    tokens = list(range(12))
+    ev, engine_hashes = stored(tokens)
+    mirror = KvMirror(PAGE)
+    mirror.apply([ev])
+    ours = BlockHasher(PAGE).hash_tokens(tokens)
+    out = mirror.apply(
+        [kv_wire.BlockRemoved(block_hashes=[engine_hashes[2]], medium="GPU")]
+    )
+    assert out == [BlocksRemoved(hashes=[ours.primary[2]], medium=Medium.GPU)]
+    dump = mirror.dump()
+    assert [d.hashes[0] for d in dump] == ours.primary[:2]
+    assert dump[1].parent_hash == ours.primary[0]
+    assert mirror.apply([kv_wire.AllBlocksCleared()]) == [AllCleared()]
+    assert mirror.dump() == []
+
+
+def batch(worker, seq, events, epoch=1):
+    return KvEventBatch(worker_id=worker, seq=seq, ts=0.0, events=events, epoch=epoch)
+
+
+def test_feeder_detects_gaps_stale_batches_and_new_epochs():
+    h = BlockHasher(PAGE).hash_tokens(list(range(8)))
+    feeder = IndexFeeder(PrefixIndex(ttl_s=None))
+    store = BlocksStored(hashes=h.primary, check_hashes=h.check)
+    assert feeder.apply(batch("w", 0, [AllCleared(), store]), 0) is FeedOutcome.NEW_EPOCH
+    assert feeder.index.overlap(h.primary, h.check) == {"w": 2}
+    assert feeder.apply(batch("w", 0, [store]), 0) is FeedOutcome.STALE
+    assert feeder.apply(batch("w", 2, [BlocksRemoved(hashes=h.primary[1:])]), 0) is FeedOutcome.GAP
+    assert feeder.index.overlap(h.primary, h.check) == {"w": 1}
+    assert feeder.apply(batch("w", 5, [store], epoch=0), 0) is FeedOutcome.STALE
+    assert feeder.apply(batch("w", 0, [AllCleared()], epoch=2), 0) is FeedOutcome.NEW_EPOCH
+    assert feeder.index.overlap(h.primary, h.check) == {}
+
+
+def test_feeder_state_survives_a_snapshot_round_trip():
+    h = BlockHasher(PAGE).hash_tokens(list(range(8)))
+    feeder = IndexFeeder(PrefixIndex(ttl_s=None))
+    feeder.apply(batch("w", 0, [BlocksStored(hashes=h.primary, check_hashes=h.check)]), 0)
+    data = capture(feeder, stream_seq=42, now=0.0)
+    fresh = IndexFeeder(PrefixIndex(ttl_s=None))
+    assert restore(fresh, data, now=0.0) == 42
+    assert fresh.index.overlap(h.primary, h.check) == {"w": 2}
+    assert fresh.apply(batch("w", 1, [AllCleared()]), 0) is FeedOutcome.APPLIED
+    assert fresh.index.overlap(h.primary, h.check) == {}
+
+
+def test_verifier_finds_false_hits_and_the_stale_blocks():
+    v = Verifier(capacity=2)
+    v.remember("r1", Routed("w0", [1, 2, 3, 4], predicted_blocks=3, page_size=16))
+    verdict = v.verify("r1", "w0", cached_tokens=16)
+    assert verdict.false_hit and verdict.stale_hashes == [2, 3]
+    v.remember("r2", Routed("w0", [1, 2], predicted_blocks=0, page_size=16))
+    assert v.verify("r2", "w0", cached_tokens=32).missed_hit
+    assert v.verify("r2", "w0", cached_tokens=0) is None  # already verified
+    v.remember("a", Routed("w0", [], 0, 16))
+    v.remember("b", Routed("w0", [], 0, 16))
+    v.remember("c", Routed("w0", [], 0, 16))
+    assert v.unverified == 1 and v.verify("a", "w0", 0) is None
+    assert v.verify("b", "w1", 0) is None  # spilled to another worker: nothing to conclude

@@ -1,0 +1,220 @@
+"""thunder: hand-computed seconds, load-decayed credit, host tier, pressure, p2c, online tuning."""
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thunderagent.routing import RouteQuery, WorkerView, get_policy
+from thunderagent.routing.cost import OnlineTuner, ParamError, RoutingFeedback
+from thunderagent.routing.thunder import Thunder
+
+BS = 10
+
+
+def q(blocks: int = 4, **kw) -> RouteQuery:
+    return RouteQuery(
+        request_id="r",
+        prompt_tokens=blocks * BS,
+        block_size=BS,
+        block_hashes=list(range(blocks)),
+        **kw,
+    )
+
+
+def unit(**params) -> Thunder:
+    """Prefill costs 1 s per token and nothing else, so costs are easy to compute by hand."""
+    base = dict(
+        prefill_s_per_token=1.0,
+        decode_s_per_kv_token=0.0,
+        decode_s_per_seq=0.0,
+        prior_prefill_tokens=0.0,
+        load_scale=1.0,
+        host_credit=0.5,
+    )
+    p = get_policy("thunder", **(base | params))
+    assert isinstance(p, Thunder)
+    return p
+
+
+def ids(ranked) -> list[str]:
+    return [c.worker_id for c in ranked]
+
+
+def test_costs_hand_computed_with_host_tier() -> None:
+    query = q(4, overlaps={"a": 4, "b": 2}, host_overlaps={"a": 4, "b": 4})
+    workers = [WorkerView("c"), WorkerView("b"), WorkerView("a")]
+    ranked = unit().rank(query, workers, random.Random(0))
+    # a: 40 - 40 = 0. b: 40 - (2 + 0.5 * 2) * 10 = 10. c: no credit, 40.
+    assert ids(ranked) == ["a", "b", "c"]
+    assert [c.score for c in ranked] == [0.0, -10.0, -40.0]
+    assert [c.overlap_blocks for c in ranked] == [4, 2, 0]
+
+
+def test_credit_decays_with_excess_load() -> None:
+    query = q(4, overlaps={"a": 4, "b": 2}, host_overlaps={"b": 4})
+    workers = [WorkerView("a", running=1), WorkerView("b"), WorkerView("c")]
+    ranked = unit().rank(query, workers, random.Random(0))
+    # a is 1 request above the least loaded: credit 40 * e^-1
+    assert ids(ranked) == ["b", "a", "c"]
+    assert ranked[1].score == pytest.approx(-(40 - 40 * math.exp(-1)))
+    even = [WorkerView("a", running=1), WorkerView("b", running=1), WorkerView("c", running=1)]
+    assert unit().rank(query, even, random.Random(0))[0].score == 0.0  # even load: full credit
+
+
+def test_queue_decode_and_pressure_terms() -> None:
+    p = unit(decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, pressure_penalty_s=2.0)
+    p.on_routed(q(3), "x")  # uncached mean: 30 tokens
+    w = WorkerView(
+        "w", running=1, queued=2, active_tokens=100, kv_used_blocks=95, kv_total_blocks=100
+    )
+    query = q(4, expected_output_tokens=10)
+    # own 40 + ahead 2 * 30 = 100; decode 10 * (0.01 * 100 + 0.5 * 3) = 25; pressure 2 * 0.5 = 1
+    assert p.cost(query, w, min_outstanding=3) == pytest.approx(126.0)
+
+
+def test_free_kv_breaks_cost_ties() -> None:
+    query = q(4, overlaps={"a": 2, "b": 2})
+    workers = [
+        WorkerView("a", kv_used_blocks=50, kv_total_blocks=100),
+        WorkerView("b", kv_used_blocks=10, kv_total_blocks=100),
+    ]
+    for seed in range(10):
+        assert ids(unit().rank(query, workers, random.Random(seed))) == ["b", "a"]
+
+
+def test_no_hit_uses_power_of_two_choices() -> None:
+    p = unit(decode_s_per_seq=1.0)
+    workers = [WorkerView(f"w{i}", running=i) for i in range(6)]
+    query = q(4, expected_output_tokens=1)
+    firsts = set()
+    for seed in range(40):
+        ranked = p.rank(query, workers, random.Random(seed))
+        a, b = random.Random(seed).sample(range(6), 2)
+        assert ranked[0].worker_id == f"w{min(a, b)}"  # the less loaded of the sampled two
+        rest = [int(c.worker_id[1:]) for c in ranked[1:]]
+        assert rest == sorted(rest)
+        firsts.add(ranked[0].worker_id)
+    assert "w5" not in firsts  # the most loaded never wins a pair
+    assert len(firsts) > 1  # and the least loaded is not always picked
+
+
+def test_temperature_puts_the_sampled_worker_first() -> None:
+    p = unit(temperature=1.0)
+    query = q(4, overlaps={"a": 4, "b": 2})
+    workers = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
+    firsts = {ids(p.rank(query, workers, random.Random(s)))[0] for s in range(200)}
+    assert firsts == {"a", "b", "c"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(1, 64),
+    load=st.integers(0, 50),
+    k=st.integers(0, 64),
+    bs=st.sampled_from([16, 512]),
+)
+def test_cost_is_monotone_in_overlap_and_host_credit_is_between(
+    blocks: int, load: int, k: int, bs: int
+) -> None:
+    p = get_policy("thunder")
+    k = min(k, blocks - 1)
+
+    def cost(gpu: int, host: int) -> float:
+        query = RouteQuery(
+            request_id="r",
+            prompt_tokens=blocks * bs,
+            block_size=bs,
+            block_hashes=list(range(blocks)),
+            overlaps={"w": gpu},
+            host_overlaps={"w": host},
+        )
+        return p.cost(query, WorkerView("w", running=load), min_outstanding=0)
+
+    assert cost(k + 1, k + 1) <= cost(k, k)  # more GPU overlap never costs more
+    assert cost(k + 1, k + 1) <= cost(k, k + 1) <= cost(k, k)  # host credit in [0, GPU credit]
+    assert math.isfinite(cost(k, k))
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=st.integers(1, 64), k=st.integers(1, 64), bs=st.sampled_from([16, 512]))
+def test_loaded_hit_eventually_loses_to_idle_miss(blocks: int, k: int, bs: int) -> None:
+    p = get_policy("thunder")
+    query = RouteQuery(
+        request_id="r",
+        prompt_tokens=blocks * bs,
+        block_size=bs,
+        block_hashes=list(range(blocks)),
+        overlaps={"hot": min(k, blocks)},
+    )
+    winners = [
+        p.rank(query, [WorkerView("hot", running=n), WorkerView("idle")], random.Random(0))[0]
+        for n in range(0, 400, 5)
+    ]
+    flips = [c.worker_id for c in winners]
+    assert flips[0] == "hot" and flips[-1] == "idle"
+    assert flips == sorted(flips, key=lambda w: w == "idle")  # once it loses, it stays lost
+
+
+@pytest.mark.parametrize(
+    ("depths", "false_hits", "expected"),
+    [
+        ({"a": 0, "b": 0, "c": 0, "d": 8}, 0.0, 7.2),  # imbalance 8/3 > 1: decay faster
+        ({"a": 2, "b": 2, "c": 2, "d": 2}, 0.0, 8.8),  # even, index trusted: decay slower
+        ({"a": 2, "b": 2, "c": 2, "d": 2}, 0.2, 8.0),  # even but many false hits: hold
+        ({"a": 2, "b": 3, "c": 2, "d": 3}, 0.0, 8.0),  # in between: hold
+        ({}, 0.0, 8.0),
+    ],
+)
+def test_online_tuner_steps(depths: dict, false_hits: float, expected: float) -> None:
+    p = get_policy("thunder")
+    p.observe(RoutingFeedback(queue_depths=depths, false_hit_rate=false_hits))
+    assert p.load_scale == pytest.approx(expected)
+
+
+def test_online_tuner_is_bounded() -> None:
+    p = get_policy("thunder", tuner={"min_scale": 2.0, "max_scale": 10.0})
+    hot = RoutingFeedback(queue_depths={"a": 0, "b": 50})
+    for _ in range(100):
+        p.observe(hot)
+    assert p.load_scale == 2.0
+    calm = RoutingFeedback(queue_depths={"a": 1, "b": 1})
+    for _ in range(100):
+        p.observe(calm)
+    assert p.load_scale == 10.0
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"prefill_s_per_token": 0.0}, "prefill_s_per_token"),
+        ({"host_credit": 1.2}, "host_credit"),
+        ({"load_scale": math.nan}, "load_scale"),
+        ({"decode_s_per_kv_token": -1e-9}, "decode_s_per_kv_token"),
+        ({"pressure_threshold": 1.0}, "pressure_threshold"),
+        ({"pressure_penalty_s": -1.0}, "pressure_penalty_s"),
+        ({"mean_alpha": 2.0}, "mean_alpha"),
+    ],
+)
+def test_params_are_validated(params: dict, field: str) -> None:
+    with pytest.raises(ParamError, match=f"thunder.{field}=") as err:
+        get_policy("thunder", **params)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"step": 1.0}, "step"),
+        ({"high_imbalance": 0.1}, "high_imbalance"),
+        ({"max_false_hit_rate": -0.1}, "max_false_hit_rate"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"max_scale": 0.5}, "max_scale"),
+    ],
+)
+def test_tuner_params_are_validated(params: dict, field: str) -> None:
+    with pytest.raises(ParamError, match=f"thunder.tuner.{field}="):
+        OnlineTuner(**params)

@@ -1,0 +1,141 @@
+"""The message contract: round trips, validation, subject escaping, committed JSON Schemas."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from thunderagent.schemas import (
+    REPLY_DECODER,
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    ChatMessage,
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    KvEventBatch,
+    LoadReport,
+    TokenChunk,
+    Usage,
+    WorkerRegistration,
+    is_valid_worker_id,
+    subjects,
+)
+from thunderagent.schemas.catalog import JSON_DIR, MESSAGES, json_schema
+
+EXAMPLES = [
+    GenerateRequest(model="m", token_ids=[1, 2, 3], max_tokens=4, priority=2, program_id="p"),
+    GenerateRequest(model="m", messages=[ChatMessage(role="user", content="hi")]),
+    TokenChunk(request_id="r", index=3, token_ids=[9], text="x"),
+    FinalReply(
+        request_id="r",
+        worker_id="w0",
+        usage=Usage(prompt_tokens=10, cached_tokens=8, completion_tokens=2),
+        ttft_ms=1.5,
+        e2e_ms=3.0,
+    ),
+    ErrorReply(code=ErrorCode.UNKNOWN_MODEL, message="nope"),
+    KvEventBatch(
+        worker_id="w0",
+        seq=7,
+        ts=1.0,
+        epoch=3,
+        events=[
+            BlocksStored(hashes=[1, 2], check_hashes=[3, 4], parent_hash=None),
+            BlocksRemoved(hashes=[2]),
+            AllCleared(),
+        ],
+    ),
+    WorkerRegistration(
+        worker_id="w0",
+        model="m",
+        engine_url="http://e",
+        page_size=16,
+        kv_capacity_blocks=100,
+        lease_s=10,
+        registered_at=1.0,
+    ),
+    LoadReport(worker_id="w0", ts=1.0, running=1, queued=2, kv_used_blocks=3, kv_total_blocks=4),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    data = msgspec.json.encode(message)
+    assert msgspec.json.decode(data, type=type(message)) == message
+
+
+@pytest.mark.parametrize("message", EXAMPLES[2:5], ids=lambda m: type(m).__name__)
+def test_replies_decode_through_the_tagged_union(message):
+    assert REPLY_DECODER.decode(msgspec.json.encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        ({"model": "m"}, "exactly one of"),
+        ({"model": "m", "text": "a", "token_ids": [1]}, "exactly one of"),
+        ({"model": "m", "token_ids": []}, "empty"),
+        ({"model": "m", "text": "a", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "token_ids": [-1]}, "token_ids"),
+        ({"model": "m", "text": "a", "priority": 10}, "priority"),
+        ({"model": "", "text": "a"}, "model"),
+    ],
+)
+def test_invalid_requests_are_rejected_with_the_reason(payload, fragment):
+    with pytest.raises(msgspec.ValidationError, match=fragment):
+        msgspec.json.decode(msgspec.json.encode(payload), type=GenerateRequest)
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_model_token_is_one_subject_token_and_round_trips(model):
+    token = subjects.model_token(model)
+    assert not set(token) & set(".*> \t\r\n")
+    assert subjects.model_from_token(token) == model
+
+
+def test_model_names_with_dots_stay_in_one_token():
+    subject = subjects.requests("meta-llama/Llama-3.1-8B")
+    assert subject == "thunderagent.requests.meta-llama/Llama-3%2E1-8B"
+    assert len(subject.split(".")) == 3
+
+
+@pytest.mark.parametrize(
+    ("worker_id", "ok"), [("w0", True), ("gpu-node_3", True), ("a.b", False), ("a b", False), ("", False)]
+)
+def test_worker_ids_must_be_subject_safe(worker_id, ok):
+    assert is_valid_worker_id(worker_id) is ok
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_committed_json_schema_is_current(name):
+    path = JSON_DIR / f"{name}.json"
+    assert path.exists(), f"{path} missing: run `thunderagent schemas`"
+    assert path.read_text() == json_schema(name), f"{path} is stale: run `thunderagent schemas`"
+
+
+def test_no_stray_schema_files():
+    assert {p.stem for p in JSON_DIR.glob("*.json")} == set(MESSAGES)
+
+
+def test_every_message_field_has_a_docstring():
+    import ast
+    import inspect
+
+    missing = []
+    for name, msg_type in MESSAGES.items():
+        if not isinstance(msg_type, type):
+            continue
+        source = inspect.getsource(msg_type)
+        body = ast.parse(source).body[0].body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                if not documented:
+                    missing.append(f"{name}.{node.target.id}")
+    assert not missing, f"fields without a docstring: {missing}"
