@@ -115,8 +115,14 @@ def test_one_request_is_one_trace_across_processes(tmp_path):
             final = _request(nats_url, env, "trace me through every service")
             request_id = final["request_id"]
             deadline = time.monotonic() + 20
-            wanted = {"thunderagent-client", "thunderagent-router", "thunderagent-scheduler",
-                      "thunderagent-worker-w0", "thunderagent-worker-w1", "thunderagent-simengine"}  # fmt: skip
+            wanted = {
+                "thunderagent-client",
+                "thunderagent-router",
+                "thunderagent-scheduler",
+                "thunderagent-worker-w0",
+                "thunderagent-worker-w1",
+                "thunderagent-simengine",
+            }
             trace = []
             while time.monotonic() < deadline:
                 spans = receiver.snapshot()

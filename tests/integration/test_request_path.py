@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 async def _routable_client(stack, nats_url: str) -> ThunderClient:
     """Workers are registered; wait until the router's fleet view has them too."""
     client = await ThunderClient.connect(nats_url, idle_timeout_s=10)
-    for _ in range(100):
+    for _ in range(300):
         try:
             await client.generate(GenerateRequest(model=MODEL, token_ids=[5], max_tokens=1))
             return client

@@ -98,7 +98,12 @@ class Bus:
         await self.nc.publish(subject, payload, reply=reply, headers=inject_headers())
 
     async def request(
-        self, subject: str, message: Any, response_type: type[T], *, timeout: float = 2.0
+        self,
+        subject: str,
+        message: Any,
+        response_type: type[T],
+        *,
+        timeout: float = 2.0,  # noqa: ASYNC109 - passed on to nats-py's request
     ) -> T:
         """Request/reply; raises :class:`NoResponders` or :class:`RequestTimeout`."""
         try:
@@ -168,7 +173,7 @@ class Bus:
     async def reject(
         self, delivery: Delivery, reason: str, code: ErrorCode = ErrorCode.BAD_REQUEST
     ) -> None:
-        """Answer the sender with an error (if it can hear one); keep the message as a dead letter."""
+        """Answer the sender with an error (if it can hear one); keep a dead-letter record."""
         stats = self.stats.setdefault(delivery.subject, SubscriptionStats())
         stats.dead_lettered += 1
         self._dead_counter.add(1, {"service": self.service, "reason": code.value})

@@ -2,20 +2,21 @@
 
 Structure and why (numbers measured on the 2-core dev VM, see ``thunderagent.bench.index``):
 
-* A chained hash names a whole prefix, so flat dicts replace a radix tree: a query looks up the
+* A chained hash names a whole prefix, so a flat dict replaces a radix tree: a query looks up the
   prompt's hashes in order, with no nodes or parent links to maintain.
-* ``_masks: dict[primary, mask]``: ``mask`` has one bit per worker slot; "who holds every block
-  so far" is one AND per block and the walk stops when it is 0. With up to 8 workers a mask is
-  a cached small int, so the walk loads nothing but the dict's own slots.
-  ``_meta: dict[primary, (check, ttl bucket)]`` beside it, same keys. Split in two because the
-  walk is bound by memory latency, not by the interpreter (a 64-block walk costs ~3 µs with the
-  index in cache, ~15 µs cold): one (mask) value instead of a tuple per block saves a dependent
-  load per block, and the check hash is only read where a worker is credited (``overlap``).
-  Tuples, never lists: tuples of ints are untracked by the cyclic GC, a million lists kept it
-  rescanning (GC was 60 % of ingest with lists).
-* Lookups are issued in chunks by ``list(map(dict.get, chunk))``: a tight C loop lets the CPU
-  overlap the cache misses of independent lookups (p99 -40 % here). Stores whose blocks are all
-  new (a conversation's next turn, the common case) go in with ``dict.update`` in C as well.
+* ``_entries: dict[primary, (mask, check, ttl bucket)]``. ``mask`` has one bit per worker slot:
+  "who holds every block so far" is one AND per block, and the walk stops when it is 0.
+  A tuple, not a list or a slots dataclass: tuples of ints are untracked by the cyclic GC, while
+  a million lists kept it rescanning them (GC was 60 % of ingest with lists), and a dataclass
+  ``__init__`` per block costs twice a literal. Updates rebuild the tuple; that only happens when
+  a bit or the TTL bucket changes. Two dicts (mask alone, then check and bucket) were measured
+  too: queries ~10 % faster, ingest 35 % slower (a second random insert per block).
+* The walk is bound by memory latency, not by the interpreter: a 64-block query costs ~3 µs with
+  the index in cache and ~15 µs cold. So lookups are issued in chunks by
+  ``list(map(dict.get, chunk))``, a tight C loop that lets the CPU overlap the cache misses of
+  independent lookups (p99 -30 % here), and the check hash is compared only where a worker is
+  credited (``overlap``). (The same trick does not pay on ingest: a batched pre-lookup plus
+  ``dict.update`` for all-new events measured 15 % slower than the plain loop.)
 * ``_Worker.log: list[primary]``, append-only, with an exact ``count``: clearing, removing or
   dumping a worker costs its blocks, not a scan of the index. A list, not a set: an append is a
   sequential write, a set insert one more random memory access per block (sets cost 30 % of
@@ -36,7 +37,6 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
 from typing import Final
 
 from thunderagent.hashing import BlockHashes
@@ -97,8 +97,7 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.bucket_s = 0.0 if ttl_s is None else ttl_s / ttl_buckets
         self.stats = IndexStats()
-        self._masks: dict[int, int] = {}
-        self._meta: dict[int, tuple[int, int]] = {}
+        self._entries: dict[int, tuple[int, int, int]] = {}
         self._workers: dict[str, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
@@ -169,20 +168,20 @@ class PrefixIndex:
         w = self._workers.get(worker)
         if w is None:
             return BlockHashes([], [])
-        meta = self._meta
+        entries = self._entries
         primary = self._live_log(w)
-        return BlockHashes(primary, [meta[p][0] for p in primary])
+        return BlockHashes(primary, [entries[p][1] for p in primary])
 
     def _live_log(self, w: _Worker) -> list[int]:
-        get = self._masks.get
+        get = self._entries.get
         bit = w.bit
-        return [p for p in dict.fromkeys(w.log) if (get(p) or 0) & bit]
+        return [p for p in dict.fromkeys(w.log) if (e := get(p)) is not None and e[0] & bit]
 
     def __len__(self) -> int:
-        return len(self._masks)
+        return len(self._entries)
 
     def __contains__(self, primary: object) -> bool:
-        return primary in self._masks
+        return primary in self._entries
 
     # ------------------------------------------------------------------ events
 
@@ -227,26 +226,20 @@ class PrefixIndex:
         if result.__class__ is Stale:
             return result
         w.last_event_at = now
-        masks = self._masks
+        entries = self._entries
         bit = w.bit
-        if parent is not None and not (masks.get(parent) or 0) & bit:
-            self.stats.orphan_stores += 1
+        if parent is not None:
+            pe = entries.get(parent)
+            if pe is None or not pe[0] & bit:
+                self.stats.orphan_stores += 1
         primary, check = hashes
         if len(primary) != len(check):
             raise ValueError(f"{len(primary)} primary hashes but {len(check)} check hashes")
         bucket, tail = self._bucket_list(now)
         log = w.log
         logged = len(log)
-        if not any(map(masks.get, primary)):  # all new: the whole event in C
-            before = len(masks)
-            masks.update(zip(primary, repeat(bit)))
-            self._meta.update(zip(primary, zip(check, repeat(bucket)), strict=True))
-            log.extend(primary)
-            tail.extend(primary)
-            w.count += len(masks) - before
-        else:
-            self._store_each(w, primary, check, bucket, tail)
-            w.count += len(log) - logged  # the log grows by exactly the bits newly set
+        self._store_each(w, primary, check, bucket, tail)
+        w.count += len(log) - logged  # the log grows by exactly the bits newly set
         if self.ttl_s is None:
             tail.clear()
         if len(log) > 2 * w.count + _LOG_SLACK:
@@ -256,30 +249,27 @@ class PrefixIndex:
     def _store_each(
         self, w: _Worker, primary: Sequence[int], check: Sequence[int], bucket: int, tail: list
     ) -> None:
-        masks = self._masks
-        meta = self._meta
-        get = masks.get
+        entries = self._entries
+        get = entries.get
         add = w.log.append
         pend = tail.append
         bit = w.bit
         collisions = 0
         for p, c in zip(primary, check, strict=True):
-            m = get(p)
-            if m is None:
-                masks[p] = bit
-                meta[p] = (c, bucket)
+            e = get(p)
+            if e is None:
+                entries[p] = (bit, c, bucket)
                 add(p)
                 pend(p)
-                continue
-            mt = meta[p]
-            if mt[0] != c:
+            elif e[1] != c:
                 collisions += 1
-                continue
-            if not m & bit:
-                masks[p] = m | bit
+            elif not e[0] & bit:
+                entries[p] = (e[0] | bit, c, bucket)
                 add(p)
-            if mt[1] != bucket:
-                meta[p] = (c, bucket)
+                if e[2] != bucket:
+                    pend(p)
+            elif e[2] != bucket:
+                entries[p] = (e[0], c, bucket)
                 pend(p)
         self.stats.store_collisions += collisions
 
@@ -298,20 +288,18 @@ class PrefixIndex:
     def _unset(self, bit: int, primary: Iterable[int]) -> int:
         """Clear ``bit`` on ``primary``'s entries, dropping entries left empty; returns how
         many entries had the bit."""
-        masks = self._masks
-        meta = self._meta
-        get = masks.get
+        entries = self._entries
+        get = entries.get
         cleared = 0
         for p in primary:
-            m = get(p)
-            if m is not None and m & bit:
+            e = get(p)
+            if e is not None and e[0] & bit:
                 cleared += 1
-                m ^= bit
+                m = e[0] ^ bit
                 if m:
-                    masks[p] = m
+                    entries[p] = (m, e[1], e[2])
                 else:
-                    del masks[p]
-                    del meta[p]
+                    del entries[p]
         return cleared
 
     def clear_worker(self, worker: str, seq: int, now: float | None = None) -> EventResult:
@@ -337,8 +325,7 @@ class PrefixIndex:
             return 0
         pending = self._pending
         width = self.bucket_s
-        masks = self._masks
-        meta = self._meta
+        entries = self._entries
         by_slot = self._by_slot
         dropped = 0
         while pending and (pending[0][0] + 1) * width + ttl <= now:
@@ -346,11 +333,11 @@ class PrefixIndex:
             if hashes is self._tail:
                 self._tail = None
             for p in hashes:
-                mt = meta.get(p)
-                if mt is None or mt[1] > bucket:
+                e = entries.get(p)
+                if e is None or e[2] > bucket:
                     continue  # removed since, or re-confirmed later
-                del meta[p]
-                m = masks.pop(p)
+                del entries[p]
+                m = e[0]
                 dropped += 1
                 while m:
                     low = m & -m
@@ -372,30 +359,33 @@ class PrefixIndex:
         prefix. On a mismatch the query is re-walked comparing every block and the collision
         is counted in ``stats.query_collisions``: a shorter match, never a wrong worker.
         """
-        get = self._masks.get
-        meta = self._meta
+        get = self._entries.get
         out: dict[str, int] = {}
         mask = -1
         depth = 0
-        chunks = (
-            list(map(get, primary[i : i + LOOKUP_CHUNK]))
-            for i in range(0, len(primary), LOOKUP_CHUNK)
-        )
-        for m in chain.from_iterable(chunks):
-            if m is None:
-                break
-            m &= mask
-            if m != mask:
-                if depth:
-                    if meta[primary[depth - 1]][0] != check[depth - 1]:
-                        return self._overlap_verified(primary, check)
-                    self._credit(out, mask ^ m, depth)
-                mask = m
-                if not m:
-                    return out
-            depth += 1
+        prev = None
+        end = len(primary)
+        start = 0
+        while start < end:
+            batch = list(map(get, primary[start : start + LOOKUP_CHUNK]))
+            start += LOOKUP_CHUNK
+            for e in batch:
+                if e is None:
+                    start = end
+                    break
+                m = mask & e[0]
+                if m != mask:
+                    if depth:
+                        if prev[1] != check[depth - 1]:  # type: ignore[index]
+                            return self._overlap_verified(primary, check)
+                        self._credit(out, mask ^ m, depth)
+                    mask = m
+                    if not m:
+                        return out
+                prev = e
+                depth += 1
         if depth:
-            if meta[primary[depth - 1]][0] != check[depth - 1]:
+            if prev[1] != check[depth - 1]:  # type: ignore[index]
                 return self._overlap_verified(primary, check)
             self._credit(out, mask, depth)
         return out
@@ -404,16 +394,15 @@ class PrefixIndex:
         """The slow path after a check mismatch: compare every block's check hash and stop at
         the first mismatch (counted once per query)."""
         self.stats.query_collisions += 1
-        get = self._masks.get
-        meta = self._meta
+        get = self._entries.get
         out: dict[str, int] = {}
         mask = -1
         depth = 0
         for p, c in zip(primary, check, strict=True):
-            m = get(p)
-            if m is None or meta[p][0] != c:
+            e = get(p)
+            if e is None or e[1] != c:
                 break
-            m &= mask
+            m = mask & e[0]
             if m != mask:
                 if depth:
                     self._credit(out, mask ^ m, depth)
@@ -446,7 +435,7 @@ class PrefixIndex:
             )
             for w in self._workers.values()
         ]
-        return to_snapshot(self._masks, self._meta, workers, len(self._by_slot), self.bucket_s)
+        return to_snapshot(self._entries, workers, len(self._by_slot), self.bucket_s)
 
     def restore(self, snap: IndexSnapshot, now: float = 0.0) -> None:
         """Replace this index's contents with ``snap``.
@@ -455,7 +444,7 @@ class PrefixIndex:
         snapshot taken without TTL counts as confirmed at ``now``.
         """
         bucket_s = self.bucket_s if self.ttl_s is not None else None
-        self._masks, self._meta = from_snapshot(snap, bucket_s, now)
+        self._entries = from_snapshot(snap, bucket_s, now)
         self._workers = {}
         self._by_slot = [None] * max((w.slot + 1 for w in snap.workers), default=0)
         for img in snap.workers:
@@ -474,7 +463,7 @@ class PrefixIndex:
         if self.ttl_s is None:
             return
         lists: dict[int, list[int]] = {}
-        for p, (_check, bucket) in self._meta.items():
+        for p, (_mask, _check, bucket) in self._entries.items():
             lists.setdefault(bucket, []).append(p)
         for bucket in sorted(lists):
             self._pending.append((bucket, lists[bucket]))

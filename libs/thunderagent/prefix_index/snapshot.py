@@ -74,33 +74,30 @@ def join_masks(flat: list[int], words: int) -> list[int]:
 
 
 def to_snapshot(
-    masks: dict[int, int],
-    meta: dict[int, tuple[int, int]],
+    entries: dict[int, tuple[int, int, int]],
     workers: list[WorkerImage],
     slots: int,
     bucket_s: float,
 ) -> IndexSnapshot:
-    """Columns from the index's two dicts (``PrefixIndex.snapshot``)."""
-    primary = list(masks)
-    # Both dicts gain and lose keys together, so their orders agree; checked, not assumed.
-    metas = list(meta.values()) if list(meta) == primary else [meta[p] for p in primary]
+    """Columns from the index's ``primary -> (mask, check, bucket)`` dict."""
+    values = list(entries.values())
     words = max(1, -(-slots // WORD_BITS))
     return IndexSnapshot(
         hash_scheme=SCHEME_VERSION,
         bucket_s=bucket_s,
         workers=workers,
-        primary=primary,
-        check=[t[0] for t in metas],
+        primary=list(entries),
+        check=[v[1] for v in values],
         mask_words=words,
-        masks=split_masks(list(masks.values()), words),
-        buckets=[t[1] for t in metas],
+        masks=split_masks([v[0] for v in values], words),
+        buckets=[v[2] for v in values],
     )
 
 
 def from_snapshot(
     snap: IndexSnapshot, bucket_s: float | None, now: float
-) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
-    """The index's two dicts from ``snap``, TTL buckets converted to width ``bucket_s``
+) -> dict[int, tuple[int, int, int]]:
+    """The index's entries dict from ``snap``, TTL buckets converted to width ``bucket_s``
     (``None``: TTL off; a snapshot without TTL counts as confirmed at ``now``)."""
     if snap.hash_scheme != SCHEME_VERSION:
         raise ValueError(f"snapshot hash scheme {snap.hash_scheme} != {SCHEME_VERSION}")
@@ -111,9 +108,9 @@ def from_snapshot(
             buckets = [int(b * ratio) for b in buckets]
         else:
             buckets = [int(now // bucket_s)] * len(buckets)
-    masks = dict(zip(snap.primary, join_masks(snap.masks, snap.mask_words), strict=True))
-    meta = dict(zip(snap.primary, zip(snap.check, buckets, strict=True), strict=True))
-    return masks, meta
+    masks = join_masks(snap.masks, snap.mask_words)
+    values = zip(masks, snap.check, buckets, strict=True)
+    return dict(zip(snap.primary, values, strict=True))
 
 
 def encode(snapshot: IndexSnapshot) -> bytes:

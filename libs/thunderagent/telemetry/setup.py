@@ -58,7 +58,9 @@ def setup_telemetry(service_name: str, *, metrics_port: int | None = None) -> Te
         from opentelemetry.sdk.metrics import MeterProvider
         from prometheus_client import start_http_server
 
-        server, _thread = start_http_server(metrics_port, addr="127.0.0.1")
+        # Loopback by default; containers set THUNDERAGENT_METRICS_ADDR=0.0.0.0 for Prometheus.
+        addr = os.environ.get("THUNDERAGENT_METRICS_ADDR", "127.0.0.1")
+        server, _thread = start_http_server(metrics_port, addr=addr)
         reader = PrometheusMetricReader()
         provider = MeterProvider(resource=resource, metric_readers=[reader])
         metrics.set_meter_provider(provider)

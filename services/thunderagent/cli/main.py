@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
     p.add_argument(
-        "--redis", default=None, help="Redis URL of the index snapshot (default: replay the stream)"
+        "--redis",
+        default=os.environ.get("THUNDERAGENT_REDIS_URL"),
+        help="Redis URL of the index snapshot (env THUNDERAGENT_REDIS_URL; unset: full replay)",
     )
 
     p = add("scheduler", "run the scheduler", _cmd_scheduler)

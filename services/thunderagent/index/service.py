@@ -64,6 +64,7 @@ class IndexService:
         self.hot = HotPrefixCounter(window_s=config.hot_window_s)
         self._last_resync: dict[str, float] = {}
         self.resyncs_requested = 0
+        self._tasks: set[asyncio.Task] = set()
         m = meter("thunderagent.index")
         self.resyncs = m.create_counter("thunderagent_index_resyncs", description="Resync requests")
         m.create_observable_gauge(
@@ -79,7 +80,10 @@ class IndexService:
 
     async def on_outcome(self, batch: KvEventBatch, outcome: FeedOutcome) -> None:
         if outcome is FeedOutcome.GAP:
-            asyncio.create_task(self.request_resync(batch.worker_id, "sequence gap"))
+            # not awaited: the stream consumer must not stall while the adapter answers
+            task = asyncio.create_task(self.request_resync(batch.worker_id, "sequence gap"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def request_resync(self, worker_id: str, reason: str) -> None:
         now = time.monotonic()

@@ -1,50 +1,43 @@
-"""The router's metrics (OpenTelemetry instruments, exported on the Prometheus endpoint).
+"""The router's metrics (OpenTelemetry instruments on the Prometheus endpoint).
 
-Names match what ops/grafana's dashboard queries; rates are computed there from counters.
+Names, units and labels follow the contract in ops/README.md, which the Grafana dashboard
+queries; rates are computed there from the counters.
 """
 
 from __future__ import annotations
 
 from thunderagent.telemetry.setup import meter
 
+DECISION_BUCKETS_S = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
+)  # fmt: skip
+"""Routing takes tens of microseconds; the SDK's default buckets start at 5 ms and would put
+every decision in the first bucket."""
+
 
 class RouterMetrics:
     def __init__(self) -> None:
         m = meter("thunderagent.router")
-        self.requests = m.create_counter(
-            "thunderagent_router_requests", description="Requests routed"
-        )
         self.predicted_hits = m.create_counter(
-            "thunderagent_router_predicted_hits",
-            description="Requests routed to a worker with a predicted cache hit (hit rate numerator)",
-        )
-        self.prompt_tokens = m.create_counter(
-            "thunderagent_prompt_tokens", description="Prompt tokens of verified requests"
-        )
-        self.cached_tokens = m.create_counter(
-            "thunderagent_cached_tokens",
-            description="Prompt tokens the engine served from cache (reuse rate numerator)",
-        )
-        self.recompute_tokens = m.create_counter(
-            "thunderagent_prefill_recompute_tokens",
-            description="Prompt tokens prefilled although another worker had them cached",
-        )
-        self.routed_prompt_tokens = m.create_counter(
-            "thunderagent_router_prompt_tokens", description="Prompt tokens of routed requests"
+            "thunderagent_predicted_hit_requests",
+            description="Verified requests that were routed with a predicted cache hit",
         )
         self.false_hits = m.create_counter(
-            "thunderagent_false_hits",
-            description="Verified requests with fewer cached tokens than predicted",
+            "thunderagent_false_hit_requests",
+            description="Predicted hits where the engine found fewer cached tokens than predicted",
         )
         self.missed_hits = m.create_counter(
-            "thunderagent_missed_hits",
-            description="Verified requests with more cached tokens than predicted",
+            "thunderagent_missed_hit_requests",
+            description="Requests where the engine found more cached tokens than predicted",
         )
-        self.verified = m.create_counter(
-            "thunderagent_verified_requests", description="Requests whose prediction was checked"
+        self.recomputed_tokens = m.create_counter(
+            "thunderagent_recomputed_prompt_tokens",
+            unit="{token}",
+            description="Prompt tokens prefilled although some worker had them cached at routing",
         )
         self.decision_latency = m.create_histogram(
-            "thunderagent_routing_decision_seconds",
+            "thunderagent_route_decision_duration",
             unit="s",
             description="Hashing + index walk + scoring per request",
+            explicit_bucket_boundaries_advisory=list(DECISION_BUCKETS_S),
         )

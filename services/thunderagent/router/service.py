@@ -141,9 +141,11 @@ class Router:
             decision_us=elapsed * 1e6,
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
         )
-        self._account(query, decision, elapsed)
+        self._account(decision, elapsed)
+        best_anywhere = max(overlaps.values(), default=0)
         self.verifier.remember(
-            req.request_id, Routed(best.worker_id, hashes.primary, overlap, page_size)
+            req.request_id,
+            Routed(best.worker_id, hashes.primary, overlap, page_size, best_anywhere, req.model),
         )
         return ScheduleRequest(
             request=req,
@@ -153,32 +155,23 @@ class Router:
             block_hashes=hashes.primary,
         )
 
-    def _account(self, query: RouteQuery, decision: RouteDecision, elapsed: float) -> None:
-        m = self.metrics
-        attrs = {"policy": decision.policy}
-        m.requests.add(1, attrs)
-        m.decision_latency.record(elapsed, attrs)
-        m.routed_prompt_tokens.add(query.prompt_tokens, attrs)
-        if decision.overlap_blocks:
-            m.predicted_hits.add(1, attrs)
-        best_anywhere = max(query.overlaps.values(), default=0)
-        if best_anywhere > decision.overlap_blocks:
-            lost = (best_anywhere - decision.overlap_blocks) * query.block_size
-            m.recompute_tokens.add(lost, attrs)
+    def _account(self, decision: RouteDecision, elapsed: float) -> None:
+        self.metrics.decision_latency.record(elapsed, {"policy": decision.policy})
 
     async def on_completion(self, final: FinalReply, _: Delivery) -> None:
         verdict = self.verifier.verify(final.request_id, final.worker_id, final.usage.cached_tokens)
         if verdict is None:
             return
         m = self.metrics
-        m.verified.add(1)
-        m.prompt_tokens.add(final.usage.prompt_tokens)
-        m.cached_tokens.add(final.usage.cached_tokens)
+        attrs = {"worker_id": verdict.worker_id, "model": verdict.model}
+        m.recomputed_tokens.add(verdict.recomputed_tokens, attrs)
+        if verdict.predicted_tokens:
+            m.predicted_hits.add(1, attrs)
         if verdict.false_hit:
-            m.false_hits.add(1, {"worker": verdict.worker_id})
+            m.false_hits.add(1, attrs)
             self.follower.feeder.evict_locally(verdict.worker_id, verdict.stale_hashes, time.time())
         elif verdict.missed_hit:
-            m.missed_hits.add(1, {"worker": verdict.worker_id})
+            m.missed_hits.add(1, attrs)
 
     async def _submit(self, submit: ScheduleRequest) -> None:
         try:

@@ -19,6 +19,9 @@ class Routed:
     hashes: list[int]
     predicted_blocks: int
     page_size: int
+    best_blocks: int = 0
+    """Longest prefix any worker held when the request was routed."""
+    model: str = ""
 
 
 @dataclass(slots=True)
@@ -29,6 +32,9 @@ class Verdict:
     worker_id: str
     predicted_tokens: int
     actual_tokens: int
+    recomputed_tokens: int
+    """Prompt tokens prefilled although some worker had them cached at routing time."""
+    model: str = ""
 
 
 @dataclass
@@ -58,4 +64,6 @@ class Verifier:
             worker_id=worker_id,
             predicted_tokens=predicted * routed.page_size,
             actual_tokens=cached_tokens,
+            recomputed_tokens=max(0, routed.best_blocks * routed.page_size - cached_tokens),
+            model=routed.model,
         )

@@ -35,6 +35,7 @@ from thunderagent.schemas import (
     is_valid_worker_id,
     subjects,
 )
+from thunderagent.telemetry.setup import meter
 from thunderagent.tokenizer import BYTES_SPEC
 from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.kv_relay import KvRelay
@@ -67,6 +68,22 @@ class WorkerAdapter:
         self.inflight = 0
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
+        m = meter("thunderagent.worker")
+        self._completed = m.create_counter(
+            "thunderagent_requests_completed", description="Requests finished with a FinalReply"
+        )
+        self._hit_requests = m.create_counter(
+            "thunderagent_cache_hit_requests",
+            description="Finished requests the engine served partly from its prefix cache",
+        )
+        self._prompt_tokens = m.create_counter(
+            "thunderagent_prompt_tokens", unit="{token}", description="Prompt tokens finished"
+        )
+        self._cached_tokens = m.create_counter(
+            "thunderagent_cached_prompt_tokens",
+            unit="{token}",
+            description="Prompt tokens served from the engine's KV cache",
+        )
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")
@@ -128,10 +145,8 @@ class WorkerAdapter:
         raw = info.get("kv_events_config")
         config = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
         endpoint = self.config.kv_events_endpoint or config.get("endpoint")
-        if (
-            not endpoint
-            or (config.get("publisher", "zmq") == "null"
-            and not self.config.kv_events_endpoint)
+        if not endpoint or (
+            config.get("publisher", "zmq") == "null" and not self.config.kv_events_endpoint
         ):
             log.warning("engine publishes no KV events: routing will not see its cache")
             return None
@@ -266,6 +281,15 @@ class WorkerAdapter:
         )
         await self.bus.publish(work.reply_subject, final)
         await self.bus.publish(subjects.COMPLETIONS, final)
+        self._count(final, req.model)
+
+    def _count(self, final: FinalReply, model: str) -> None:
+        attrs = {"model": model, "worker_id": self.config.worker_id}
+        self._completed.add(1, attrs)
+        self._prompt_tokens.add(final.usage.prompt_tokens, attrs)
+        self._cached_tokens.add(final.usage.cached_tokens, attrs)
+        if final.usage.cached_tokens:
+            self._hit_requests.add(1, attrs)
 
 
 def _connectable(endpoint: str, host: str) -> str:

@@ -1,10 +1,10 @@
 """Relay an engine's ZMQ KV events onto NATS: re-hashed, with the adapter's own sequence.
 
 Each engine batch becomes one ``KvEventBatch`` published to JetStream (acked), so the index and
-late router replicas can replay it. The relay also answers resync requests with a full dump of
-its mirror, republished in sequence on the stream. ZMQ gaps are repaired by replay where the engine still buffers them; a gap that
-cannot be repaired, or an engine restart, makes the relay start a new epoch: the index drops the
-worker's entries and rebuilds them from the dump and the events that follow.
+late router replicas can replay it. ZMQ gaps are repaired by replay while the engine still
+buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
+mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
+them). A resync request is answered by republishing the whole mirror as one batch, in sequence.
 """
 
 from __future__ import annotations

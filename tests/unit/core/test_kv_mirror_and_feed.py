@@ -38,7 +38,7 @@ def test_mirror_rehashes_token_ids_into_our_chain():
 
 def test_mirror_continues_the_chain_from_a_known_parent_and_skips_orphans():
     tokens = list(range(16))
-    first, engine_hashes = stored(tokens[:8])
+    first, _ = stored(tokens[:8])
     # SGLang chains the second event on the full digest of page 2; take its hashes from the
     # whole-prompt computation and give the event the parent SGLang would give it.
     all_hashes = kv_wire.sglang_block_hashes(tokens, PAGE)
@@ -70,9 +70,7 @@ def test_mirror_translates_removals_and_tiers_and_dumps_parents_first():
     mirror = KvMirror(PAGE)
     mirror.apply([ev])
     ours = BlockHasher(PAGE).hash_tokens(tokens)
-    out = mirror.apply(
-        [kv_wire.BlockRemoved(block_hashes=[engine_hashes[2]], medium="GPU")]
-    )
+    out = mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine_hashes[2]], medium="GPU")])
     assert out == [BlocksRemoved(hashes=[ours.primary[2]], medium=Medium.GPU)]
     dump = mirror.dump()
     assert [d.hashes[0] for d in dump] == ours.primary[:2]

@@ -105,7 +105,8 @@ def test_model_names_with_dots_stay_in_one_token():
 
 
 @pytest.mark.parametrize(
-    ("worker_id", "ok"), [("w0", True), ("gpu-node_3", True), ("a.b", False), ("a b", False), ("", False)]
+    ("worker_id", "ok"),
+    [("w0", True), ("gpu-node_3", True), ("a.b", False), ("a b", False), ("", False)],
 )
 def test_worker_ids_must_be_subject_safe(worker_id, ok):
     assert is_valid_worker_id(worker_id) is ok

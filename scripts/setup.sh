@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian/Ubuntu machine (or refresh an existing checkout): system packages,
+# a virtual environment in .venv, and the project with its test and benchmark extras.
+# Idempotent: a second run only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -f /usr/include/openssl/sha.h ] || need_apt+=(libssl-dev)
+python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "== installing system packages: ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+PIP=".venv/bin/pip"
+$PIP install -q --upgrade pip >/dev/null
+echo "== installing thunderagent (editable) with dev and bench extras"
+$PIP install -q -e ".[dev,bench]"
+if [ "${THUNDERAGENT_SKIP_CONTRACT:-0}" != "1" ]; then
+  # SGLang's own classes for the wire-format contract tests: no dependencies (no torch), just
+  # the few its kv_events module imports. SGLang's router for the side-by-side benchmark.
+  echo "== installing sglang==0.5.23 (--no-deps) and sglang-router==0.3.2 for contract tests"
+  $PIP install -q --no-deps "sglang==0.5.23"
+  $PIP install -q pydantic psutil pybind11 "sglang-router==0.3.2"
+fi
+echo "== ready: $(.venv/bin/thunderagent --help | head -1)"
