@@ -26,12 +26,13 @@ fi
 PIP=".venv/bin/pip"
 $PIP install -q --upgrade pip >/dev/null
 echo "== installing thunderagent (editable) with dev and bench extras"
-$PIP install -q -e ".[dev,bench]"
+$PIP install -q --no-warn-conflicts -e ".[dev,bench]"
 if [ "${THUNDERAGENT_SKIP_CONTRACT:-0}" != "1" ]; then
   # SGLang's own classes for the wire-format contract tests: no dependencies (no torch), just
   # the few its kv_events module imports. SGLang's router for the side-by-side benchmark.
   echo "== installing sglang==0.5.23 (--no-deps) and sglang-router==0.3.2 for contract tests"
-  $PIP install -q --no-deps "sglang==0.5.23"
   $PIP install -q pydantic psutil pybind11 "sglang-router==0.3.2"
+  # --no-deps leaves SGLang's (torch, ...) requirements unmet on purpose: don't list them
+  $PIP install -q --no-deps --no-warn-conflicts "sglang==0.5.23"
 fi
 echo "== ready: $(.venv/bin/thunderagent --help | head -1)"

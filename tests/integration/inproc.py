@@ -45,6 +45,7 @@ class InprocStack:
     engines: dict[str, EngineDriver] = field(default_factory=dict)
     engine_urls: dict[str, str] = field(default_factory=dict)
     _runners: list[web.AppRunner] = field(default_factory=list)
+    _engine_setup: dict[str, tuple] = field(default_factory=dict)
 
     async def start_service(
         self, name: str, main: Callable[..., Awaitable[None]], *, hold: bool = False
@@ -78,10 +79,12 @@ class InprocStack:
         page_size: int = 16,
         speedup: float = 1.0,
         kv_events: bool = True,
+        port: int | None = None,
+        events_config: str | None = None,
     ) -> str:
-        events_config = None
-        publisher = None
-        if kv_events:
+        """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
+        addresses (a restart: same URL, empty cache, event sequence from 0)."""
+        if kv_events and events_config is None:
             events_config = json.dumps(
                 {
                     "publisher": "zmq",
@@ -92,7 +95,7 @@ class InprocStack:
                     "bind": True,
                 }
             )
-            publisher = ZmqKvEventPublisher.from_cli(events_config)
+        publisher = ZmqKvEventPublisher.from_cli(events_config) if kv_events else None
         engine = EngineDriver(
             get_profile(profile).with_engine(page_size=page_size),
             publisher=publisher,
@@ -102,12 +105,29 @@ class InprocStack:
         app = SimEngineApp(engine, info).app
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        port = free_port()
+        port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         self._runners.append(runner)
         self.engines[worker_id] = engine
         self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
+        self._engine_setup[worker_id] = (runner, port, events_config, profile, page_size, speedup)
         return self.engine_urls[worker_id]
+
+    async def restart_engine(self, worker_id: str) -> None:
+        """Stop the engine and start a fresh one on the same HTTP and ZMQ addresses."""
+        runner, port, events_config, profile, page_size, speedup = self._engine_setup[worker_id]
+        await runner.cleanup()
+        self._runners.remove(runner)
+        await self.engines[worker_id].close()
+        await self.start_engine(
+            worker_id,
+            profile=profile,
+            page_size=page_size,
+            speedup=speedup,
+            kv_events=events_config is not None,
+            port=port,
+            events_config=events_config,
+        )
 
     @property
     def relays(self) -> dict:

@@ -12,6 +12,10 @@ BENCHES = {
         "thunderagent.bench.latency",
         "round trip through the stack vs straight to an engine",
     ),
+    "replay": (
+        "thunderagent.bench.replay",
+        "trace replay through every routing policy, virtual time",
+    ),
 }
 
 

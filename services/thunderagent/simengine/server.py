@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
+from thunderagent.simengine.openai_api import OpenAIRoutes
 from thunderagent.telemetry import extract_context
 from thunderagent.tokenizer import ByteTokenizer
 
@@ -55,6 +56,7 @@ class SimEngineApp:
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/v1/models", self.models)
+        OpenAIRoutes(engine, info.model).add_to(self.app)
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(text="")

@@ -72,11 +72,7 @@ class KvRelay:
             if events:
                 await self._publish(events)
         elif isinstance(notice, Restarted):
-            log.warning(
-                "%s: engine restarted (seq back to %d): cache is empty", self.worker_id, notice.seq
-            )
-            self.mirror.clear()
-            await self._publish([AllCleared()])
+            await self.engine_restarted(f"engine event sequence went back to {notice.seq}")
         elif isinstance(notice, Gap) and not notice.recovered:
             log.warning(
                 "%s: lost engine events %s: clearing this worker's index",
@@ -91,6 +87,12 @@ class KvRelay:
             log.warning(
                 "%s: undecodable KV batch seq %d: %s", self.worker_id, notice.seq, notice.error
             )
+
+    async def engine_restarted(self, reason: str) -> None:
+        """The engine's cache is empty now: so are the mirror and this worker's index entries."""
+        log.warning("%s: %s: its cache is empty", self.worker_id, reason)
+        self.mirror.clear()
+        await self._publish([AllCleared()])
 
     async def _publish(self, events: list[KvEvent]) -> None:
         async with self._lock:  # seq order == publish order

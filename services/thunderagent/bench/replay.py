@@ -1,0 +1,391 @@
+"""Trace replay in virtual time: every routing policy, the scheduler in front, side by side.
+
+    thunderagent bench replay --trace PATH [--workers 8] [--profile NAME] [--policies LIST]
+        [--speed X[,Y...]] [--limit N] [--seed S] [--json FILE] [--report FILE.md] [--plot DIR]
+        [--scheduler direct] [--load-interval 0.1] [--block-size 512] [--param P.FIELD=VALUE]
+
+Each (policy, speed) run replays the same arrivals through fresh engines, a fresh prefix index
+and a fresh policy instance (``thunderagent.replay``). The JSON holds one entry per run plus the
+trace, cluster, profile, seed and code version; ``--report`` writes a markdown table and
+``--plot`` PNGs (matplotlib, the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from thunderagent.engine import TimingModel, get_profile
+from thunderagent.hashing import BlockHasher
+from thunderagent.replay import (
+    SCHEDULERS,
+    Replay,
+    ReplayConfig,
+    ReplayResult,
+    TraceError,
+    ideal_hit_ratio,
+    load_trace,
+    pooled_hit_ratio,
+)
+from thunderagent.replay.summary import summarize
+from thunderagent.routing import policy_names
+
+
+def code_version() -> str:
+    """``git describe`` of the checkout this runs from, else the installed package version."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--tags"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return metadata.version("thunderagent")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas: {text!r}"
+        ) from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"speeds must be > 0: {text!r}")
+    return values
+
+
+def _params(items: list[str]) -> dict[str, dict]:
+    """``POLICY.FIELD=VALUE`` (VALUE as JSON, else a string) -> {policy: {field: value}}."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        policy, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise SystemExit(f"--param {item!r}: expected POLICY.FIELD=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(policy, {})[name] = value
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="thunderagent bench replay", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--policies", default="all", help="comma list of routing policies, or all")
+    p.add_argument("--speed", type=_floats, default=[1.0], help="arrival-rate multiplier(s)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None, help="markdown report file")
+    p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")
+    p.add_argument("--scheduler", default="direct", choices=sorted(SCHEDULERS))
+    p.add_argument("--load-interval", type=float, default=0.1, help="virtual s between reports")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per trace block / page")
+    p.add_argument("--index-ttl", type=float, default=None, help="prefix index TTL s (off)")
+    p.add_argument(
+        "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    names = policy_names()
+    args.policy_list = names if args.policies == "all" else args.policies.split(",")
+    unknown = [x for x in args.policy_list if x not in names]
+    if unknown:
+        p.error(f"unknown policies {unknown}; known: {names}")
+    if args.workers < 1 or args.load_interval <= 0:
+        p.error("--workers must be >= 1 and --load-interval > 0")
+    args.params = _params(args.param)
+    return args
+
+
+def run(args: argparse.Namespace) -> tuple[dict, dict]:
+    """All runs; returns (JSON document, {(policy, speed): ReplayResult})."""
+    profile = get_profile(args.profile).with_engine(page_size=args.block_size)
+    trace = load_trace(args.trace, args.limit, args.block_size)
+    if not trace:
+        raise SystemExit(f"{args.trace}: no requests")
+    bs = args.block_size
+    hasher = BlockHasher(page_size=1)
+    keyed = [
+        (hasher.hash_block_ids(r.block_ids[: r.prompt_len // bs]).primary, r.prompt_len)
+        for r in trace
+    ]
+    ideal = ideal_hit_ratio(keyed, bs)
+    pooled = pooled_hit_ratio(keyed, bs, args.workers * profile.capacity_blocks)
+    timing = TimingModel(profile)
+    chunk = profile.engine.chunked_prefill_size
+    doc = {
+        "trace": args.trace.name,
+        "trace_requests": len(trace),
+        "cluster": {
+            "workers": args.workers,
+            "profile": profile.name,
+            "kv_blocks_per_worker": profile.capacity_blocks,
+            "block_size": bs,
+        },
+        "profile": profile.name,
+        "scheduler": args.scheduler,
+        "load_interval_s": args.load_interval,
+        "index_ttl_s": args.index_ttl,
+        "policy_params": args.params,
+        "seed": args.seed,
+        "code_version": code_version(),
+        "results": [],
+    }
+    results: dict = {}
+    runs = [(s, p) for s in args.speed for p in args.policy_list]
+    with _progress(args.quiet) as bar:
+        task = bar.add_task("replay", total=len(runs) * len(trace))
+        for speed, policy in runs:
+            bar.update(task, description=f"{policy} x{speed:g}")
+            cfg = ReplayConfig(
+                profile=profile,
+                policy=policy,
+                workers=args.workers,
+                policy_params=args.params.get(policy, {}),
+                scheduler=args.scheduler,
+                seed=args.seed,
+                load_interval=args.load_interval,
+                index_ttl=args.index_ttl,
+            )
+            start = time.perf_counter()
+            result = Replay(cfg, bs).run(trace, speed, lambda n: bar.advance(task, n))
+            wall = time.perf_counter() - start
+            results[(policy, speed)] = result
+            entry = summarize(
+                result,
+                policy=policy,
+                speed=speed,
+                timing=timing,
+                chunk=chunk,
+                ideal=ideal,
+                pooled=pooled,
+                wall_s=round(wall, 3),
+            )
+            doc["results"].append(entry)
+    return doc, results
+
+
+class _progress:
+    """A rich progress bar, or a silent stand-in with the same three methods."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar = None
+        if not quiet:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("{task.description:<24}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
+
+    def __enter__(self):
+        if self.bar is None:
+            return _Silent()
+        return self.bar.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+class _Silent:
+    def add_task(self, *a, **k) -> int:
+        return 0
+
+    def update(self, *a, **k) -> None:
+        pass
+
+    def advance(self, *a, **k) -> None:
+        pass
+
+
+# ---- report ------------------------------------------------------------------------------
+COLUMNS = (
+    "| policy | speed | done | rej | TTFT p50 | TTFT p90 | TTFT p99 | wait p99 | E2E p50 | E2E p99 "
+    "| out tok/s | hit | ideal | pooled | recompute | imbalance | preempt | wall s |"
+)
+
+
+def table(doc: dict) -> str:
+    lines = [COLUMNS, _rule()]
+    for e in doc["results"]:
+        t, x, q = e["ttft_ms"], e["e2e_ms"], e["queue_ms"]
+        lines.append(
+            f"| {e['policy']} | {e['speed']:g} | {e['completed']} | {e['rejected']} "
+            f"| {t['p50']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {q['p99']:.0f} "
+            f"| {x['p50']:.0f} | {x['p99']:.0f} | {e['output_tok_s']:.0f} "
+            f"| {e['prefix_hit_ratio']:.3f} | {e['ideal_hit_ratio']:.3f} "
+            f"| {e['pooled_hit_ratio']:.3f} | {e['prefill_recompute_ratio']:.3f} "
+            f"| {e['load_imbalance']:.3f} | {e['preemptions']} | {e['wall_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _rule() -> str:
+    return "|" + "---|" * (COLUMNS.count("|") - 1)
+
+
+def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> None:
+    c = doc["cluster"]
+    head = [
+        f"# Replay: {doc['trace']}",
+        "",
+        f"`thunderagent bench replay {' '.join(argv)}`",
+        "",
+        f"{doc['trace_requests']} requests; {c['workers']} workers x {c['profile']} "
+        f"({c['kv_blocks_per_worker']} KV blocks of {c['block_size']} tokens each); "
+        f"scheduler {doc['scheduler']}; load reports every {doc['load_interval_s']} s; "
+        f"seed {doc['seed']}; code {doc['code_version']}.",
+        "",
+        "Latencies in ms; `wait` = TTFT minus the request's prefill alone on an idle engine; "
+        "`hit` = prompt tokens served from cache / prompt tokens.",
+        "",
+        table(doc),
+        "",
+    ]
+    head += [f"![{p.stem}]({_rel(p, path.parent)})" for p in plots]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(head) + "\n")
+
+
+def _rel(p: Path, base: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(p)
+
+
+# ---- plots -------------------------------------------------------------------------------
+def write_plots(doc: dict, results: dict[tuple[str, float], ReplayResult], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("--plot needs matplotlib (pip install 'thunderagent[bench]')", file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    stem = Path(doc["trace"]).stem
+    speeds = sorted({s for _, s in results})
+    policies = list(dict.fromkeys(p for p, _ in results))
+    paths: list[Path] = []
+    for speed in speeds:
+        tag = f"{stem}_x{speed:g}"
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy in policies:
+            ttft = sorted(
+                r.first_token - r.arrival
+                for r in results[(policy, speed)].records
+                if r.status == "completed"
+            )
+            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            ax.plot(ttft, ys, label=policy)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF: {stem}, speed x{speed:g}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, out / f"{tag}_ttft_cdf.png", plt))
+
+        entries = [e for e in doc["results"] if e["speed"] == speed]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.bar([e["policy"] for e in entries], [e["prefix_hit_ratio"] for e in entries])
+        ax.axhline(entries[0]["ideal_hit_ratio"], color="k", ls="--", label="ideal (unlimited)")
+        ax.axhline(entries[0]["pooled_hit_ratio"], color="r", ls=":", label="pooled LRU")
+        ax.set_ylabel("prefix hit ratio (tokens)")
+        ax.set_title(f"Cache hits: {stem}, speed x{speed:g}")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.legend()
+        paths.append(_save(fig, out / f"{tag}_hit_ratio.png", plt))
+
+        fig, axes = plt.subplots(len(policies), 1, figsize=(8, 1.8 * len(policies)), sharex=True)
+        axes = axes if len(policies) > 1 else [axes]
+        for ax, policy in zip(axes, policies, strict=True):
+            tl = results[(policy, speed)].timeline
+            ts = [t / 60 for t, _ in tl]
+            for w in range(len(tl[0][1]) if tl else 0):
+                ax.plot(ts, [v[w] for _, v in tl], lw=0.7)
+            ax.set_ylabel(policy, fontsize=8)
+        axes[-1].set_xlabel("virtual minutes")
+        axes[0].set_title(f"Per-worker requests (running + waiting): {stem}, x{speed:g}")
+        paths.append(_save(fig, out / f"{tag}_worker_load.png", plt))
+    if len(speeds) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy in policies:
+            pts = [
+                (e["speed"], e["ttft_ms"]["p99"] / 1000)
+                for e in doc["results"]
+                if e["policy"] == policy
+            ]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+        ax.axhline(5.0, color="k", ls="--", lw=0.8)
+        ax.set_xlabel("speed (arrival-rate multiplier)")
+        ax.set_ylabel("TTFT p99 (s)")
+        ax.set_title(f"TTFT p99 vs speed: {stem}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, out / f"{stem}_ttft_p99_vs_speed.png", plt))
+    return paths
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        doc, results = run(args)
+    except TraceError as err:
+        raise SystemExit(f"bad trace: {err}") from None
+    print(table(doc))
+    total = sum(e["wall_s"] for e in doc["results"])
+    print(
+        f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"
+    )
+    plots = write_plots(doc, results, args.plot) if args.plot else []
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.report:
+        write_report(doc, args.report, plots, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` over the same engine.
+
+SGLang serves both next to ``/generate``; usage carries ``prompt_tokens_details.cached_tokens``
+as SGLang reports it. Streaming sends ``data: {chunk}`` lines and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from thunderagent.schemas import ChatMessage
+from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
+from thunderagent.tokenizer import ByteTokenizer, render_chat
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+        status=status,
+    )
+
+
+class OpenAIRoutes:
+    def __init__(self, engine: EngineDriver, model: str) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokenizer = ByteTokenizer()
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        if isinstance(body, web.Response):
+            return body
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and t >= 0 for t in prompt):
+            ids = prompt
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            return _bad("prompt must be a string or a list of token ids")
+        return await self._run(request, body, ids, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        if isinstance(body, web.Response):
+            return body
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _bad("messages must be a non-empty list")
+        try:
+            turns = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        except (KeyError, TypeError):
+            return _bad("each message needs a role and a content")
+        if any(t.role not in _ROLES or not isinstance(t.content, str) for t in turns):
+            return _bad(f"message roles must be one of {sorted(_ROLES)} with string content")
+        ids = self.tokenizer.encode(render_chat(turns))
+        return await self._run(request, body, ids, chat=True)
+
+    async def _run(self, request: web.Request, body: dict, ids: list[int], *, chat: bool):
+        if not ids:
+            return _bad("the prompt is empty")
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            return _bad("max_tokens must be a positive integer")
+        rid = uuid.uuid4().hex
+        events = self.engine.generate(
+            GenerateInput(rid=rid, input_ids=ids, max_new_tokens=max_tokens)
+        )
+        try:
+            first = await anext(events)
+        except (EngineRejected, ValueError) as err:
+            return _bad(str(err))
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            ev = first
+            while ev is not None:
+                if ev.token_ids:
+                    text = self.tokenizer.decode(ev.token_ids)
+                    chunk = self._choice(
+                        kind + (".chunk" if chat else ""),
+                        rid,
+                        created,
+                        text,
+                        None,
+                        chat,
+                        delta=True,
+                    )
+                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                last = ev
+                ev = await anext(events, None)
+            final = self._choice(
+                kind + (".chunk" if chat else ""), rid, created, "", "length", chat, delta=True
+            )
+            final["usage"] = _usage(last)
+            await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+        out: list[int] = list(first.token_ids)
+        last = first
+        async for ev in events:
+            out.extend(ev.token_ids)
+            last = ev
+        result = self._choice(
+            kind, rid, created, self.tokenizer.decode(out), last.finish_reason, chat
+        )
+        result["usage"] = _usage(last)
+        return web.json_response(result)
+
+    def _choice(
+        self, kind: str, rid: str, created: int, text: str, finish, chat: bool, *, delta=False
+    ) -> dict[str, Any]:
+        if chat:
+            key = "delta" if delta else "message"
+            choice = {
+                "index": 0,
+                key: {"role": "assistant", "content": text},
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+
+def _usage(ev) -> dict[str, Any]:
+    return {
+        "prompt_tokens": ev.prompt_tokens,
+        "completion_tokens": ev.completion_tokens,
+        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+    }
+
+
+async def _json(request: web.Request) -> dict | web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return _bad(f"body is not JSON: {err}")
+    if not isinstance(body, dict):
+        return _bad("body must be a JSON object")
+    return body

@@ -1,0 +1,141 @@
+"""The simulated engine's SGLang HTTP surface, and SGLang's own router in front of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.integration.inproc import inproc_stack
+from thunderagent.embedded import free_port
+
+pytestmark = pytest.mark.integration
+
+
+async def sse(resp) -> list[dict]:
+    out = []
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+            out.append(json.loads(line[5:]))
+    return out
+
+
+async def test_generate_info_load_and_flush(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False)
+        prompt = list(range(10, 10 + 40))  # 2 full pages of 16
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5}}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/generate", json=body) as r:
+                first = await r.json()
+            async with s.post(url + "/generate", json={**body, "stream": True}) as r:
+                chunks = await sse(r)
+            async with s.post(url + "/generate", json={"text": "hi there", "rid": "x"}) as r:
+                by_text = await r.json()
+            info = await (await s.get(url + "/server_info")).json()
+            info2 = await (await s.get(url + "/get_server_info")).json()
+            model = await (await s.get(url + "/model_info")).json()
+            load = await (await s.get(url + "/get_load")).json()
+            flushed = await s.post(url + "/flush_cache")
+            async with s.post(url + "/generate", json=body) as r:
+                after_flush = await r.json()
+            bad = [
+                await s.post(url + "/generate", data=b"{nope"),
+                await s.post(url + "/generate", json={"input_ids": []}),
+                await s.post(
+                    url + "/generate",
+                    json={"input_ids": [1], "sampling_params": {"max_new_tokens": 0}},
+                ),
+                await s.post(url + "/generate", json={"input_ids": [-3]}),
+                await s.post(url + "/generate", json={"input_ids": [1] * 100_000}),
+            ]
+    meta = first["meta_info"]
+    assert (meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"]) == (40, 0, 5)
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert len(first["output_ids"]) == 5 and first["text"]
+    assert chunks[-1]["meta_info"]["cached_tokens"] == 32  # the first request cached 2 pages
+    assert chunks[-1]["output_ids"] == first["output_ids"]  # cumulative, as SGLang streams
+    assert [len(c["output_ids"]) for c in chunks] == sorted(len(c["output_ids"]) for c in chunks)
+    assert by_text["meta_info"]["id"] == "x" and by_text["meta_info"]["prompt_tokens"] == 8
+    assert info == info2 and info["page_size"] == 16 and info["max_total_num_tokens"] > 0
+    assert model["is_generation"] is True
+    assert isinstance(load, list) and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    assert flushed.status == 200
+    assert after_flush["meta_info"]["cached_tokens"] == 0
+    assert [r.status for r in bad] == [400] * 5
+
+
+async def test_openai_endpoints(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False)
+        async with aiohttp.ClientSession() as s:
+            comp = await (
+                await s.post(url + "/v1/completions", json={"prompt": "x" * 40, "max_tokens": 3})
+            ).json()
+            comp2 = await (
+                await s.post(url + "/v1/completions", json={"prompt": "x" * 40, "max_tokens": 3})
+            ).json()
+            chat = await (await s.post(url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})).json()  # fmt: skip
+            async with s.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                    "stream": True}) as r:  # fmt: skip
+                stream = await sse(r)
+            bad = await s.post(url + "/v1/chat/completions", json={"messages": []})
+    assert comp["object"] == "text_completion" and comp["usage"]["completion_tokens"] == 3
+    assert comp2["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] == 4
+    text = "".join(c["choices"][0]["delta"]["content"] for c in stream)
+    assert text == chat["choices"][0]["message"]["content"]
+    assert stream[-1]["usage"]["completion_tokens"] == 4
+    assert bad.status == 400
+
+
+@pytest.mark.slow
+async def test_sglang_router_fronts_simulated_engines(nats_server, tmp_path):
+    pytest.importorskip(
+        "sglang_router", reason="pip install sglang-router==0.3.2 (extra: baseline)"
+    )
+    async with inproc_stack(nats_server.url) as stack:
+        urls = [await stack.start_engine(f"e{i}", kv_events=False) for i in range(2)]
+        port = free_port()
+        log = open(tmp_path / "router.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            served = []
+            deadline = time.monotonic() + 60
+            async with aiohttp.ClientSession() as s:
+                while time.monotonic() < deadline:
+                    try:
+                        r = await s.post(f"http://127.0.0.1:{port}/generate",
+                                         json={"text": "route me " * 8, "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+                        if r.status == 200:
+                            served.append(await r.json())
+                            if len(served) == 4:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await _sleep(0.3)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            log.close()
+    assert len(served) == 4, (tmp_path / "router.log").read_text()[-2000:]
+    # cache_aware sends a repeated prompt where it went before: later copies hit the cache
+    assert served[-1]["meta_info"]["cached_tokens"] > 0
+
+
+async def _sleep(s: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(s)

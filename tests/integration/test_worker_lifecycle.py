@@ -1,0 +1,89 @@
+"""Worker adapter lifecycle: a killed adapter's worker leaves routing within its lease, and a
+restarted engine (event sequence back to 0, cache empty) is resynced, not misread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import conversation, routable, start_router, wait_for
+from thunderagent.hashing import BlockHasher
+from thunderagent.schemas import GenerateRequest
+
+pytestmark = pytest.mark.integration
+
+
+async def test_killed_adapter_drops_out_within_its_lease(nats_server):
+    lease_s = 2.0
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        router = await start_router(stack, "router-watch", None)
+        url = await stack.start_engine("wk", kv_events=False)
+        adapter = subprocess.Popen(
+            [sys.executable, "-m", "thunderagent.cli.main", "worker", "--nats", nats_server.url,
+             "--worker-id", "wk", "--engine-url", url, "--lease-s", str(lease_s)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            await wait_for(lambda: "wk" in router.registry, timeout_s=20, what="wk to register")
+            os.kill(adapter.pid, signal.SIGKILL)
+            adapter.wait()
+            killed_at = time.monotonic()
+            await wait_for(lambda: "wk" not in router.registry, timeout_s=lease_s + 5,
+                           what="wk to leave the registry")  # fmt: skip
+            gone_after = time.monotonic() - killed_at
+        finally:
+            if adapter.poll() is None:
+                adapter.kill()
+        client = await routable(nats_server.url, 1)
+        workers = set()
+        for i in range(6):
+            done = await client.generate(
+                GenerateRequest(model=MODEL, token_ids=[5, i], max_tokens=1)
+            )
+            workers.add(done.final.worker_id)
+        await client.close()
+    # load reports stop at once; the lease (plus one expiry tick) bounds the time to forget it
+    assert gone_after <= lease_s + 1.0
+    assert workers == {"w0"}
+
+
+async def test_restarted_engine_is_resynced(nats_server, redis_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, redis_url=redis_server.url, policy="thunder")
+        client = await routable(nats_server.url, 1)
+        for s in range(3):
+            await client.generate(
+                GenerateRequest(model=MODEL, token_ids=conversation(s, 4), max_tokens=2)
+            )
+        relay = stack.relays["w0"]
+        index = stack.services["index"].runtime.follower.index
+        await wait_for(lambda: len(index.dump_worker("w0").primary) > 0, what="indexed blocks")
+        old_blocks = set(index.dump_worker("w0").primary)
+        await stack.restart_engine("w0")
+        await asyncio.sleep(0.5)  # ZMQ SUB reconnects every 100 ms (a real restart takes minutes)
+        done = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=conversation(0, 4), max_tokens=2)
+        )
+        assert done.final.usage.cached_tokens == 0  # the restarted engine really is empty
+        # its first KV batch restarts at seq 0: the relay reads that as a restart, clears its
+        # mirror and the index's entries, then indexes the new engine's blocks only
+        await wait_for(
+            lambda: (
+                set(index.dump_worker("w0").primary)
+                == {b.primary for b in relay.mirror.blocks.values()}
+                and relay.mirror.blocks
+            ),
+            what="the index to follow the new engine",
+        )
+        stale = old_blocks & set(index.dump_worker("w0").primary)
+        fresh = set(BlockHasher(16).hash_tokens(conversation(0, 4)).primary)
+        assert stale <= fresh, "blocks of the old engine's other prompts are still indexed"
+        await client.close()
