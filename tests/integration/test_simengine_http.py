@@ -80,8 +80,9 @@ async def test_openai_endpoints(nats_server):
             comp2 = await (
                 await s.post(url + "/v1/completions", json={"prompt": "x" * 40, "max_tokens": 3})
             ).json()
-            chat = await (await s.post(url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})).json()  # fmt: skip
+            hello = [{"role": "user", "content": "hello"}]
+            chat_body = {"messages": hello, "max_tokens": 4}
+            chat = await (await s.post(url + "/v1/chat/completions", json=chat_body)).json()
             async with s.post(url + "/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
                     "stream": True}) as r:  # fmt: skip
@@ -105,7 +106,7 @@ async def test_sglang_router_fronts_simulated_engines(nats_server, tmp_path):
     async with inproc_stack(nats_server.url) as stack:
         urls = [await stack.start_engine(f"e{i}", kv_events=False) for i in range(2)]
         port = free_port()
-        log = open(tmp_path / "router.log", "wb")  # noqa: SIM115
+        log = open(tmp_path / "router.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
              "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls],
@@ -117,8 +118,8 @@ async def test_sglang_router_fronts_simulated_engines(nats_server, tmp_path):
             async with aiohttp.ClientSession() as s:
                 while time.monotonic() < deadline:
                     try:
-                        r = await s.post(f"http://127.0.0.1:{port}/generate",
-                                         json={"text": "route me " * 8, "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+                        body = {"text": "route me " * 8, "sampling_params": {"max_new_tokens": 2}}
+                        r = await s.post(f"http://127.0.0.1:{port}/generate", json=body)
                         if r.status == 200:
                             served.append(await r.json())
                             if len(served) == 4:
