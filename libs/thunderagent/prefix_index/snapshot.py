@@ -1,8 +1,10 @@
 """Plain, msgspec-serialisable image of a ``PrefixIndex`` (the index service stores it in Redis).
 
 Column lists rather than one record per block: msgspec encodes a list of ints in C at hundreds of
-MB/s, and ``restore`` rebuilds the dict with one comprehension and each worker's set with one
-``set(list)`` call, so neither side has a Python-level loop per (block, worker) pair.
+MB/s, ``restore`` rebuilds the entries with one ``dict(zip(...))``, and worker logs and the TTL
+queue are copied as they are, so neither side loops in Python per (block, worker) pair.
+Measured with 805k entries / 1.08M stored blocks: snapshot 0.17 s + encode 0.12 s (32 MB),
+decode 0.2 s + restore 0.24 s.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ class WorkerImage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     last_event_at: float | None
     """Clock time of the worker's last event."""
     blocks: list[int]
-    """Primary hashes of the worker's indexed blocks (any order)."""
+    """Primary hashes the worker's bit was set on, in stored order; may repeat or include
+    hashes whose bit has gone since (readers filter on ``masks``): copying the index's log
+    as is keeps a snapshot O(1) per item in C."""
+    count: int = -1
+    """Exact number of entries with this worker's bit (-1: ``len(blocks)``)."""
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -51,6 +57,9 @@ class IndexSnapshot(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Worker bitmask per entry, ``mask_words`` little-endian words each."""
     buckets: list[int]
     """TTL bucket of each entry's last confirmation."""
+    ttl_queue: list[tuple[int, list[int]]] = []
+    """The expiry queue, ``(bucket, primary hashes confirmed in it)`` in time order, items may be
+    stale; restored as is so expiry resumes exactly (rebuilt from ``buckets`` if empty)."""
 
 
 def split_masks(masks: list[int], words: int) -> list[int]:
@@ -78,6 +87,7 @@ def to_snapshot(
     workers: list[WorkerImage],
     slots: int,
     bucket_s: float,
+    ttl_queue: list[tuple[int, list[int]]],
 ) -> IndexSnapshot:
     """Columns from the index's ``primary -> (mask, check, bucket)`` dict."""
     values = list(entries.values())
@@ -91,26 +101,30 @@ def to_snapshot(
         mask_words=words,
         masks=split_masks([v[0] for v in values], words),
         buckets=[v[2] for v in values],
+        ttl_queue=ttl_queue,
     )
 
 
 def from_snapshot(
     snap: IndexSnapshot, bucket_s: float | None, now: float
-) -> dict[int, tuple[int, int, int]]:
-    """The index's entries dict from ``snap``, TTL buckets converted to width ``bucket_s``
-    (``None``: TTL off; a snapshot without TTL counts as confirmed at ``now``)."""
+) -> tuple[dict[int, tuple[int, int, int]], list[tuple[int, list[int]]] | None]:
+    """The index's entries dict and TTL queue from ``snap``, buckets converted to width
+    ``bucket_s`` (``None``: TTL off). A snapshot without TTL counts as confirmed at ``now``;
+    the queue is ``None`` when it must be rebuilt from the entries."""
     if snap.hash_scheme != SCHEME_VERSION:
         raise ValueError(f"snapshot hash scheme {snap.hash_scheme} != {SCHEME_VERSION}")
     buckets = snap.buckets
+    queue: list[tuple[int, list[int]]] | None = snap.ttl_queue if snap.bucket_s else None
     if bucket_s is not None and snap.bucket_s != bucket_s:
-        if snap.bucket_s:
+        if snap.bucket_s:  # the same monotone map for entries and queue keeps them in step
             ratio = snap.bucket_s / bucket_s
             buckets = [int(b * ratio) for b in buckets]
+            queue = [(int(b * ratio), hashes) for b, hashes in snap.ttl_queue]
         else:
             buckets = [int(now // bucket_s)] * len(buckets)
     masks = join_masks(snap.masks, snap.mask_words)
     values = zip(masks, snap.check, buckets, strict=True)
-    return dict(zip(snap.primary, values, strict=True))
+    return dict(zip(snap.primary, values, strict=True)), queue
 
 
 def encode(snapshot: IndexSnapshot) -> bytes:

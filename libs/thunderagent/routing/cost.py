@@ -130,7 +130,8 @@ class RoutingFeedback:
     """What the fleet measured over the last window, fed to ``observe``."""
 
     queue_depths: Mapping[str, int]
-    """worker id -> requests waiting in its queue."""
+    """worker id -> outstanding requests (running + waiting): engines admit requests into their
+    running batch at once, so waiting queues alone stay near zero and say nothing."""
     false_hit_rate: float = 0.0
     """Share of the blocks the router predicted as cached that the engine had to prefill anyway
     (1 - measured hit / predicted hit), in [0, 1]."""
@@ -140,19 +141,21 @@ class RoutingFeedback:
 class OnlineTuner:
     """Nudges thunder's ``load_scale`` from measured queue-depth imbalance and false hits.
 
-    Imbalance = (max queue - min queue) / (mean queue + 1); the ``+ 1`` keeps near-empty queues
-    from reading as imbalanced. Above ``high_imbalance`` the scale shrinks (the cache credit decays
-    faster, so load spreads); below ``low_imbalance`` with few false hits it grows (the cache is
-    trusted more). Every step is one bounded multiplicative move, clamped to the range.
+    Imbalance = (max depth - min depth) / (3 sqrt(mean depth) + 1): the spread relative to what
+    random arrivals alone produce (Poisson: a standard deviation of sqrt(mean), a few workers span
+    about three), so ordinary noise does not read as a hot spot; the ``+ 1`` covers idle fleets.
+    Above ``high_imbalance`` the scale shrinks (the cache credit decays faster, so load spreads);
+    below ``low_imbalance`` with few false hits it grows (the cache is trusted more). Every step
+    is one bounded multiplicative move, clamped to the range.
     """
 
     step: float = 0.1
     """Fractional change per observation: ten steps move the scale ~2.6x, slow enough that one
     noisy window cannot swing routing, fast enough to follow load shifts within a minute."""
-    high_imbalance: float = 1.0
-    """Max-min spread above one mean queue length: hot spots are forming; spread load."""
-    low_imbalance: float = 0.25
-    """Spread under a quarter of the mean: queues are even; the cache can be trusted more."""
+    high_imbalance: float = 1.5
+    """Spread half again beyond chance: hot spots are forming; spread load."""
+    low_imbalance: float = 0.75
+    """Spread within chance: queues are as even as random arrivals allow; trust the cache more."""
     max_false_hit_rate: float = 0.05
     """Only grow while under 5% of predicted hits are false (a stale index should not attract)."""
     min_scale: float = 1.0
@@ -185,7 +188,10 @@ class OnlineTuner:
         depths = list(feedback.queue_depths.values())
         if not depths:
             return scale
-        imbalance = (max(depths) - min(depths)) / (sum(depths) / len(depths) + 1.0)
+        mean = sum(depths) / len(depths)
+        # Spread beyond chance: with random arrivals each depth varies by about sqrt(mean), and
+        # a handful of workers spans about three of those; only more than that is a hot spot.
+        imbalance = (max(depths) - min(depths)) / (3.0 * math.sqrt(mean) + 1.0)
         if imbalance > self.high_imbalance:
             scale *= 1.0 - self.step
         elif imbalance < self.low_imbalance and feedback.false_hit_rate < self.max_false_hit_rate:

@@ -2,8 +2,8 @@
 
     cost = prefill_s * (prompt - credit)                  this request's own prefill
          + prefill_s * (queued + pending) * mean_prefill  prefills queued ahead of it
-         + output * (kv_s * active_tokens + seq_s * outstanding)   its decode, slowed by the batch
-         + pressure penalty                               KV nearly full: its cache would be evicted
+         + decode_weight * output * (kv_s * active_tokens + seq_s * outstanding)   its decode
+         + pressure penalty              running requests' KV nearly full: its cache would go
     credit = (gpu_blocks + host_credit * host_only_blocks) * block_size * exp(-excess / load_scale)
 
 ``excess`` is the worker's outstanding requests above the least loaded candidate's, so an evenly
@@ -60,6 +60,12 @@ class Thunder:
     """Decode step time per KV token held by the batch (bandwidth-bound: Llama-8B, H100)."""
     decode_s_per_seq: float = 3e-5
     """Decode step time per sequence in the batch (~16 GFLOP per token at ~50% of H100 peak)."""
+    decode_weight: float = 0.1
+    """Weight of the request's predicted decode time against its TTFT. The router mainly
+    controls TTFT (prefill saved by a hit, prefill queued ahead); a worker's decode batch is
+    transient and the credit decay already spreads it, so at full weight a few hundred output
+    tokens at a slightly heavier batch would outvote every cache hit (measured on the
+    Mooncake traces). A tenth keeps it a tie-breaker between similar TTFTs."""
     prior_prefill_tokens: float = 1024.0
     """Uncached prompt length assumed for each queued request before any has been routed."""
     mean_alpha: float = 0.05
@@ -82,6 +88,7 @@ class Thunder:
         finite_positive(_P, "load_scale", self.load_scale)
         finite_at_least(_P, "decode_s_per_kv_token", self.decode_s_per_kv_token, 0.0)
         finite_at_least(_P, "decode_s_per_seq", self.decode_s_per_seq, 0.0)
+        finite_at_least(_P, "decode_weight", self.decode_weight, 0.0)
         finite_at_least(_P, "prior_prefill_tokens", self.prior_prefill_tokens, 0.0)
         require(_P, "mean_alpha", self.mean_alpha, 0 < self.mean_alpha <= 1, "must lie in (0, 1]")
         ok = 0 <= self.pressure_threshold < 1
@@ -100,11 +107,14 @@ class Thunder:
         own = max(0.0, query.prompt_tokens - credit)
         ahead = (w.queued + w.pending) * self._uncached.get()
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
-        used = w.kv_used_blocks / w.kv_total_blocks if w.kv_total_blocks > 0 else 0.0
+        # Pressure from KV that running requests hold, not from the cache: a warm worker's
+        # pool is always "full" of evictable blocks.
+        capacity = w.kv_total_blocks * query.block_size
+        used = (w.active_tokens + query.prompt_tokens) / capacity if capacity > 0 else 0.0
         over = max(0.0, min(used, 1.0) - self.pressure_threshold) / (1 - self.pressure_threshold)
         return (
             self.prefill_s_per_token * (own + ahead)
-            + query.expected_output_tokens * step
+            + self.decode_weight * query.expected_output_tokens * step
             + self.pressure_penalty_s * over
         )
 

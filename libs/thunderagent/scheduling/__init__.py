@@ -14,14 +14,22 @@ from thunderagent.scheduling.api import (
     WorkerRoom,
 )
 from thunderagent.scheduling.direct import DirectScheduler
+from thunderagent.scheduling.params import ParamError, SchedParams
+from thunderagent.scheduling.registry import SCHEDULERS, make_scheduler
+from thunderagent.scheduling.thunder import ThunderScheduler
 
 __all__ = [
+    "SCHEDULERS",
     "Action",
     "DirectScheduler",
     "Dispatch",
+    "ParamError",
     "Preempt",
     "Reject",
+    "SchedParams",
     "SchedRequest",
     "Scheduler",
+    "ThunderScheduler",
     "WorkerRoom",
+    "make_scheduler",
 ]

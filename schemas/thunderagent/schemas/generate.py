@@ -122,6 +122,10 @@ class FinalReply(Struct, frozen=True, kw_only=True, tag="final", tag_field="type
     """Whole output text (only when the request did not stream)."""
     predicted_cached_tokens: int = -1
     """Cached tokens the router predicted for this worker; -1 when unknown."""
+    engine_ttft_ms: float = -1.0
+    """Receipt-to-first-token time the engine itself reported; -1 when it reports none
+    (SGLang does not; the simulated engine does). Client TTFT minus this is what the whole
+    control plane added."""
 
 
 class ErrorCode(enum.StrEnum):

@@ -8,6 +8,7 @@ import sys
 
 BENCHES = {
     "index": ("thunderagent.bench.index", "prefix index ingest and query speed (vs Dynamo)"),
+    "live": ("thunderagent.bench.live", "a trace through the running stack, vs sglang-router"),
     "latency": (
         "thunderagent.bench.latency",
         "round trip through the stack vs straight to an engine",

@@ -225,11 +225,14 @@ class RouterService:
         bus = self.ctx.bus
         await self.follower.start()
         await bus.subscribe(subjects.COMPLETIONS, FinalReply, self.router.on_completion)
+        # Concurrent: a request waits for the scheduler's ack without holding up the next one;
+        # the routing decision itself runs without an await, so policy state stays consistent.
         await bus.subscribe(
             subjects.REQUESTS_WILDCARD,
             GenerateRequest,
             self.router.on_request,
             queue=subjects.ROUTER_QUEUE,
+            concurrent=True,
         )
         try:
             await self.fleet.run(self.ctx.stop)

@@ -93,6 +93,7 @@ class SimEngineApp:
         )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -108,8 +109,8 @@ class SimEngineApp:
             except (EngineRejected, ValueError) as err:
                 return _bad(str(err))
             if body.get("stream"):
-                return await self._stream(request, parsed, first, events)
-            return await self._whole(parsed, first, events)
+                return await self._stream(request, parsed, first, events, received)
+            return await self._whole(parsed, first, events, received)
 
     def _parse_generate(self, body: Any) -> GenerateInput | web.Response:
         if not isinstance(body, dict):
@@ -133,7 +134,9 @@ class SimEngineApp:
         rid = body.get("rid") or uuid.uuid4().hex
         return GenerateInput(rid=str(rid), input_ids=ids, max_new_tokens=max_new)
 
-    def _chunk(self, req: GenerateInput, out_ids: list[int], ev, started: float) -> dict:
+    def _chunk(
+        self, req: GenerateInput, out_ids: list[int], ev, started: float, first_at: float | None
+    ) -> dict:
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": ev.prompt_tokens,
@@ -142,6 +145,10 @@ class SimEngineApp:
             "finish_reason": None,
             "e2e_latency": time.monotonic() - started,
         }
+        if first_at is not None:
+            # Not an SGLang field: the simulated engine's own receipt-to-first-token time, so
+            # benchmarks can subtract the engine from what a client saw.
+            meta["engine_ttft_s"] = first_at - started
         if ev.finished:
             meta["finish_reason"] = {"type": ev.finish_reason, "length": ev.completion_tokens}
         return {
@@ -151,27 +158,31 @@ class SimEngineApp:
         }
 
     async def _stream(
-        self, request: web.Request, req: GenerateInput, first, events
+        self, request: web.Request, req: GenerateInput, first, events, started: float
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        started = time.monotonic()
         out_ids: list[int] = []
+        first_at = None
         ev = first
         while ev is not None:
             out_ids.extend(ev.token_ids)
-            payload = json.dumps(self._chunk(req, out_ids, ev, started))
+            if first_at is None and ev.token_ids:
+                first_at = time.monotonic()
+            payload = json.dumps(self._chunk(req, out_ids, ev, started, first_at))
             await resp.write(f"data: {payload}\n\n".encode())
             ev = await anext(events, None)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    async def _whole(self, req: GenerateInput, first, events) -> web.Response:
-        started = time.monotonic()
+    async def _whole(self, req: GenerateInput, first, events, started: float) -> web.Response:
+        first_at = time.monotonic() if first.token_ids else None
         out_ids: list[int] = list(first.token_ids)
         last = first
         async for ev in events:
             out_ids.extend(ev.token_ids)
+            if first_at is None and ev.token_ids:
+                first_at = time.monotonic()
             last = ev
-        return web.json_response(self._chunk(req, out_ids, last, started))
+        return web.json_response(self._chunk(req, out_ids, last, started, first_at))

@@ -278,6 +278,7 @@ class WorkerAdapter:
             finish_reason=_finish_reason(meta),
             text="".join(text_parts),
             predicted_cached_tokens=work.predicted_cached_tokens,
+            engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
         )
         await self.bus.publish(work.reply_subject, final)
         await self.bus.publish(subjects.COMPLETIONS, final)

@@ -307,6 +307,14 @@ def test_collision_where_the_walk_ends_because_no_worker_is_left() -> None:
     assert ix.stats.query_collisions == 1
 
 
+def test_overlap_without_check_hashes_skips_verification() -> None:
+    ix = PrefixIndex()
+    ix.apply_stored("a", 0, ([100, 101], [1, 2]), None, 0.0)
+    assert ix.overlap([100, 101], None) == {"a": 2}
+    assert ix.overlap([100, 101], [100, 101]) == {}  # primary passed as check: all mismatch
+    assert ix.stats.query_collisions == 1
+
+
 def test_a_block_repeated_within_one_event_counts_once() -> None:
     ix = PrefixIndex()
     ix.apply_stored("a", 0, ([5, 5, 6], [1, 1, 2]), None, 0.0)

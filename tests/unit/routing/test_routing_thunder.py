@@ -65,14 +65,20 @@ def test_credit_decays_with_excess_load() -> None:
 
 
 def test_queue_decode_and_pressure_terms() -> None:
-    p = unit(decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, pressure_penalty_s=2.0)
+    p = unit(
+        decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, decode_weight=0.1, pressure_penalty_s=2.0
+    )
     p.on_routed(q(3), "x")  # uncached mean: 30 tokens
     w = WorkerView(
-        "w", running=1, queued=2, active_tokens=100, kv_used_blocks=95, kv_total_blocks=100
+        "w", running=1, queued=2, active_tokens=910, kv_used_blocks=100, kv_total_blocks=100
     )
     query = q(4, expected_output_tokens=10)
-    # own 40 + ahead 2 * 30 = 100; decode 10 * (0.01 * 100 + 0.5 * 3) = 25; pressure 2 * 0.5 = 1
-    assert p.cost(query, w, min_outstanding=3) == pytest.approx(126.0)
+    # own 40 + ahead 2 * 30 = 100; decode 0.1 * 10 * (0.01 * 910 + 0.5 * 3) = 10.6;
+    # pressure: running KV + this prompt = (910 + 40) / (100 * 10) = 95% -> 2 * 0.5 = 1
+    assert p.cost(query, w, min_outstanding=3) == pytest.approx(111.6)
+    # a pool full of cached (evictable) blocks alone is no pressure
+    idle = WorkerView("w", kv_used_blocks=100, kv_total_blocks=100)
+    assert p.cost(q(4), idle, min_outstanding=0) == pytest.approx(40.0)
 
 
 def test_free_kv_breaks_cost_ties() -> None:
@@ -161,10 +167,12 @@ def test_loaded_hit_eventually_loses_to_idle_miss(blocks: int, k: int, bs: int) 
 @pytest.mark.parametrize(
     ("depths", "false_hits", "expected"),
     [
-        ({"a": 0, "b": 0, "c": 0, "d": 8}, 0.0, 7.2),  # imbalance 8/3 > 1: decay faster
+        # imbalance = spread / (3 sqrt(mean) + 1)
+        ({"a": 0, "b": 0, "c": 0, "d": 8}, 0.0, 7.2),  # 8 / 5.24 = 1.53 > 1.5: decay faster
         ({"a": 2, "b": 2, "c": 2, "d": 2}, 0.0, 8.8),  # even, index trusted: decay slower
         ({"a": 2, "b": 2, "c": 2, "d": 2}, 0.2, 8.0),  # even but many false hits: hold
-        ({"a": 2, "b": 3, "c": 2, "d": 3}, 0.0, 8.0),  # in between: hold
+        ({"a": 0, "b": 0, "c": 0, "d": 5}, 0.0, 8.0),  # 5 / 4.35 = 1.15, in between: hold
+        ({"a": 2, "b": 3, "c": 2, "d": 3}, 0.0, 8.8),  # within chance: trust the cache
         ({}, 0.0, 8.0),
     ],
 )

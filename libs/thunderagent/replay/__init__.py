@@ -1,0 +1,42 @@
+"""Trace replay in virtual time: the real routing policies and schedulers in front of simulated
+engine cores, and the metrics to compare them (pure logic; only the trace loaders read files)."""
+
+from thunderagent.replay.driver import (
+    SCHEDULERS,
+    Record,
+    Replay,
+    ReplayConfig,
+    ReplayResult,
+)
+from thunderagent.replay.metrics import (
+    ideal_hit_ratio,
+    load_imbalance,
+    percentile,
+    pooled_hit_ratio,
+    summary_ms,
+)
+from thunderagent.replay.traces import (
+    TraceError,
+    TraceRequest,
+    load_azure,
+    load_mooncake,
+    load_trace,
+)
+
+__all__ = [
+    "SCHEDULERS",
+    "Record",
+    "Replay",
+    "ReplayConfig",
+    "ReplayResult",
+    "TraceError",
+    "TraceRequest",
+    "ideal_hit_ratio",
+    "load_azure",
+    "load_imbalance",
+    "load_mooncake",
+    "load_trace",
+    "percentile",
+    "pooled_hit_ratio",
+    "summary_ms",
+]

@@ -1,0 +1,68 @@
+"""One run's JSON summary from its records (the per-policy, per-speed entry of the report)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from thunderagent.engine import TimingModel
+from thunderagent.replay.driver import Record, ReplayResult
+from thunderagent.replay.metrics import load_imbalance, summary_ms
+
+
+def alone_ttft_s(timing: TimingModel, prompt_len: int, cached: int, chunk: int) -> float:
+    """TTFT of a request alone on an idle engine that holds ``cached`` of its prompt tokens:
+    its uncached prompt prefilled in ``chunk``-token steps. TTFT minus this is time spent
+    waiting behind or beside other requests."""
+    t, done = 0.0, cached
+    while done < prompt_len:
+        n = min(chunk, prompt_len - done)
+        t += timing.prefill_time([(n, done)])
+        done += n
+    return t
+
+
+def summarize(
+    result: ReplayResult,
+    *,
+    policy: str,
+    speed: float,
+    timing: TimingModel,
+    chunk: int,
+    ideal: float,
+    pooled: float,
+    wall_s: float,
+) -> dict:
+    """The JSON entry for one (policy, speed) run; latencies in ms."""
+    recs: Sequence[Record] = result.records
+    done = [r for r in recs if r.status == "completed"]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    recompute = sum(max(0, r.best_overlap_tokens - r.cached_tokens) for r in done)
+    start = min((r.arrival for r in recs), default=0.0)
+    span = result.makespan - start
+    out_tokens = sum(r.completion_tokens for r in done)
+    waits = [
+        r.first_token - r.arrival - alone_ttft_s(timing, r.prompt_tokens, r.cached_tokens, chunk)
+        for r in done
+    ]
+    return {
+        "policy": policy,
+        "speed": speed,
+        "requests": len(recs),
+        "completed": len(done),
+        "rejected": sum(r.status == "rejected" for r in recs),
+        "ttft_ms": summary_ms([r.first_token - r.arrival for r in done]),
+        "e2e_ms": summary_ms([r.finish - r.arrival for r in done]),
+        "queue_ms": summary_ms(waits),
+        "output_tok_s": out_tokens / span if span > 0 else 0.0,
+        "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        "ideal_hit_ratio": ideal,
+        "pooled_hit_ratio": pooled,
+        "prefill_recompute_ratio": recompute / prompt if prompt else 0.0,
+        "load_imbalance": load_imbalance(result.busy_s),
+        "busy_s": result.busy_s,
+        "preemptions": sum(r.preemptions for r in recs),
+        "engine_steps": result.steps,
+        "makespan_s": result.makespan,
+        "wall_s": wall_s,
+    }

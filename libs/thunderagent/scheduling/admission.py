@@ -1,0 +1,98 @@
+"""Admission: does a worker have room for one more request?
+
+Room = running requests under the cap and KV held by running requests under
+``kv_watermark`` of the pool. Load reports lag behind dispatches, so the estimate adds what
+this scheduler sent (and saw finish) since the last report, and never goes below what it knows
+it has running there itself. A worker with nothing running always admits one request, however
+large, so a big prompt cannot wait forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thunderagent.scheduling.api import WorkerRoom
+from thunderagent.scheduling.params import SchedParams
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What the scheduler believes about one worker; plain counters, updated in O(1)."""
+
+    room: WorkerRoom | None = None
+    sent_since_report: int = 0
+    done_since_report: int = 0
+    blocks_since_report: int = 0
+    own_running: int = 0
+    own_blocks: int = 0
+    """KV blocks (prompt + expected output) of requests this scheduler has running there."""
+
+
+@dataclass(slots=True)
+class Admission:
+    params: SchedParams
+    workers: dict[str, WorkerLoad] = field(default_factory=dict)
+
+    def load(self, worker_id: str) -> WorkerLoad:
+        load = self.workers.get(worker_id)
+        if load is None:
+            load = self.workers[worker_id] = WorkerLoad()
+        return load
+
+    def report(self, room: WorkerRoom) -> None:
+        load = self.load(room.worker_id)
+        load.room = room
+        load.sent_since_report = load.done_since_report = load.blocks_since_report = 0
+
+    def remove(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+
+    def cap(self, worker_id: str) -> int:
+        if self.params.max_running:
+            return self.params.max_running
+        load = self.workers.get(worker_id)
+        if load is not None and load.room is not None and load.room.max_running > 0:
+            return load.room.max_running
+        return self.params.fallback_max_running
+
+    def running(self, worker_id: str) -> int:
+        load = self.load(worker_id)
+        if load.room is None:
+            return load.own_running
+        r = load.room
+        reported = r.running + r.queued + load.sent_since_report - load.done_since_report
+        return max(reported, load.own_running, 0)
+
+    def kv_blocks(self, worker_id: str) -> int:
+        load = self.load(worker_id)
+        room = load.room
+        if room is None or room.active_blocks is None:
+            return load.own_blocks
+        return max(room.active_blocks + load.blocks_since_report, load.own_blocks)
+
+    def has_room(self, worker_id: str, need_blocks: int) -> bool:
+        running = self.running(worker_id)
+        if running >= self.cap(worker_id):
+            return False
+        if running == 0:
+            return True
+        load = self.load(worker_id)
+        total = load.room.kv_total_blocks if load.room is not None else 0
+        if total <= 0:
+            return True
+        return self.kv_blocks(worker_id) + need_blocks <= self.params.kv_watermark * total
+
+    def charge(self, worker_id: str, blocks: int) -> None:
+        load = self.load(worker_id)
+        load.sent_since_report += 1
+        load.blocks_since_report += blocks
+        load.own_running += 1
+        load.own_blocks += blocks
+
+    def discharge(self, worker_id: str, blocks: int) -> None:
+        load = self.workers.get(worker_id)
+        if load is None:
+            return
+        load.done_since_report += 1
+        load.own_running = max(load.own_running - 1, 0)
+        load.own_blocks = max(load.own_blocks - blocks, 0)

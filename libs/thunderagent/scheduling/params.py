@@ -1,0 +1,115 @@
+"""Knobs of the composed scheduler, with their defaults and the reasoning behind them.
+
+Every knob is optional; ``SchedParams.validate`` rejects a bad value with a ``ParamError``
+naming the field, the value and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ORDERS = ("fcfs", "priority", "srpt", "priority_srpt")
+WINDOWS = ("none", "fixed", "adaptive")
+PD_MODES = ("colocated", "disaggregated")
+
+
+class ParamError(ValueError):
+    """A scheduler knob with a bad value."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(f"scheduler param {field}={value!r}: {reason}")
+        self.field = field
+        self.value = value
+        self.reason = reason
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedParams:
+    # --- admission (item 1)
+    max_running: int = 0
+    """Running-request cap per worker; 0: the worker's reported ``max_running``."""
+    fallback_max_running: int = 64
+    """Cap when neither the knob nor the worker names one (SGLang's default is larger, but
+    keeping requests here instead of in engine queues is the point)."""
+    kv_watermark: float = 0.9
+    """Admit while the KV held by running requests stays under this fraction of the pool: the
+    last 10% absorbs decode growth past the expected output before the engine must evict."""
+    spill_after_s: float = 0.5
+    """A request whose first candidate gave it no room this long may go to the next one: long
+    enough that a short decode frees a slot first, short against a re-prefill elsewhere."""
+    # --- window (item 2)
+    window: str = "adaptive"
+    fixed_window_s: float = 0.1
+    online_window_cap_s: float = 0.010
+    """DESIGN feature 5: online (priority 0) requests never wait more than 10 ms for a window."""
+    batch_window_cap_s: float = 0.050
+    window_gain_s: float = 0.001
+    """Adaptive window length per unit of pressure (waiting requests + arrivals expected in the
+    next 10 ms): 1 ms per request, so the window only grows where batching has material."""
+    # --- ordering (item 3)
+    order: str = "priority_srpt"
+    class_step_s: float = 30.0
+    """One priority class is worth this much waiting: a class-1 request overtakes fresh
+    class-0 arrivals after ~30 s (aging), and class dominates work differences below
+    ``class_step_s * work_tokens_per_s`` tokens."""
+    work_tokens_per_s: float = 2000.0
+    """Exchange rate between predicted work and waiting time: a request with 2,000 more tokens
+    of work than another is passed over for at most 1 s (the starvation bound of SRPT)."""
+    # --- grouping (item 2)
+    grouping: bool = True
+    group_min_blocks: int = 4
+    """Hold a follower only when it shares at least this many uncached blocks with a leader
+    (fewer: the wait costs more than the prefill it saves)."""
+    group_timeout_s: float = 2.0
+    """A follower waits at most this long for the leader's prefix (covers a lost KV event or a
+    preempted leader; a 32k-token prefill takes about a second on one GPU)."""
+    # --- preemption (item 4)
+    preemption: bool = False
+    preempt_gain_ratio: float = 2.0
+    """Preempt only if the wait saved is at least this many times the cost."""
+    preempt_max_per_s: float = 1.0
+    """Per worker: preemptions churn KV and batches, so at most this many per second."""
+    preempt_max_per_request: int = 2
+    """A request is preempted at most this many times (no livelock)."""
+    preempt_min_remaining_tokens: int = 256
+    """Victims must have at least this much decode left (short ones free a slot soon anyway)."""
+    prefill_tokens_per_s: float = 10000.0
+    decode_tokens_per_s: float = 40.0
+    """Per request; estimates only (service times, preemption gain, deadline feasibility)."""
+    resume_recompute_fraction: float = 0.1
+    """Share of a preempted context re-prefilled on resume (its KV stays cached; some is lost)."""
+    # --- PD (item 5)
+    pd_mode: str = "colocated"
+    pd_max_inflight: int = 0
+    """Cap on KV transfers in flight (dispatched to prefill, not yet landed); 0: uncapped."""
+    # --- programs (item 6)
+    programs: bool = False
+    program_watermark: float = 0.95
+    """Pause acting programs on a worker once program contexts exceed this share of its KV."""
+    program_resume_watermark: float = 0.85
+    """Resume a paused program only where it fits under this share (hysteresis, no flapping)."""
+    program_idle_s: float = 600.0
+    """An acting program silent this long is released (a lost release message)."""
+    # --- deadlines (item 6)
+    deadlines: bool = True
+
+    def validate(self) -> SchedParams:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or isinstance(value, str):
+                continue
+            if value < 0:
+                raise ParamError(f.name, value, "must be >= 0")
+        choices = {"window": WINDOWS, "order": ORDERS, "pd_mode": PD_MODES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ParamError(name, getattr(self, name), f"must be one of {allowed}")
+        for name in ("kv_watermark", "program_watermark", "program_resume_watermark"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ParamError(name, getattr(self, name), "must be in (0, 1]")
+        for name in ("work_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+            if getattr(self, name) <= 0:
+                raise ParamError(name, getattr(self, name), "must be > 0")
+        if self.fallback_max_running < 1:
+            raise ParamError("fallback_max_running", self.fallback_max_running, "must be >= 1")
+        return self

@@ -1,0 +1,106 @@
+"""Preemption: abort a long decode so a short, more urgent request runs now.
+
+Fires for the head request ``R`` of a worker with no room when all of these hold:
+
+* a victim ``V`` on that worker has started decoding, is not more urgent than ``R``
+  (``V.priority >= R.priority``), has at least ``preempt_min_remaining_tokens`` left, has been
+  preempted fewer than ``preempt_max_per_request`` times, and has more time left than ``R``
+  needs; the one with the most time left is chosen (ties: request id);
+* gain beats cost: ``wait >= preempt_gain_ratio * cost`` where ``wait`` is how long ``R``
+  would wait anyway (the soonest any running request there finishes) and ``cost`` is ``R``'s
+  service time (the victim is set back that much) plus re-prefilling the share
+  ``resume_recompute_fraction`` of the victim's context (the rest is still cached: a
+  continuation resumes on it);
+* the worker's last preemption is at least ``1 / preempt_max_per_s`` seconds ago.
+
+Time estimates use ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` from the dispatch and
+``on_started`` times this table records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thunderagent.scheduling.api import SchedRequest
+from thunderagent.scheduling.ordering import (
+    remaining_output_tokens,
+    service_s,
+    uncached_prompt_tokens,
+)
+from thunderagent.scheduling.params import SchedParams
+
+
+@dataclass(slots=True)
+class Running:
+    """One request this scheduler dispatched and has not seen finish."""
+
+    req: SchedRequest
+    worker_id: str
+    cached_blocks: int
+    kv_blocks: int
+    dispatched_at: float
+    started_at: float | None = None
+    decode_worker: str | None = None
+
+    def decoded(self, now: float, p: SchedParams) -> int:
+        if self.started_at is None:
+            return 0
+        return int((now - self.started_at) * p.decode_tokens_per_s)
+
+    def remaining_s(self, now: float, p: SchedParams) -> float:
+        out_left = max(remaining_output_tokens(self.req) - self.decoded(now, p), 0)
+        decode = out_left / p.decode_tokens_per_s
+        if self.started_at is not None:
+            return decode
+        prefill = uncached_prompt_tokens(self.req, self.cached_blocks) / p.prefill_tokens_per_s
+        return max(prefill - (now - self.dispatched_at), 0.0) + decode
+
+
+@dataclass(slots=True)
+class Preemptor:
+    params: SchedParams
+    last: dict[str, float] = field(default_factory=dict)
+    """worker -> time of its last preemption (the rate limit)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """request id -> times preempted (kept across continuations)."""
+    preemptions: int = 0
+
+    def allowed_at(self, worker_id: str) -> float:
+        last = self.last.get(worker_id)
+        if last is None:
+            return float("-inf")
+        return last + 1.0 / self.params.preempt_max_per_s
+
+    def pick(
+        self, waiting: SchedRequest, cached: int, running: list[Running], now: float
+    ) -> Running | None:
+        p = self.params
+        if not running or p.preempt_max_per_s <= 0:
+            return None
+        if now < self.allowed_at(running[0].worker_id):
+            return None
+        need = service_s(waiting, cached, p)
+        victims = [
+            r
+            for r in running
+            if r.started_at is not None
+            and r.req.priority >= waiting.priority
+            and remaining_output_tokens(r.req) - r.decoded(now, p) >= p.preempt_min_remaining_tokens
+            and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
+            and r.remaining_s(now, p) > need
+        ]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda r: (r.remaining_s(now, p), r.req.request_id))
+        wait = min(r.remaining_s(now, p) for r in running)
+        context = victim.req.prompt_tokens + victim.req.generated_tokens + victim.decoded(now, p)
+        cost = need + context * p.resume_recompute_fraction / p.prefill_tokens_per_s
+        if wait < p.preempt_gain_ratio * cost:
+            return None
+        return victim
+
+    def record(self, victim: Running, now: float) -> None:
+        self.last[victim.worker_id] = now
+        rid = victim.req.request_id
+        self.counts[rid] = self.counts.get(rid, 0) + 1
+        self.preemptions += 1

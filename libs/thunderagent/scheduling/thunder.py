@@ -1,0 +1,500 @@
+"""The composed scheduler: global waiting queue, window, grouping, SRPT, preemption, PD, programs.
+
+Requests wait here, not in engine queues. Life of a request (``_Entry.state``):
+
+``window`` (collected until its class's window closes) -> ``queued`` on its *home* worker (the
+router's first eligible candidate; a program's KV holder goes first) -> ``spill`` once it has
+waited ``spill_after_s`` (then any candidate with room may take it, in router order) ->
+dispatched, or ``held`` behind a prefix leader (back to ``queued`` when the prefix is cached),
+or ``paused`` with its program (back when memory frees), or rejected (deadline).
+
+Each waiting request is in exactly one of these states and leaves exactly once, by ``Dispatch``
+or ``Reject``; heaps are cleaned lazily (an item whose entry moved on is skipped). Actions come
+out of ``poll`` in the order the driver must carry them out (a ``Preempt`` precedes the
+``Dispatch`` that takes the freed room).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from thunderagent.scheduling.admission import Admission
+from thunderagent.scheduling.api import Action, Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
+from thunderagent.scheduling.grouping import PrefixGroups
+from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
+from thunderagent.scheduling.params import SchedParams
+from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate, pick_decode_worker
+from thunderagent.scheduling.preemption import Preemptor, Running
+from thunderagent.scheduling.programs import PAUSED, ProgramTracker
+from thunderagent.scheduling.window import Window
+
+WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP = "window", "queued", "spill", "held", "paused"
+IDLE_CHECK_S = 1.0
+"""Idle programs are looked for at most once a second (a scan over all programs)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    req: SchedRequest
+    seq: int
+    state: str = WINDOW
+    home: str = ""
+    key: float = 0.0
+    regrouped: bool = False
+    """Released from a hold without its prefix: never held again (no endless waiting)."""
+
+
+@dataclass(slots=True)
+class _Heap:
+    """(time or key, seq, request id) items, smallest first."""
+
+    items: list[tuple[float, int, str]] = field(default_factory=list)
+
+    def push(self, t: float, seq: int, rid: str) -> None:
+        heapq.heappush(self.items, (t, seq, rid))
+
+    def due(self, now: float) -> list[str]:
+        out = []
+        while self.items and self.items[0][0] <= now:
+            out.append(heapq.heappop(self.items)[2])
+        return out
+
+
+class ThunderScheduler:
+    """The scheduler of DESIGN features 5-7; every behaviour is switched by ``SchedParams``."""
+
+    def __init__(self, params: SchedParams | None = None, *, name: str = "thunder", **kw):
+        p = (params or SchedParams(**kw)).validate()
+        self.name = name
+        self.params = p
+        self.admission = Admission(p)
+        self.window = Window(p)
+        self.groups = PrefixGroups(min_blocks=max(p.group_min_blocks, 1))
+        self.preemptor = Preemptor(p)
+        self.gate = TransferGate(cap=p.pd_max_inflight)
+        self.programs = ProgramTracker(p.program_watermark, p.program_resume_watermark)
+        self.entries: dict[str, _Entry] = {}
+        self.running: dict[str, Running] = {}
+        self.queues: dict[str, list[tuple[float, int, str]]] = {}
+        self.spill: list[tuple[float, int, str]] = []
+        self.buffer, self.spill_timers, self.deadlines = _Heap(), _Heap(), _Heap()
+        self.gone: set[str] = set()
+        self._out: list[Action] = []
+        self._seq = 0
+        self._retry_at: float | None = None
+        self._next_idle_check = 0.0
+        self._dirty: set[str] = set()
+        self.counters = {"submitted": 0, "dispatched": 0, "rejected": 0, "preempted": 0}
+
+    # ---- driver events --------------------------------------------------------------------
+
+    def submit(self, request: SchedRequest, now: float) -> None:
+        rid = request.request_id
+        if rid in self.entries:
+            raise ValueError(f"request {rid} is already waiting")
+        if rid in self.running:  # re-submitted without our Preempt: forget the old run
+            self._end_run(rid, now)
+        self.counters["submitted"] += 1
+        self._seq += 1
+        entry = _Entry(request, self._seq)
+        self.entries[rid] = entry
+        if self.params.programs and request.program_id is not None:
+            self.programs.get(request, now)
+            self.programs.sticky(request)
+        if self._doomed(request, now):
+            return
+        if request.deadline is not None and self.params.deadlines:
+            self.deadlines.push(request.deadline, entry.seq, rid)
+        release = self.window.release_at(request.priority, len(self.entries) - 1, now)
+        if release <= now:
+            self._enqueue(entry, now)
+        else:
+            self.buffer.push(release, entry.seq, rid)
+
+    def update_worker(self, room: WorkerRoom, now: float) -> None:
+        self.gone.discard(room.worker_id)
+        self.admission.report(room)
+        self._dirty.add(room.worker_id)
+
+    def remove_worker(self, worker_id: str, now: float) -> None:
+        self.gone.add(worker_id)
+        self.admission.remove(worker_id)
+        for rid in [r for r, run in self.running.items() if worker_id in _workers_of(run)]:
+            self._end_run(rid, now)
+        for _, _, rid in self.queues.pop(worker_id, []):
+            entry = self.entries.get(rid)
+            if entry is not None and entry.state == QUEUED and entry.home == worker_id:
+                self._enqueue(entry, now)
+
+    def on_prefix_cached(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        for rid in self.groups.on_cached(worker_id, block_hashes):
+            self._enqueue(self.entries[rid], now)
+
+    def on_started(self, request_id: str, worker_id: str, now: float) -> None:
+        run = self.running.get(request_id)
+        if run is None or run.started_at is not None:
+            return
+        run.started_at = now
+        if run.decode_worker is not None:  # the prefill worker is done with it
+            self.admission.discharge(run.worker_id, run.kv_blocks)
+
+    def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
+        self.gate.done(request_id)
+
+    def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
+        run = self.running.get(request_id)
+        if run is not None and self.params.programs and run.req.program_id is not None:
+            self.programs.on_finished(run.req, now)
+            self._dirty.add(run.worker_id)
+        self._end_run(request_id, now)
+
+    def release_program(self, program_id: str, now: float = 0.0) -> None:
+        """The client ended the program: forget it; a step still paused goes to the queue."""
+        rid = self.programs.release(program_id)
+        if rid is not None and rid in self.entries:
+            self._enqueue(self.entries[rid], now)
+
+    # ---- decisions ------------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[Action]:
+        out, self._out = self._out, []
+        for rid in self.buffer.due(now):
+            entry = self.entries.get(rid)
+            if entry is not None and entry.state == WINDOW:
+                self._enqueue(entry, now)
+        for rid in self.groups.expire(now, self.params.group_timeout_s):
+            self.entries[rid].regrouped = True
+            self._enqueue(self.entries[rid], now)
+        self._expire_deadlines(now, out)
+        self._spill_due(now)
+        if self.params.programs:
+            self._programs_tick(now)
+        self._retry_at = None
+        self._dispatch_spilled(now, out)
+        self._dispatch_queued(now, out)
+        if self.entries and self._gate_full():
+            self.gate.held_polls += 1
+        return out
+
+    def next_wakeup(self, now: float) -> float | None:
+        if not self.entries:
+            return None
+        times = [
+            self._first_live(self.buffer, (WINDOW,)),
+            self._first_live(self.spill_timers, (QUEUED,)),
+            self._first_live(self.deadlines, (WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP)),
+            self.groups.next_timeout(self.params.group_timeout_s),
+            self._retry_at,
+        ]
+        live = [t for t in times if t is not None]
+        return max(min(live), now) if live else None
+
+    def waiting(self) -> int:
+        return len(self.entries)
+
+    def stats(self) -> dict[str, int]:
+        g = self.groups
+        return {
+            **self.counters,
+            "waiting": len(self.entries),
+            "running": len(self.running),
+            "grouped_requests": g.grouped_requests,
+            "group_released_cached": g.released_cached,
+            "group_released_timeout": g.released_timeout + g.released_leader_gone,
+            "prefill_tokens_saved": g.prefill_tokens_saved,
+            "pd_transfers": self.gate.transfers,
+            "pd_inflight": len(self.gate.inflight),
+            "pd_held_polls": self.gate.held_polls,
+            "program_pauses": self.programs.pauses,
+            "program_resumes": self.programs.resumes,
+        }
+
+    # ---- internals: queues -----------------------------------------------------------------
+
+    def _eligible(self, req: SchedRequest) -> list[tuple[str, int]]:
+        pd = self.params.pd_mode == "disaggregated"
+        return [
+            (w, c)
+            for w, c in req.candidates
+            if w not in self.gone and (not pd or self._role(w) in PREFILL_ROLES)
+        ]
+
+    def _role(self, worker_id: str) -> str:
+        load = self.admission.workers.get(worker_id)
+        return load.room.role if load is not None and load.room is not None else "both"
+
+    def _enqueue(self, entry: _Entry, now: float) -> None:
+        req = entry.req
+        cands = self._eligible(req)
+        if not cands:
+            self._reject(entry, "no eligible worker", self._out)
+            return
+        entry.home, cached = cands[0]
+        entry.key = order_key(req, cached, self.params)
+        entry.state = QUEUED
+        queue = self.queues.setdefault(entry.home, [])
+        heapq.heappush(queue, (entry.key, entry.seq, req.request_id))
+        if len(cands) > 1:
+            self.spill_timers.push(now + self.params.spill_after_s, entry.seq, req.request_id)
+
+    def _spill_due(self, now: float) -> None:
+        for rid in self.spill_timers.due(now):
+            entry = self.entries.get(rid)
+            if entry is not None and entry.state == QUEUED:
+                entry.state = SPILL
+                heapq.heappush(self.spill, (entry.key, entry.seq, rid))
+
+    def _first_live(self, heap: _Heap, states: tuple[str, ...]) -> float | None:
+        while heap.items:
+            t, _, rid = heap.items[0]
+            entry = self.entries.get(rid)
+            if entry is not None and entry.state in states:
+                return t
+            heapq.heappop(heap.items)
+        return None
+
+    def _head(self, worker_id: str) -> _Entry | None:
+        q = self.queues.get(worker_id)
+        while q:
+            entry = self.entries.get(q[0][2])
+            if entry is not None and entry.state == QUEUED and entry.home == worker_id:
+                return entry
+            heapq.heappop(q)
+        return None
+
+    # ---- internals: dispatch ---------------------------------------------------------------
+
+    def _dispatch_spilled(self, now: float, out: list[Action]) -> None:
+        """Spilled requests waited past the bound: they go first, anywhere with room. The scan
+        stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
+        open_ = {w for w in self.admission.workers if w not in self.gone}
+        open_ = {w for w in open_ if self.admission.has_room(w, 0)}
+        keep = []
+        while self.spill and open_ and not self._gate_full():
+            item = heapq.heappop(self.spill)
+            entry = self.entries.get(item[2])
+            if entry is None or entry.state != SPILL:
+                continue
+            for w, _ in self._eligible(entry.req):
+                if w not in open_ and w in self.admission.workers:
+                    continue
+                if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                    break
+                if not self.admission.has_room(w, 0):
+                    open_.discard(w)
+            else:
+                keep.append(item)
+        for item in keep:
+            heapq.heappush(self.spill, item)
+
+    def _dispatch_queued(self, now: float, out: list[Action]) -> None:
+        """Per-worker queues, merged by key; a worker whose head cannot go is done this poll
+        (nothing behind it may take its room: no head-of-line bypass, so no starvation)."""
+        blocked: set[str] = set()
+        while not self._gate_full():
+            heads = [
+                (h.key, h.seq, w, h)
+                for w in self.queues
+                if w not in blocked and (h := self._head(w)) is not None
+            ]
+            if not heads:
+                return
+            _, _, w, entry = min(heads)
+            heapq.heappop(self.queues[w])
+            entry.state = SPILL  # off the queue while it is decided
+            if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                continue
+            if self._try_preempt(entry, w, now, out) and self._try_dispatch(entry, w, now, out):
+                continue
+            entry.state = QUEUED
+            heapq.heappush(self.queues[w], (entry.key, entry.seq, entry.req.request_id))
+            blocked.add(w)
+
+    def _gate_full(self) -> bool:
+        return self.params.pd_mode == "disaggregated" and self.gate.full()
+
+    def _try_dispatch(self, entry: _Entry, w: str, now: float, out: list[Action]) -> bool:
+        """Dispatch ``entry`` to ``w`` if it may go now. False: it stays; its state says why
+        (``held``/``paused``/gone: it left the queue; unchanged: no room)."""
+        req, p = entry.req, self.params
+        cached = self._cached(req, w)
+        if self._doomed(req, now, cached, out):
+            return False
+        if p.programs and req.program_id is not None and self._pause_step(entry, now):
+            return False
+        if p.grouping and not entry.regrouped:
+            if self.groups.try_hold(req, w, cached, now):
+                entry.state = HELD
+                return False
+        cached = self.groups.first_uncached(w, req.block_hashes, cached)
+        need = _kv_need(req, cached)
+        if not self.admission.has_room(w, need):
+            return False
+        decode = None
+        if p.pd_mode == "disaggregated":
+            decode = self._decode_worker(w, need)
+            if decode == "":
+                return False
+        self._commit(entry, w, decode, cached, need, now)
+        out.append(Dispatch(req.request_id, w, decode))
+        return True
+
+    def _commit(  # all plain values from _try_dispatch
+        self, entry: _Entry, w: str, decode: str | None, cached: int, need: int, now: float
+    ) -> None:
+        req = entry.req
+        rid = req.request_id
+        del self.entries[rid]
+        self.admission.charge(w, need)
+        if decode is not None:
+            self.admission.charge(decode, need)
+            self.gate.start(rid, decode)
+        self.running[rid] = Running(req, w, cached, need, now, decode_worker=decode)
+        self.groups.lead(rid, w, req.block_hashes, cached)
+        if self.params.programs and req.program_id is not None:
+            self.programs.on_dispatch(req, w, now)
+            self._dirty.add(w)
+        self.counters["dispatched"] += 1
+
+    def _decode_worker(self, prefill: str, need: int) -> str | None:
+        """The decode worker; None: decode where it prefilled; "": none has room (wait)."""
+        workers = [(w, self._role(w)) for w in self.admission.workers if w not in self.gone]
+        if not any(r != "prefill" and w != prefill for w, r in workers):
+            return None if self._role(prefill) == "both" else ""
+
+        def share(w: str) -> tuple[float, float]:
+            load = self.admission.workers[w]
+            total = load.room.kv_total_blocks if load.room is not None else 0
+            kv = self.admission.kv_blocks(w) / total if total else 0.0
+            return self.admission.running(w) / self.admission.cap(w), kv
+
+        picked = pick_decode_worker(
+            workers, prefill, share, lambda w: self.admission.has_room(w, need)
+        )
+        return "" if picked is None else picked
+
+    def _cached(self, req: SchedRequest, w: str) -> int:
+        for cw, c in req.candidates:
+            if cw == w:
+                return c
+        return 0
+
+    def _try_preempt(self, entry: _Entry, w: str, now: float, out: list[Action]) -> bool:
+        if not self.params.preemption:
+            return False
+        on_w = [r for r in self.running.values() if r.worker_id == w and r.decode_worker is None]
+        victim = self.preemptor.pick(entry.req, self._cached(entry.req, w), on_w, now)
+        if victim is None:
+            allowed = self.preemptor.allowed_at(w)
+            if on_w and allowed > now:
+                self._retry_at = min(self._retry_at or allowed, allowed)
+            return False
+        self.preemptor.record(victim, now)
+        rid = victim.req.request_id
+        self._end_run(rid, now)
+        self.counters["preempted"] += 1
+        out.append(Preempt(rid, w, reason=f"for {entry.req.request_id}"))
+        return True
+
+    def _end_run(self, rid: str, now: float) -> None:
+        """A run is over (finished, preempted, worker gone): free what it held."""
+        run = self.running.pop(rid, None)
+        if run is None:
+            return
+        if run.decode_worker is None or run.started_at is None:
+            self.admission.discharge(run.worker_id, run.kv_blocks)
+        if run.decode_worker is not None:
+            self.admission.discharge(run.decode_worker, run.kv_blocks)
+        self.gate.done(rid)
+        for held in self.groups.on_leader_done(rid):
+            self.entries[held].regrouped = True
+            self._enqueue(self.entries[held], now)
+
+    # ---- internals: deadlines and programs ---------------------------------------------------
+
+    def _doomed(
+        self, req: SchedRequest, now: float, cached: int = -1, out: list[Action] | None = None
+    ) -> bool:
+        """Reject now if the deadline has passed or the predicted finish is past it."""
+        if req.deadline is None or not self.params.deadlines:
+            return False
+        if cached < 0:
+            cached = self._eligible(req)[0][1] if self._eligible(req) else 0
+        if now >= req.deadline:
+            reason = "deadline passed"
+        elif now + service_s(req, cached, self.params) > req.deadline:
+            reason = "deadline cannot be met"
+        else:
+            return False
+        self._reject(self.entries[req.request_id], reason, self._out if out is None else out)
+        return True
+
+    def _reject(self, entry: _Entry, reason: str, out: list[Action]) -> None:
+        rid = entry.req.request_id
+        self.entries.pop(rid, None)
+        self.groups.drop(rid)
+        entry.state = "rejected"
+        self.counters["rejected"] += 1
+        out.append(Reject(rid, reason))
+
+    def _expire_deadlines(self, now: float, out: list[Action]) -> None:
+        for rid in self.deadlines.due(now):
+            entry = self.entries.get(rid)
+            if entry is not None:
+                if entry.state == PAUSED_STEP:
+                    self.programs.pending.pop(entry.req.program_id or "", None)
+                self._reject(entry, "deadline passed", out)
+
+    def _pause_step(self, entry: _Entry, now: float) -> bool:
+        """A step of a paused program: resume it where it fits now (re-queued there), else
+        park it until memory frees. True: it left the queue it was on."""
+        prog = self.programs.programs.get(entry.req.program_id or "")
+        if prog is None or prog.phase != PAUSED:
+            return False
+        entry.state = PAUSED_STEP
+        self.programs.pending[prog.program_id] = entry.req.request_id
+        self._try_resume(prog.program_id, self._kv_totals(), now)
+        return True
+
+    def _try_resume(self, pid: str, totals: dict[str, int], now: float) -> None:
+        entry = self.entries[self.programs.pending[pid]]
+        prog = self.programs.programs[pid]
+        w = self.programs.place(prog, self._eligible(entry.req), totals)
+        if w is None:
+            return
+        self.programs.resume(prog, w, now)
+        entry.req.candidates = sorted(entry.req.candidates, key=lambda c: c[0] != w)
+        self._enqueue(entry, now)
+
+    def _programs_tick(self, now: float) -> None:
+        totals = self._kv_totals()
+        for w in sorted(self._dirty):
+            self.programs.over_capacity(w, totals.get(w, 0), now)
+        self._dirty.clear()
+        for pid in list(self.programs.pending):
+            self._try_resume(pid, totals, now)
+        if now >= self._next_idle_check:
+            self._next_idle_check = now + IDLE_CHECK_S
+            for pid in self.programs.idle(now, self.params.program_idle_s):
+                self.release_program(pid, now)
+
+    def _kv_totals(self) -> dict[str, int]:
+        return {
+            w: load.room.kv_total_blocks
+            for w, load in self.admission.workers.items()
+            if load.room is not None
+        }
+
+
+def _kv_need(req: SchedRequest, cached: int) -> int:
+    """New KV blocks the request will hold: its uncached prompt plus its expected output (a
+    cached prefix is shared, so counting it per request would overcount)."""
+    prompt = max(math.ceil(req.prompt_tokens / req.block_size) - cached, 0)
+    return prompt + math.ceil(remaining_output_tokens(req) / req.block_size)
+
+
+def _workers_of(run: Running) -> tuple[str, ...]:
+    return (run.worker_id,) if run.decode_worker is None else (run.worker_id, run.decode_worker)

@@ -1,0 +1,322 @@
+"""Live benchmark: a trace's requests through the running stack over NATS, and optionally the
+same requests through SGLang's own router (``sglang-router`` 0.3.2, ``cache_aware``) in front of
+the same simulated engines, measured in one run on one machine.
+
+Each trace block id becomes its own deterministic run of tokens, so equal ids mean equal
+prefixes. Requests are sent open loop at ``--rate`` per second in trace order. For every request
+the client records TTFT and end-to-end time; the engine reports its own receipt-to-first-token
+time, so ``added_latency_ms = client TTFT - engine TTFT`` is what the system in front of the
+engine added (routing, queueing outside the engine, every network hop).
+
+    thunderagent bench live --trace PATH --rate 200 --duration 30 [--baseline sglang-router]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from thunderagent.client import ThunderClient
+from thunderagent.embedded import free_port
+from thunderagent.replay.metrics import percentile
+from thunderagent.replay.traces import TraceRequest, load_trace
+from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
+from thunderagent.stack.up import Stack, StackConfig
+
+VOCAB = 32_000
+
+
+def block_tokens(block_id: int, n: int) -> list[int]:
+    """``n`` deterministic token ids for one trace block (splitmix64 stream seeded by the id)."""
+    out = []
+    x = (block_id * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF
+    for _ in range(n):
+        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        out.append(4 + (z ^ (z >> 31)) % VOCAB)
+    return out
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    index: int
+    at: float
+    token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    ttft_ms: float = -1.0
+    e2e_ms: float = -1.0
+    engine_ttft_ms: float = -1.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class SystemResult:
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        ok = [o for o in self.outcomes if not o.error and o.ttft_ms >= 0]
+        added = [o.ttft_ms - o.engine_ttft_ms for o in ok if o.engine_ttft_ms >= 0]
+        prompt = sum(o.prompt_tokens for o in ok)
+
+        def dist(values: list[float]) -> dict:
+            if not values:
+                return {}
+            return {
+                "p50": round(percentile(values, 50), 3),
+                "p90": round(percentile(values, 90), 3),
+                "p99": round(percentile(values, 99), 3),
+                "mean": round(sum(values) / len(values), 3),
+            }
+
+        return {
+            "requests": len(self.outcomes),
+            "completed": len(ok),
+            "errors": len(self.outcomes) - len(ok),
+            "first_errors": sorted({o.error for o in self.outcomes if o.error})[:3],
+            "achieved_rate": round(len(self.outcomes) / self.wall_s, 1) if self.wall_s else 0,
+            "ttft_ms": dist([o.ttft_ms for o in ok]),
+            "e2e_ms": dist([o.e2e_ms for o in ok]),
+            "added_latency_ms": dist(added),
+            "prefix_hit_ratio": round(sum(o.cached_tokens for o in ok) / prompt, 4)
+            if prompt
+            else 0,
+        }
+
+
+def build_requests(
+    trace: list[TraceRequest], rate: float, duration: float, tokens_per_block: int, max_out: int
+) -> list[LiveRequest]:
+    count = min(len(trace), int(rate * duration))
+    cache: dict[int, list[int]] = {}
+    out = []
+    for i, t in enumerate(trace[:count]):
+        tokens: list[int] = []
+        for b in t.block_ids:
+            if b not in cache:
+                cache[b] = block_tokens(b, tokens_per_block)
+            tokens.extend(cache[b])
+        length = max(1, t.prompt_len * tokens_per_block // 512)
+        out.append(LiveRequest(i, i / rate, tokens[:length], max(1, min(t.output_len, max_out))))
+    return out
+
+
+async def _open_loop(requests: list[LiveRequest], send) -> float:
+    started = time.perf_counter()
+    tasks = []
+    for req in requests:
+        delay = started + req.at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(req)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - started
+
+
+async def run_thunderagent(nats_url: str, model: str, requests: list[LiveRequest]) -> SystemResult:
+    client = await ThunderClient.connect(nats_url, idle_timeout_s=120)
+    result = SystemResult("thunderagent", [Outcome() for _ in requests])
+
+    async def send(req: LiveRequest) -> None:
+        out = result.outcomes[req.index]
+        t0 = time.perf_counter()
+        request = GenerateRequest(model=model, token_ids=req.token_ids, max_tokens=req.max_tokens)
+        async for reply in client.stream(request):
+            now = time.perf_counter()
+            if isinstance(reply, TokenChunk) and out.ttft_ms < 0:
+                out.ttft_ms = (now - t0) * 1e3
+            elif isinstance(reply, FinalReply):
+                out.e2e_ms = (now - t0) * 1e3
+                out.engine_ttft_ms = reply.engine_ttft_ms
+                out.prompt_tokens = reply.usage.prompt_tokens
+                out.cached_tokens = reply.usage.cached_tokens
+            elif isinstance(reply, ErrorReply):
+                out.error = f"{reply.code.value}: {reply.message[:120]}"
+
+    result.wall_s = await _open_loop(requests, send)
+    await client.close()
+    return result
+
+
+async def run_http(url: str, name: str, requests: list[LiveRequest]) -> SystemResult:
+    result = SystemResult(name, [Outcome() for _ in requests])
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def send(req: LiveRequest) -> None:
+            out = result.outcomes[req.index]
+            body = {
+                "input_ids": req.token_ids,
+                "sampling_params": {"max_new_tokens": req.max_tokens, "ignore_eos": True},
+                "stream": True,
+            }
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url + "/generate", json=body) as resp:
+                    if resp.status != 200:
+                        out.error = f"HTTP {resp.status}: {(await resp.text())[:120]}"
+                        return
+                    meta = {}
+                    async for raw in resp.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                            continue
+                        if out.ttft_ms < 0:
+                            out.ttft_ms = (time.perf_counter() - t0) * 1e3
+                        meta = json.loads(line[5:]).get("meta_info", meta)
+                out.e2e_ms = (time.perf_counter() - t0) * 1e3
+                out.engine_ttft_ms = float(meta.get("engine_ttft_s", -0.001)) * 1e3
+                out.prompt_tokens = int(meta.get("prompt_tokens", 0))
+                out.cached_tokens = int(meta.get("cached_tokens", 0))
+            except (aiohttp.ClientError, OSError) as err:
+                out.error = f"{type(err).__name__}: {err}"
+
+        result.wall_s = await _open_loop(requests, send)
+    return result
+
+
+def start_sglang_router(engine_urls: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        "--port", str(port), "--policy", "cache_aware", "--worker-urls", *engine_urls,
+    ]  # fmt: skip
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
+                async with s.post(url + "/generate", json=body) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(0.3)
+    raise TimeoutError(f"{url} did not serve within {timeout_s}s")
+
+
+async def flush_all(engine_urls: list[str]) -> None:
+    async with aiohttp.ClientSession() as s:
+        for url in engine_urls:
+            for _ in range(50):  # refused while requests still run
+                async with s.post(url + "/flush_cache") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", required=True)
+    p.add_argument("--rate", type=float, default=50.0, help="requests per second")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--speedup", type=float, default=20.0, help="simulated engines' clock speed")
+    p.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=64,
+        help="tokens per trace block (512 in the trace; fewer keeps JSON small)",
+    )
+    p.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
+    p.add_argument("--policy", default="thunder")
+    p.add_argument("--baseline", choices=["sglang-router"], default=None)
+    p.add_argument("--json", dest="json_out", default=None)
+    args = p.parse_args(argv)
+
+    trace = load_trace(args.trace)
+    requests = build_requests(
+        trace, args.rate, args.duration, args.tokens_per_block, args.max_output
+    )
+    config = StackConfig(
+        workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile
+    )
+    print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
+    stack = Stack.start(config)
+    systems: dict[str, dict] = {}
+    try:
+        ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
+        systems["thunderagent"] = ours.summary()
+        print(json.dumps(systems["thunderagent"]), file=sys.stderr)
+        if args.baseline == "sglang-router":
+            systems["sglang-router"] = _run_baseline(stack, requests)
+    finally:
+        stack.stop()
+    report = {
+        "trace": Path(args.trace).name,
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "workers": args.workers,
+        "profile": args.profile,
+        "engine_speedup": args.speedup,
+        "tokens_per_block": args.tokens_per_block,
+        "max_output": args.max_output,
+        "policy": args.policy,
+        "systems": systems,
+    }
+    if "sglang-router" in systems and "ttft_ms" in systems["sglang-router"]:
+        report["ratios_thunderagent_over_sglang_router"] = _ratios(
+            systems["thunderagent"], systems["sglang-router"]
+        )
+    print(json.dumps(report, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
+def _run_baseline(stack: Stack, requests: list[LiveRequest]) -> dict:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        message = "sglang-router is not installed: pip install 'thunderagent[baseline]'"
+        print(message, file=sys.stderr)
+        return {"skipped": message}
+    asyncio.run(flush_all(stack.engine_urls))
+    proc, url = start_sglang_router(stack.engine_urls, stack.run_dir / "sglang-router.log")
+    try:
+        asyncio.run(wait_http(url))
+        asyncio.run(flush_all(stack.engine_urls))
+        result = asyncio.run(run_http(url, "sglang-router", requests)).summary()
+        print(json.dumps(result), file=sys.stderr)
+        return result
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ratios(ours: dict, base: dict) -> dict:
+    out = {}
+    for metric in ("ttft_ms", "e2e_ms", "added_latency_ms"):
+        for q in ("p50", "p99"):
+            b = base.get(metric, {}).get(q)
+            if b:
+                out[f"{metric}.{q}"] = round(ours[metric][q] / b, 3)
+    if base.get("prefix_hit_ratio"):
+        out["prefix_hit_ratio"] = round(ours["prefix_hit_ratio"] / base["prefix_hit_ratio"], 3)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""End-to-end replay on the tiny profile: invariants, determinism, scheduler actions, CLI."""
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from thunderagent.engine import get_profile
+from thunderagent.replay import SCHEDULERS, Replay, ReplayConfig, TraceRequest
+from thunderagent.replay.summary import summarize
+from thunderagent.routing import policy_names
+from thunderagent.scheduling import Dispatch, Reject
+from thunderagent.scheduling.api import _Base
+
+TINY = get_profile("tiny")  # page 4 tokens, 32 blocks, chunk 32 tokens, 8 running
+BS = TINY.engine.page_size
+
+
+def make_trace(n: int = 48, seed: int = 1, conversations: int = 4) -> list[TraceRequest]:
+    """Conversations with their own first block; each turn extends its conversation."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = [[s] for s in range(conversations)]
+    out = []
+    for i in range(n):
+        conv = rng.choice(convs)
+        conv.extend(rng.randrange(10**6) for _ in range(rng.randint(1, 3)))
+        del conv[10:]
+        prompt = len(conv) * BS - rng.randint(0, BS - 1)
+        out.append(TraceRequest(str(i), i * 0.01, prompt, rng.randint(1, 12), list(conv)))
+    return out
+
+
+def run(policy: str, trace: list[TraceRequest], scheduler: str = "direct", seed: int = 3) -> dict:
+    cfg = ReplayConfig(profile=TINY, policy=policy, workers=3, scheduler=scheduler, seed=seed)
+    result = Replay(cfg, BS).run(trace, speed=2.0)
+    from thunderagent.engine import TimingModel
+
+    entry = summarize(
+        result,
+        policy=policy,
+        speed=2.0,
+        timing=TimingModel(TINY),
+        chunk=TINY.engine.chunked_prefill_size,
+        ideal=0.0,
+        pooled=0.0,
+        wall_s=0.0,
+    )
+    entry["_records"] = result.records
+    return entry
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_policy_completes_the_trace_with_sane_records(policy: str) -> None:
+    trace = make_trace()
+    entry = run(policy, trace)
+    assert entry["requests"] == entry["completed"] == len(trace)
+    assert entry["rejected"] == 0
+    for rec, req in zip(entry["_records"], trace, strict=True):
+        assert rec.arrival == pytest.approx(req.arrival / 2.0)
+        assert rec.arrival < rec.first_token <= rec.finish
+        assert rec.completion_tokens == req.output_len
+        assert 0 <= rec.cached_tokens <= (req.prompt_len - 1) // BS * BS
+    assert 0 <= entry["prefix_hit_ratio"] < 1
+    assert 0 <= entry["prefill_recompute_ratio"] < 1
+    assert entry["load_imbalance"] >= 1.0
+    assert entry["ttft_ms"]["p50"] <= entry["ttft_ms"]["p99"] <= entry["e2e_ms"]["p99"]
+
+
+def test_cache_aware_policies_hit_more_than_round_robin() -> None:
+    trace = make_trace(80, conversations=6)
+    rr = run("round_robin", trace)["prefix_hit_ratio"]
+    assert run("dynamo_kv", trace)["prefix_hit_ratio"] > rr
+    assert run("sglang_cache_aware", trace)["prefix_hit_ratio"] > rr
+
+
+def test_same_seed_same_result() -> None:
+    trace = make_trace()
+    a, b = run("thunder", trace, seed=5), run("thunder", trace, seed=5)
+    for e in (a, b):
+        del e["_records"], e["wall_s"]
+    assert json.dumps(a) == json.dumps(b)
+
+
+def test_too_long_prompt_is_rejected_by_the_engine() -> None:
+    trace = make_trace(6)
+    trace.append(TraceRequest("big", 1.0, 200, 4, list(range(50))))
+    entry = run("least_loaded", trace)
+    assert (entry["completed"], entry["rejected"]) == (6, 1)
+
+
+@dataclass
+class _RejectOdd(_Base):
+    """Test scheduler: dispatches even request ids to their first candidate, rejects odd ones."""
+
+    name: str = "reject_odd"
+    queue: list = field(default_factory=list)
+
+    def submit(self, request, now):
+        self.queue.append(request)
+
+    def poll(self, now):
+        out = [
+            Reject(r.request_id, "odd")
+            if int(r.request_id) % 2
+            else Dispatch(r.request_id, r.candidates[0][0])
+            for r in self.queue
+        ]
+        self.queue.clear()
+        return out
+
+    def waiting(self):
+        return len(self.queue)
+
+
+def test_scheduler_is_pluggable_and_rejects_are_counted(monkeypatch) -> None:
+    monkeypatch.setitem(SCHEDULERS, "reject_odd", _RejectOdd)
+    entry = run("round_robin", make_trace(10), scheduler="reject_odd")
+    assert (entry["completed"], entry["rejected"]) == (5, 5)
+
+
+def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
+    from thunderagent.bench.replay import main
+
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 10 * i, "input_length": 9 + i % 5, "output_length": 3, "hash_ids": [0, i]}
+        for i in range(20)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, report = tmp_path / "r.json", tmp_path / "r.md"
+    main(
+        [
+            "--trace",
+            str(trace),
+            "--profile",
+            "tiny",
+            "--block-size",
+            "4",
+            "--workers",
+            "2",
+            "--policies",
+            "round_robin,thunder",
+            "--speed",
+            "1,2",
+            "--quiet",
+            "--json",
+            str(out),
+            "--report",
+            str(report),
+        ]
+    )
+    doc = json.loads(out.read_text())
+    assert doc["cluster"] == {
+        "workers": 2,
+        "profile": "tiny",
+        "kv_blocks_per_worker": 32,
+        "block_size": 4,
+    }
+    assert [(e["policy"], e["speed"]) for e in doc["results"]] == [
+        ("round_robin", 1.0),
+        ("thunder", 1.0),
+        ("round_robin", 2.0),
+        ("thunder", 2.0),
+    ]
+    assert all(e["completed"] == 20 for e in doc["results"])
+    assert "| thunder | 2 | 20 |" in report.read_text()
+    assert "thunder" in capsys.readouterr().out

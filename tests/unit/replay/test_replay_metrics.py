@@ -1,0 +1,81 @@
+"""Metrics arithmetic on hand-built cases."""
+
+import math
+
+import pytest
+
+from thunderagent.engine import TimingModel, get_profile
+from thunderagent.replay import (
+    ideal_hit_ratio,
+    load_imbalance,
+    percentile,
+    pooled_hit_ratio,
+    summary_ms,
+)
+from thunderagent.replay.summary import alone_ttft_s
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "want"),
+    [
+        ([], 50, math.nan),
+        ([7.0], 99, 7.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([4.0, 1.0, 3.0, 2.0], 0, 1.0),
+        ([4.0, 1.0, 3.0, 2.0], 100, 4.0),
+        (list(range(101)), 90, 90.0),
+        (list(range(11)), 99, 9.9),
+    ],
+)
+def test_percentile_linear_between_ranks(values: list[float], q: float, want: float) -> None:
+    got = percentile(values, q)
+    assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want)
+
+
+def test_summary_in_milliseconds() -> None:
+    s = summary_ms([0.1, 0.2, 0.3])
+    assert s == pytest.approx({"p50": 200.0, "p90": 280.0, "p99": 298.0, "mean": 200.0})
+
+
+def test_ideal_counts_usable_leading_blocks_only() -> None:
+    bs = 4
+    reqs = [
+        ([1, 2, 3], 12),  # cold: stores 3 blocks
+        ([1, 2, 3], 12),  # may reuse (12-1)//4 = 2 blocks (the last token is computed)
+        ([1, 9, 3], 13),  # 1 leading block; stores [1, 9, 3]
+        ([1, 9, 3, 4], 17),  # 3 blocks (16 tokens)
+    ]
+    assert ideal_hit_ratio(reqs, bs) == pytest.approx((0 + 8 + 4 + 12) / (12 + 12 + 13 + 17))
+
+
+def test_pooled_lru_evicts_least_recent_leaves_first() -> None:
+    bs = 1
+    # capacity 3: after A=[1,2] and B=[3,4] the cache would hold 4; LRU drops A's leaf 2 first
+    # (A's root 1 was touched after 2), then nothing else.
+    reqs = [([1, 2], 3), ([3, 4], 3), ([1, 2], 3), ([3, 4], 3)]
+    # req3: 1 cached, 2 evicted -> 1 block; stores 1,2 evicting 4 (oldest leaf of B)
+    # req4: 3 cached, 4 evicted -> 1 block
+    assert pooled_hit_ratio(reqs, bs, capacity_blocks=3) == pytest.approx(2 / 12)
+    assert pooled_hit_ratio(reqs, bs, capacity_blocks=4) == pytest.approx(4 / 12)
+    assert ideal_hit_ratio(reqs, bs) == pytest.approx(4 / 12)
+
+
+def test_pooled_never_beats_ideal_and_grows_with_capacity() -> None:
+    reqs = [([i % 5, 100 + i % 3], 9) for i in range(30)]
+    ratios = [pooled_hit_ratio(reqs, 4, c) for c in (1, 2, 4, 8, 64)]
+    assert ratios == sorted(ratios)
+    assert ratios[-1] == pytest.approx(ideal_hit_ratio(reqs, 4))
+
+
+def test_load_imbalance() -> None:
+    assert load_imbalance([2.0, 2.0, 2.0]) == 1.0
+    assert load_imbalance([3.0, 1.0, 2.0]) == pytest.approx(1.5)
+    assert load_imbalance([0.0, 0.0]) == 1.0
+    assert load_imbalance([]) == 1.0
+
+
+def test_alone_ttft_chunks_the_uncached_part() -> None:
+    timing = TimingModel(get_profile("tiny"))
+    want = timing.prefill_time([(32, 8)]) + timing.prefill_time([(10, 40)])
+    assert alone_ttft_s(timing, 50, 8, 32) == pytest.approx(want)
+    assert alone_ttft_s(timing, 50, 50, 32) == 0.0

@@ -1,0 +1,105 @@
+"""Trace loaders: Mooncake JSONL and Azure CSV, including malformed lines."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thunderagent.replay import TraceError, load_azure, load_mooncake, load_trace
+from thunderagent.replay.traces import AZURE_ID_BASE
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+    {"timestamp": 0, "input_length": 600, "output_length": 0, "hash_ids": [0, 3]},
+    {
+        "timestamp": 1000,
+        "input_length": 10,
+        "output_length": 2,
+        "hash_ids": [7],
+        "session_id": "s1",
+        "step": 2,
+    },
+]
+
+
+def write_jsonl(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_mooncake_rows_in_arrival_order_with_seconds(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path, [json.dumps(r) for r in ROWS[:2]] + ["", json.dumps(ROWS[2])])
+    reqs = load_mooncake(path)
+    assert [r.request_id for r in reqs] == ["1", "0", "2"]  # sorted, stable on ties
+    assert [r.arrival for r in reqs] == [0.0, 1.0, 1.0]
+    assert reqs[0].output_len == 1  # zero output becomes one token
+    assert reqs[1].block_ids == [0, 1, 2]
+    assert (reqs[2].session, reqs[2].step) == ("s1", 2)
+    assert [r.request_id for r in load_trace(path, limit=2)] == ["1", "0"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("{not json", "Expecting"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing field 'hash_ids'"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', ">= 1"),
+        ('{"timestamp": -5, "input_length": 5, "output_length": 1, "hash_ids": []}', "timestamp"),
+        ('{"timestamp": 0, "input_length": "5", "output_length": 1, "hash_ids": []}', "integer"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_mooncake_malformed_line_names_file_and_line(tmp_path: Path, bad: str, reason: str) -> None:
+    path = write_jsonl(tmp_path, [json.dumps(ROWS[0]), "", bad])
+    with pytest.raises(TraceError) as info:
+        load_mooncake(path)
+    assert info.value.line == 3
+    assert str(info.value).startswith(f"{path}:3: ")
+    assert reason in info.value.reason
+
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:17:03.9799600,1200,10
+2023-11-16 18:17:04.0319600,300,8
+2023-11-16 18:17:03.5000000,512,0
+"""
+
+
+def test_azure_rows_get_unique_blocks_and_relative_times(tmp_path: Path) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text(AZURE)
+    reqs = load_trace(path, block_size=512)
+    assert [r.request_id for r in reqs] == ["2", "0", "1"]
+    assert [round(r.arrival, 6) for r in reqs] == [0.0, 0.47996, 0.53196]
+    blocks = [r.block_ids for r in reqs]
+    assert [len(b) for b in blocks] == [1, 3, 1]
+    flat = [b for bs in blocks for b in bs]
+    assert len(set(flat)) == len(flat) and min(flat) == AZURE_ID_BASE
+    assert reqs[0].output_len == 1
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ("2023-11-16 18:17:05.1,abc,3", "invalid literal"),
+        ("2023-11-16 18:17:05.1,10", "3 columns"),
+        ("yesterday,10,3", "does not match"),
+        ("2023-11-16 18:17:05.1,0,3", "bad lengths"),
+    ],
+)
+def test_azure_malformed_line_names_line(tmp_path: Path, row: str, reason: str) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text(AZURE + row + "\n")
+    with pytest.raises(TraceError) as info:
+        load_azure(path)
+    assert info.value.line == 5
+    assert reason in info.value.reason
+
+
+def test_azure_wrong_header(tmp_path: Path) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text("time,ctx,gen\n1,2,3\n")
+    with pytest.raises(TraceError, match=r"a\.csv:1: expected header"):
+        load_azure(path)

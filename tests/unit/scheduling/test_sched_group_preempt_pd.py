@@ -1,0 +1,148 @@
+"""Prefix grouping, preemption and the PD in-flight cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.scheduling import (
+    Dispatch,
+    Preempt,
+    SchedParams,
+    SchedRequest,
+    ThunderScheduler,
+    WorkerRoom,
+    make_scheduler,
+)
+from thunderagent.scheduling.preemption import Preemptor, Running
+
+HASHES = list(range(101, 109))  # 8 blocks, none cached
+
+
+def req(rid, at=0.0, prompt=128, out=16, cands=(("w0", 0),), prio=0, **kw) -> SchedRequest:
+    return SchedRequest(rid, at, prompt, out, list(cands), priority=prio, **kw)
+
+
+def room(w="w0", max_running=8, role="both", total=0) -> WorkerRoom:
+    return WorkerRoom(w, 0, 0, 0, total, max_running, role)
+
+
+def sent(actions) -> list[str]:
+    return [a.request_id for a in actions if isinstance(a, Dispatch)]
+
+
+def grouping_scheduler() -> ThunderScheduler:
+    s = ThunderScheduler(SchedParams(window="none", group_min_blocks=4, group_timeout_s=2.0))
+    s.update_worker(room(), 0.0)
+    for rid in ("a", "b", "c"):
+        s.submit(req(rid, block_hashes=HASHES), 0.0)
+    return s
+
+
+def test_grouping_sends_one_and_releases_the_rest_when_cached() -> None:
+    s = grouping_scheduler()
+    assert sent(s.poll(0.0)) == ["a"]
+    assert s.waiting() == 2
+    s.on_prefix_cached("w0", HASHES, 0.3)
+    assert sent(s.poll(0.3)) == ["b", "c"]
+    st = s.stats()
+    assert (st["grouped_requests"], st["group_released_cached"]) == (2, 2)
+    assert st["prefill_tokens_saved"] == 2 * 8 * 16
+
+
+def test_grouping_releases_on_timeout_without_credit() -> None:
+    s = grouping_scheduler()
+    assert sent(s.poll(0.0)) == ["a"]
+    assert s.next_wakeup(0.0) == 2.0
+    assert s.poll(1.9) == []
+    assert sent(s.poll(2.0)) == ["b", "c"]
+    assert s.stats()["group_released_timeout"] == 2
+    assert s.stats()["prefill_tokens_saved"] == 0
+
+
+def test_grouping_needs_enough_shared_blocks() -> None:
+    s = ThunderScheduler(SchedParams(window="none", group_min_blocks=4))
+    s.update_worker(room(), 0.0)
+    s.submit(req("a", block_hashes=[1, 2, 3]), 0.0)
+    s.submit(req("b", block_hashes=[1, 2, 3, 4, 5]), 0.0)
+    assert sent(s.poll(0.0)) == ["a", "b"]
+
+
+def preempt_setup(**knobs) -> ThunderScheduler:
+    s = make_scheduler("preempt", **knobs)
+    s.update_worker(room(max_running=2), 0.0)
+    s.submit(req("long1", prompt=1000, out=2000, prio=1), 0.0)
+    s.submit(req("long2", prompt=1000, out=4000, prio=1), 0.0)
+    assert sent(s.poll(0.0)) == ["long1", "long2"]
+    s.on_started("long1", "w0", 0.1)
+    s.on_started("long2", "w0", 0.1)
+    s.submit(req("short", 1.0, prompt=64, out=8), 1.0)
+    return s
+
+
+def test_preemption_fires_and_picks_the_longest_victim() -> None:
+    s = preempt_setup()
+    assert s.poll(1.0) == [Preempt("long2", "w0", "for short"), Dispatch("short", "w0")]
+    # the driver aborts long2 and re-submits it as a continuation; it waits its turn
+    s.submit(req("long2", 0.0, prompt=1000, out=4000, prio=1, generated_tokens=36), 1.0)
+    assert s.poll(1.0) == []
+    assert s.stats()["preempted"] == 1
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"preempt_gain_ratio": 1000.0}, {"preempt_min_remaining_tokens": 5000}, {"preemption": False}],
+)
+def test_preemption_respects_the_threshold(knobs) -> None:
+    s = preempt_setup(**knobs)
+    assert s.poll(1.0) == []
+
+
+def test_preemption_needs_a_less_urgent_victim() -> None:
+    s = make_scheduler("preempt")
+    s.update_worker(room(max_running=1), 0.0)
+    s.submit(req("long", prompt=1000, out=4000, prio=0), 0.0)
+    assert sent(s.poll(0.0)) == ["long"]
+    s.on_started("long", "w0", 0.1)
+    s.submit(req("batch", 1.0, prompt=64, out=8, prio=1), 1.0)
+    assert s.poll(1.0) == []
+
+
+def test_preemption_rate_limit() -> None:
+    p = SchedParams(preemption=True, preempt_max_per_s=1.0)
+    pre = Preemptor(p)
+    victim = Running(req("v", prompt=1000, out=4000, prio=1), "w0", 0, 100, 0.0, started_at=0.0)
+    short = req("s", prompt=64, out=8)
+    assert pre.pick(short, 0, [victim], 1.0) is victim
+    pre.record(victim, 1.0)
+    assert pre.pick(short, 0, [victim], 1.5) is None
+    assert pre.allowed_at("w0") == 2.0
+    assert pre.pick(short, 0, [victim], 2.0) is victim
+
+
+def pd_scheduler(cap: int) -> ThunderScheduler:
+    s = make_scheduler("pd_capped", pd_max_inflight=cap, window="none")
+    s.update_worker(room("p0", role="prefill"), 0.0)
+    s.update_worker(room("d0", role="decode"), 0.0)
+    s.update_worker(room("d1", role="decode", max_running=1), 0.0)
+    for i in range(3):
+        s.submit(req(f"r{i}", cands=[("d0", 9), ("p0", 0)]), 0.0)
+    return s
+
+
+def test_pd_dispatch_names_prefill_and_decode_workers() -> None:
+    s = pd_scheduler(cap=0)
+    assert s.poll(0.0) == [
+        Dispatch("r0", "p0", "d0"),  # both idle: tie broken by id
+        Dispatch("r1", "p0", "d1"),  # d0 runs 1/8, d1 0/1: the smaller share
+        Dispatch("r2", "p0", "d0"),  # d1 is full
+    ]
+
+
+def test_pd_cap_holds_prefills_until_a_transfer_lands() -> None:
+    s = pd_scheduler(cap=2)
+    assert sent(s.poll(0.0)) == ["r0", "r1"]
+    s.on_started("r0", "p0", 0.2)  # prefill done, transfer still in flight
+    assert s.poll(0.2) == []
+    assert s.stats()["pd_inflight"] == 2
+    s.on_transfer_done("r0", "d0", 0.3)
+    assert sent(s.poll(0.3)) == ["r2"]

@@ -1,0 +1,182 @@
+"""Ordering (FCFS vs priority+SRPT, aging), admission caps and spill, windows, deadlines."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderagent.scheduling import (
+    Dispatch,
+    Reject,
+    SchedParams,
+    SchedRequest,
+    ThunderScheduler,
+    WorkerRoom,
+    make_scheduler,
+)
+from thunderagent.scheduling.window import Window
+
+
+def req(rid, at=0.0, prompt=160, out=16, cands=(("w0", 0),), prio=0, **kw) -> SchedRequest:
+    return SchedRequest(rid, at, prompt, out, list(cands), priority=prio, **kw)
+
+
+def room(w="w0", running=0, total=0, max_running=1, **kw) -> WorkerRoom:
+    return WorkerRoom(w, running, 0, 0, total, max_running, **kw)
+
+
+def sent(actions) -> list[str]:
+    return [a.request_id for a in actions if isinstance(a, Dispatch)]
+
+
+def serve_one_at_a_time(s, now: float) -> list[str]:
+    """Finish whatever runs, poll, repeat: the order in which a 1-slot worker serves."""
+    order: list[str] = []
+    while s.waiting():
+        got = sent(s.poll(now))
+        assert len(got) == 1
+        order += got
+        s.on_finished(got[0], "w0", now)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("fcfs", ["long1", "short0", "mid0", "short1"]),
+        ("priority_srpt", ["short0", "mid0", "short1", "long1"]),
+    ],
+)
+def test_fcfs_vs_priority_srpt(name: str, expected: list[str]) -> None:
+    s = make_scheduler(name)
+    s.update_worker(room(), 0.0)
+    s.submit(req("busy"), 0.0)
+    assert sent(s.poll(0.0)) == ["busy"]
+    s.submit(req("long1", 0.1, prompt=8000, out=1000, prio=1), 0.1)
+    s.submit(req("short0", 0.2, prompt=64, out=8, prio=0), 0.2)
+    s.submit(req("mid0", 0.3, prompt=2000, out=200, prio=0), 0.3)
+    s.submit(req("short1", 0.4, prompt=64, out=8, prio=1), 0.4)
+    assert s.poll(0.5) == []
+    s.on_finished("busy", "w0", 0.5)
+    assert serve_one_at_a_time(s, 0.5) == expected
+
+
+def test_aging_serves_low_priority_under_a_high_priority_stream() -> None:
+    s = make_scheduler("priority_srpt", class_step_s=5.0)
+    s.update_worker(room(), 0.0)
+    s.submit(req("low", 0.0, prio=1), 0.0)
+    order: list[str] = []
+    for t in range(10):  # one short arrives each second; the worker is never idle
+        if order:
+            s.on_finished(order[-1], "w0", float(t))
+        s.submit(req(f"s{t}", float(t)), float(t))
+        order += sent(s.poll(float(t)))
+    # low's key is 0 + 5 s + work: it ties with the short arriving at t=5 and wins on seq.
+    assert order.index("low") == 5
+    assert order[:5] == ["s0", "s1", "s2", "s3", "s4"]
+
+
+def test_running_cap_and_reports() -> None:
+    s = make_scheduler("fcfs")
+    s.update_worker(room(max_running=2), 0.0)
+    for i in range(3):
+        s.submit(req(f"r{i}"), 0.0)
+    assert sent(s.poll(0.0)) == ["r0", "r1"]
+    s.update_worker(room(running=0, max_running=2), 0.01)  # stale report: own count holds
+    assert sent(s.poll(0.01)) == []
+    s.on_finished("r0", "w0", 0.02)
+    assert sent(s.poll(0.02)) == ["r2"]
+
+
+def test_kv_watermark_counts_own_dispatches() -> None:
+    s = make_scheduler("fcfs")  # kv_watermark 0.9 of 100 blocks: 90
+    s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
+    for i in range(3):
+        s.submit(req(f"r{i}", prompt=640, out=1), 0.0)  # 40 + 1 blocks each
+    assert sent(s.poll(0.0)) == ["r0", "r1"]
+    s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.1)  # lags
+    assert sent(s.poll(0.1)) == []
+    s.on_finished("r0", "w0", 0.2)
+    assert sent(s.poll(0.2)) == ["r2"]
+
+
+def test_a_big_request_on_an_idle_worker_always_goes() -> None:
+    s = make_scheduler("fcfs")
+    s.update_worker(room(total=10, max_running=4), 0.0)
+    s.submit(req("huge", prompt=16000), 0.0)
+    assert sent(s.poll(0.0)) == ["huge"]
+
+
+def test_spill_to_next_candidate_after_the_bound() -> None:
+    s = make_scheduler("fcfs", spill_after_s=0.5)
+    s.update_worker(room("w0"), 0.0)
+    s.update_worker(room("w1"), 0.0)
+    s.submit(req("busy"), 0.0)
+    assert s.poll(0.0) == [Dispatch("busy", "w0")]
+    s.submit(req("r", cands=[("w0", 5), ("w1", 0)]), 0.0)
+    assert s.poll(0.0) == []
+    assert s.poll(0.4) == []
+    assert s.next_wakeup(0.4) == 0.5
+    assert s.poll(0.5) == [Dispatch("r", "w1")]
+    assert s.next_wakeup(0.5) is None
+
+
+@pytest.mark.parametrize(
+    ("window", "polls", "expected"),
+    [
+        ("none", [0.0, 0.05], [["long"], []]),
+        ("fixed", [0.0, 0.05, 0.1], [[], [], ["short"]]),
+    ],
+)
+def test_window_modes_decide_arrivals_together(window, polls, expected) -> None:
+    s = ThunderScheduler(SchedParams(window=window, fixed_window_s=0.1, grouping=False))
+    s.update_worker(room(), 0.0)
+    s.submit(req("long", 0.0, prompt=8000, out=500), 0.0)
+    got = [sent(s.poll(polls[0]))]
+    s.submit(req("short", 0.05, prompt=64, out=8), 0.05)
+    got += [sent(s.poll(t)) for t in polls[1:]]
+    assert got == expected
+
+
+def test_fixed_window_wakes_the_driver_at_its_close() -> None:
+    s = ThunderScheduler(SchedParams(window="fixed", fixed_window_s=0.1))
+    s.update_worker(room(), 0.0)
+    s.submit(req("r"), 0.0)
+    assert s.poll(0.0) == []
+    assert s.next_wakeup(0.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("prio", "waiting", "expected"),
+    [(0, 0, 0.0), (1, 0, 0.0), (0, 5, 0.005), (0, 20, 0.010), (1, 20, 0.020), (1, 500, 0.050)],
+)
+def test_adaptive_window_length(prio: int, waiting: int, expected: float) -> None:
+    assert Window(SchedParams()).length(prio, waiting, 0.0) == pytest.approx(expected)
+
+
+def test_adaptive_window_is_zero_when_idle() -> None:
+    s = make_scheduler("thunder")
+    s.update_worker(room(), 0.0)
+    s.submit(req("r"), 0.0)
+    assert sent(s.poll(0.0)) == ["r"]
+
+
+@pytest.mark.parametrize(
+    ("deadline", "now", "reason"),
+    [(1.0, 2.0, "deadline passed"), (2.1, 2.0, "deadline cannot be met")],
+)
+def test_deadline_rejects_at_submit(deadline: float, now: float, reason: str) -> None:
+    s = make_scheduler("thunder")
+    s.update_worker(room(), now)
+    s.submit(req("r", now, deadline=deadline), now)  # service ~0.42 s
+    assert s.poll(now) == [Reject("r", reason)]
+    assert s.waiting() == 0
+
+
+def test_deadline_rejects_a_waiting_request_when_it_passes() -> None:
+    s = make_scheduler("thunder", window="none")
+    s.update_worker(room(), 0.0)
+    s.submit(req("busy"), 0.0)
+    s.submit(req("r", deadline=3.0), 0.0)
+    assert sent(s.poll(0.0)) == ["busy"]
+    assert s.next_wakeup(0.0) == 3.0
+    assert s.poll(3.0) == [Reject("r", "deadline passed")]

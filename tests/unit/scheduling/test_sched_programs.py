@@ -1,0 +1,63 @@
+"""Agent programs: sticky placement, pausing smallest acting programs, resume, release."""
+
+from __future__ import annotations
+
+from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
+from thunderagent.scheduling.programs import ACTING, PAUSED
+
+
+def step(rid, pid, prompt, cands=(("w0", 0),), out=16) -> SchedRequest:
+    return SchedRequest(rid, 0.0, prompt, out, list(cands), program_id=pid)
+
+
+def sched(total=0) -> ThunderScheduler:
+    s = ThunderScheduler(
+        programs=True, window="none", kv_watermark=1.0, program_resume_watermark=0.75
+    )
+    for w in ("w0", "w1"):
+        s.update_worker(WorkerRoom(w, 0, 0, 0, total, 8), 0.0)
+    return s
+
+
+def run(s: ThunderScheduler, r: SchedRequest, now: float) -> list[Dispatch]:
+    s.submit(r, now)
+    return [a for a in s.poll(now) if isinstance(a, Dispatch)]
+
+
+def test_sticky_placement_prefers_the_worker_holding_the_program() -> None:
+    s = sched()
+    assert run(s, step("p-0", "p", 160, [("w1", 0), ("w0", 0)]), 0.0) == [Dispatch("p-0", "w1")]
+    s.on_finished("p-0", "w1", 1.0)
+    assert run(s, step("p-1", "p", 320, [("w0", 2), ("w1", 0)]), 2.0) == [Dispatch("p-1", "w1")]
+
+
+def crowded() -> ThunderScheduler:
+    s = sched(total=100)  # pause above 95 blocks, resume under 75
+    for pid, prompt in (("A", 160), ("B", 480), ("C", 800)):
+        assert len(run(s, step(f"{pid}-0", pid, prompt), 0.0)) == 1
+        s.on_finished(f"{pid}-0", "w0", 1.0)
+    # acting: A 11 blocks, B 31, C 51 = 93; D reasoning with 20 more: 113 > 95
+    assert run(s, step("D-0", "D", 320), 2.0) == [Dispatch("D-0", "w0")]
+    s.poll(2.0)
+    return s
+
+
+def test_over_capacity_pauses_smallest_acting_then_resumes_after_release() -> None:
+    s = crowded()
+    phases = {p: s.programs.programs[p].phase for p in "ABC"}
+    assert phases == {"A": PAUSED, "B": PAUSED, "C": ACTING}
+    assert s.programs.resident["w0"] == 51 + 20
+    # A's next step waits: 71 + 11 is over the resume mark (75) on both candidates
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
+    assert s.waiting() == 1
+    s.on_finished("D-0", "w0", 4.0)
+    assert s.poll(4.0) == []
+    s.release_program("D", 4.5)
+    assert s.poll(4.5) == [Dispatch("A-1", "w0")]
+    assert s.stats()["program_resumes"] == 1
+
+
+def test_paused_step_resumes_on_the_routers_next_candidate() -> None:
+    s = crowded()
+    got = run(s, step("A-1", "A", 176, [("w0", 11), ("w1", 0)]), 3.0)
+    assert got == [Dispatch("A-1", "w1")]

@@ -1,0 +1,147 @@
+"""Across random event sequences every submission leaves exactly once (Dispatch or Reject)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thunderagent.scheduling import (
+    Dispatch,
+    Preempt,
+    Reject,
+    SchedRequest,
+    WorkerRoom,
+    make_scheduler,
+)
+
+WORKERS = ("w0", "w1", "w2")
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "submit", "tick", "start", "finish", "cache", "report"]),
+        st.integers(0, 1000),
+    ),
+    max_size=60,
+)
+
+
+class Driver:
+    def __init__(self, name: str, pd: bool) -> None:
+        self.s = make_scheduler(name, preempt_min_remaining_tokens=1, program_watermark=0.5)
+        self.pd, self.now, self.n = pd, 0.0, 0
+        self.submits: Counter[str] = Counter()
+        self.exits: Counter[str] = Counter()
+        self.running: dict[str, tuple[str, str | None]] = {}
+        self.reqs: dict[str, SchedRequest] = {}
+        self.roles = {
+            w: ("prefill", "decode", "both")[i] if pd else "both" for i, w in enumerate(WORKERS)
+        }
+        self.report_all(0)
+
+    def report_all(self, running: int) -> None:
+        for w in WORKERS:
+            self.s.update_worker(WorkerRoom(w, running, 0, 0, 200, 2, self.roles[w]), self.now)
+
+    def submit(self, x: int) -> None:
+        self.n += 1
+        rid = f"r{self.n}"
+        cands = [(WORKERS[(x + k) % 3], (x >> k) % 3) for k in range(1 + x % 3)]
+        r = SchedRequest(
+            rid, self.now, 16 * (1 + x % 40), 1 + x % 300, cands,
+            block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)],
+            priority=x % 2, program_id=f"p{x % 5}" if x % 3 else None,
+            deadline=self.now + x % 50 if x % 7 == 0 else None,
+        )  # fmt: skip
+        self.reqs[rid] = r
+        self._submit(r)
+
+    def _submit(self, r: SchedRequest) -> None:
+        self.submits[r.request_id] += 1
+        self.s.submit(r, self.now)
+
+    def apply(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, Preempt):
+                self.running.pop(a.request_id)
+                r = self.reqs[a.request_id]
+                r.generated_tokens += 1
+                self._submit(r)
+            else:
+                self.exits[a.request_id] += 1
+                if isinstance(a, Dispatch):
+                    self.running[a.request_id] = (a.worker_id, a.decode_worker)
+
+    def end(self, rid: str) -> None:
+        w, d = self.running.pop(rid)
+        self.s.on_started(rid, w, self.now)
+        if d is not None:
+            self.s.on_transfer_done(rid, d, self.now)
+        self.s.on_finished(rid, d or w, self.now)
+
+    def step(self, op: str, x: int) -> None:
+        if op == "submit":
+            self.submit(x)
+        elif op == "tick":
+            self.now += x / 200
+        elif op == "start" and self.running:
+            rid = sorted(self.running)[x % len(self.running)]
+            self.s.on_started(rid, self.running[rid][0], self.now)
+        elif op == "finish" and self.running:
+            self.end(sorted(self.running)[x % len(self.running)])
+        elif op == "cache":
+            self.s.on_prefix_cached(WORKERS[x % 3], [(x % 4) * 100 + b for b in range(8)], 0)
+        elif op == "report":
+            w = WORKERS[x % 3]
+            self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 2, self.roles[w]), self.now)
+        self.apply(self.s.poll(self.now))
+
+    def drain(self) -> None:
+        for p in [f"p{i}" for i in range(5)]:
+            self.s.release_program(p, self.now)
+        for _ in range(10_000):
+            if not self.s.waiting() and not self.running:
+                return
+            for rid in sorted(self.running):
+                self.end(rid)
+            self.report_all(0)  # a real driver keeps reporting load
+            wake = self.s.next_wakeup(self.now)
+            self.now = max(self.now + 1.0, wake or 0.0)
+            self.apply(self.s.poll(self.now))
+        raise AssertionError(f"stuck: {self.s.waiting()} waiting")
+
+
+def check(name: str, pd: bool, seq) -> None:
+    d = Driver(name, pd)
+    for op, x in seq:
+        d.step(op, x)
+    d.drain()
+    assert d.exits == d.submits
+    assert d.s.waiting() == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_thunder_loses_and_duplicates_nothing(seq) -> None:
+    check("thunder", False, seq)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops)
+def test_fcfs_loses_and_duplicates_nothing(seq) -> None:
+    check("fcfs", False, seq)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops)
+def test_pd_capped_loses_and_duplicates_nothing(seq) -> None:
+    check("pd_capped", True, seq)
+
+
+def test_reject_is_an_exit() -> None:
+    d = Driver("thunder", False)
+    d.s.submit(SchedRequest("late", 0.0, 16, 1, [("w0", 0)], deadline=0.0), 0.0)
+    d.submits["late"] += 1
+    d.apply(d.s.poll(0.0))
+    assert d.exits["late"] == 1
+    assert isinstance(Reject("late", "x"), Reject)
