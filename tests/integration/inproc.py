@@ -189,6 +189,8 @@ async def start_full_stack(
     *,
     policy: str = "least_loaded",
     redis_url: str | None = None,
+    scheduler: str = "thunder",
+    scheduler_params: dict | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -215,7 +217,10 @@ async def start_full_stack(
         await stack.start_service(
             "index", lambda ctx, hold: index_main(ctx, index_config, hold), hold=True
         )
-    await stack.start_service("scheduler", lambda ctx: scheduler_main(ctx, SchedulerConfig()))
+    sched_config = SchedulerConfig(scheduler=scheduler, params=scheduler_params or {})
+    await stack.start_service(
+        "scheduler", lambda ctx, hold: scheduler_main(ctx, sched_config, hold), hold=True
+    )
     router_config = RouterConfig(seed=1, policy=policy, redis_url=redis_url)
     await stack.start_service("router", lambda ctx: router_main(ctx, router_config))
     await stack.wait_for_workers(workers)

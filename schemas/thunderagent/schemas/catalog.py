@@ -25,6 +25,9 @@ from thunderagent.schemas.kv import KvEventBatch, OverlapQuery, OverlapReply, Re
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
+    Preempted,
+    ProgramRelease,
+    RequestProgress,
     RouteDecision,
     ScheduleRequest,
     WorkerGenerate,
@@ -48,6 +51,9 @@ MESSAGES: Final[dict[str, Any]] = {
     "WorkerGenerate": WorkerGenerate,
     "Ack": Ack,
     "AbortRequest": AbortRequest,
+    "Preempted": Preempted,
+    "ProgramRelease": ProgramRelease,
+    "RequestProgress": RequestProgress,
     "DeadLetter": DeadLetter,
     "Health": Health,
 }

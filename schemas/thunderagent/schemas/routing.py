@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from msgspec import Struct, field
 
 from thunderagent.schemas.generate import GenerateRequest
@@ -70,6 +72,9 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
     """Router's prediction, echoed in the final reply for lazy verification."""
     attempt: int = 0
     """How many workers were tried before this one."""
+    output_offset: int = 0
+    """Output tokens the client already received before a preemption: ``request.token_ids``
+    ends with them, and this run's token chunks continue numbering from here."""
 
 
 class Ack(Struct, frozen=True, kw_only=True):
@@ -82,9 +87,43 @@ class Ack(Struct, frozen=True, kw_only=True):
 
 
 class AbortRequest(Struct, frozen=True, kw_only=True):
-    """Scheduler -> adapter: stop a running request (preemption or client cancel)."""
+    """Scheduler -> adapter (request/reply, answered with ``Preempted``): stop a running request.
+
+    The adapter closes its engine stream (SGLang aborts a request whose client disconnects) and
+    sends the client nothing: the scheduler resumes the request as a continuation."""
 
     request_id: str
     """Request to abort."""
     reason: str = ""
     """Why."""
+
+
+class Preempted(Struct, frozen=True, kw_only=True):
+    """Adapter -> scheduler: what a request had produced when it was aborted."""
+
+    request_id: str
+    """The aborted request."""
+    found: bool
+    """False when the request was no longer running (it finished or failed first)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Every output token the client has received, including earlier runs."""
+
+
+class ProgramRelease(Struct, frozen=True, kw_only=True):
+    """Client -> scheduler: an agent program (session) is over; its KV need not be kept."""
+
+    program_id: str
+    """The program that ended."""
+
+
+class RequestProgress(Struct, frozen=True, kw_only=True):
+    """Adapter -> scheduler: a request's life on a worker (admission accounting)."""
+
+    request_id: str
+    """The request."""
+    worker_id: str
+    """Where it runs."""
+    phase: Literal["started", "finished", "failed", "aborted"]
+    """``started``: first token out (prefill done); the others end the run."""
+    ts: float
+    """Adapter wall clock, Unix seconds."""

@@ -19,6 +19,12 @@ ROUTER_QUEUE: Final = "router"
 SCHED_SUBMIT: Final = f"{PREFIX}.sched.submit"
 SCHEDULER_QUEUE: Final = "scheduler"
 
+# adapters -> scheduler: request lifecycle (started, finished, ...).
+SCHED_PROGRESS: Final = f"{PREFIX}.sched.progress"
+
+# clients -> scheduler: an agent program ended.
+PROGRAM_RELEASE: Final = f"{PREFIX}.programs.release"
+
 # router -> observers (benchmarks, dashboards, the migration service).
 ROUTE_DECISIONS: Final = f"{PREFIX}.route.decisions"
 

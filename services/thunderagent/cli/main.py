@@ -39,7 +39,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
     from thunderagent.runtime import run_service
     from thunderagent.scheduler.service import SchedulerConfig, main
 
-    config = SchedulerConfig()
+    config = SchedulerConfig(scheduler=args.policy)
     run_service(
         "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("scheduler", "run the scheduler", _cmd_scheduler)
     _nats_arg(p)
     _metrics_arg(p)
+    p.add_argument(
+        "--policy", default="thunder", help="scheduling policy (thunder, fcfs, direct, ...)"
+    )
 
     p = add("index", "run the KV index service", _cmd_index)
     _nats_arg(p)

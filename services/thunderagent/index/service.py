@@ -104,7 +104,7 @@ class IndexService:
             log.warning("resync of %s failed: %s", worker_id, err)
 
     async def on_overlap(self, query: OverlapQuery, delivery: Delivery) -> None:
-        overlaps = self.follower.index.overlap(query.hashes, query.check_hashes or query.hashes)
+        overlaps = self.follower.index.overlap(query.hashes, query.check_hashes or None)
         if delivery.reply:
             await self.bus.publish(delivery.reply, OverlapReply(overlaps=overlaps))
 

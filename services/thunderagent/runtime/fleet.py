@@ -54,12 +54,14 @@ class FleetWatcher:
         clock: Callable[[], float] = time.time,
         expire_every_s: float = 0.5,
         on_change: Callable[[str, str], None] | None = None,
+        on_load: Callable[[LoadReport], None] | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
         self.clock = clock
         self.expire_every_s = expire_every_s
         self.on_change = on_change or (lambda worker_id, what: None)
+        self.on_load = on_load
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -72,7 +74,8 @@ class FleetWatcher:
         await watcher.stop()
 
     async def _on_load(self, load: LoadReport, _: Delivery) -> None:
-        self.registry.report(load, self.clock())
+        if self.registry.report(load, self.clock()) and self.on_load is not None:
+            self.on_load(load)
 
     async def _watch(self, watcher, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -161,6 +161,24 @@ class EngineDriver:
             if self._streams.pop(req.rid, None) is not None:
                 self.core.abort(req.rid, self.now())  # client went away mid-stream
 
+    def abort(self, rid: str) -> bool:
+        """Drop a running request (SGLang's /abort_request); its stream ends with an abort."""
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return False
+        finished = self.core.abort(rid, self.now())
+        stream.queue.put_nowait(
+            TokenEvent(
+                token_ids=[],
+                finished=True,
+                prompt_tokens=len(stream.request.input_ids),
+                cached_tokens=finished.cached_tokens if finished else 0,
+                completion_tokens=stream.sent,
+                finish_reason="abort",
+            )
+        )
+        return True
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run(), name="engine-loop")

@@ -55,6 +55,7 @@ class SimEngineApp:
             r.add_get(path, self.model_info)
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
         r.add_get("/v1/models", self.models)
         OpenAIRoutes(engine, info.model).add_to(self.app)
 
@@ -86,6 +87,17 @@ class SimEngineApp:
         if not self.engine.flush():
             return web.Response(status=400, text="Cache not flushed: requests are running.\n")
         return web.Response(text="Cache flushed.\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _bad(f"body is not JSON: {err}")
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            return _bad("rid must be a string")
+        self.engine.abort(rid)
+        return web.Response(text="")
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(

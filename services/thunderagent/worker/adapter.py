@@ -21,14 +21,11 @@ from thunderagent.bus import Bus, Delivery
 from thunderagent.runtime import ServiceContext
 from thunderagent.runtime.fleet import workers_bucket
 from thunderagent.schemas import (
+    AbortRequest,
     Ack,
-    ErrorCode,
-    ErrorReply,
     FinalReply,
-    FinishReason,
     LoadReport,
-    TokenChunk,
-    Usage,
+    Preempted,
     WorkerGenerate,
     WorkerRegistration,
     WorkerRole,
@@ -38,6 +35,7 @@ from thunderagent.schemas import (
 from thunderagent.telemetry.setup import meter
 from thunderagent.tokenizer import BYTES_SPEC
 from thunderagent.worker.engine_client import EngineClient, EngineError
+from thunderagent.worker.generation import Generation
 from thunderagent.worker.kv_relay import KvRelay
 
 log = logging.getLogger(__name__)
@@ -54,6 +52,9 @@ class AdapterConfig:
     load_interval_s: float = 0.2
     role: WorkerRole = WorkerRole.BOTH
     tokenizer: str = BYTES_SPEC
+    kv_refresh_s: float = 120.0
+    """Re-announce the cached blocks this often: a fifth of the index's default 10-minute TTL,
+    so a resident block is re-confirmed several times before it could expire."""
     kv_events_endpoint: str | None = None
     """Engine's ZMQ KV-event PUB endpoint; None: take it from the engine's ``/server_info``."""
 
@@ -68,6 +69,7 @@ class WorkerAdapter:
         self.inflight = 0
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
+        self.running: dict[str, Generation] = {}
         m = meter("thunderagent.worker")
         self._completed = m.create_counter(
             "thunderagent_requests_completed", description="Requests finished with a FinalReply"
@@ -115,6 +117,9 @@ class WorkerAdapter:
             self.on_generate,
             concurrent=True,
         )
+        await self.bus.subscribe(
+            subjects.worker_abort(self.config.worker_id), AbortRequest, self.on_abort
+        )
         kv = await workers_bucket(self.bus)
         events = await self._kv_event_source()
         relay = None
@@ -127,6 +132,7 @@ class WorkerAdapter:
             async with asyncio.TaskGroup() as tg:
                 if relay is not None:
                     tg.create_task(relay.run(*events, stop))
+                    tg.create_task(relay.refresh_loop(self.config.kv_refresh_s, stop))
                 tg.create_task(self._lease_loop(kv, stop))
                 tg.create_task(self._load_loop(stop))
         finally:
@@ -211,78 +217,39 @@ class WorkerAdapter:
         )
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
+        rid = work.request.request_id
+        if rid in self.running:
+            if delivery.reply:
+                await self.bus.publish(
+                    delivery.reply, Ack(accepted=False, reason=f"{rid} is already running here")
+                )
+            return
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
+        generation = Generation(work, self.config.worker_id, self.bus, self.engine)
+        self.running[rid] = generation
         self.inflight += 1
         try:
-            await self._generate(work)
+            final = await generation.run()
         finally:
             self.inflight -= 1
+            self.running.pop(rid, None)
+        if final is not None:
+            self._count(final, work.request.model)
 
-    async def _generate(self, work: WorkerGenerate) -> None:
-        req = work.request
-        sampling = {
-            "max_new_tokens": req.max_tokens,
-            "temperature": req.sampling.temperature,
-            "top_p": req.sampling.top_p,
-            "ignore_eos": req.sampling.ignore_eos,
-        }
-        if req.sampling.stop:
-            sampling["stop"] = req.sampling.stop
-        started = time.monotonic()
-        first_token_at: float | None = None
-        emitted = 0
-        text_parts: list[str] = []
-        meta: dict = {}
-        try:
-            async for chunk in self.engine.generate(req.request_id, req.token_ids or [], sampling):
-                meta = chunk.meta
-                if chunk.new_token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
-                if req.stream and chunk.new_token_ids:
-                    await self.bus.publish(
-                        work.reply_subject,
-                        TokenChunk(
-                            request_id=req.request_id,
-                            index=emitted,
-                            token_ids=chunk.new_token_ids,
-                            text=chunk.new_text,
-                        ),
-                    )
-                elif not req.stream:
-                    text_parts.append(chunk.new_text)
-                emitted += len(chunk.new_token_ids)
-        except (TimeoutError, EngineError, OSError) as err:
-            log.warning("request %s failed at the engine: %s", req.request_id, err)
-            await self.bus.publish(
-                work.reply_subject,
-                ErrorReply(
-                    code=ErrorCode.ENGINE_ERROR,
-                    message=str(err),
-                    request_id=req.request_id,
-                    service=f"worker/{self.config.worker_id}",
-                ),
+    async def on_abort(self, abort: AbortRequest, delivery: Delivery) -> None:
+        """Preemption: stop the run without telling the client, hand back what it produced."""
+        generation = self.running.get(abort.request_id)
+        if generation is None:
+            answer = Preempted(request_id=abort.request_id, found=False)
+        else:
+            log.info("request %s preempted: %s", abort.request_id, abort.reason)
+            await generation.preempt()
+            answer = Preempted(
+                request_id=abort.request_id, found=True, output_token_ids=generation.all_output()
             )
-            return
-        finished = time.monotonic()
-        final = FinalReply(
-            request_id=req.request_id,
-            worker_id=self.config.worker_id,
-            usage=Usage(
-                prompt_tokens=int(meta.get("prompt_tokens", len(req.token_ids or []))),
-                cached_tokens=int(meta.get("cached_tokens", 0)),
-                completion_tokens=int(meta.get("completion_tokens", emitted)),
-            ),
-            ttft_ms=((first_token_at or finished) - started) * 1e3,
-            e2e_ms=(finished - started) * 1e3,
-            finish_reason=_finish_reason(meta),
-            text="".join(text_parts),
-            predicted_cached_tokens=work.predicted_cached_tokens,
-            engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
-        )
-        await self.bus.publish(work.reply_subject, final)
-        await self.bus.publish(subjects.COMPLETIONS, final)
-        self._count(final, req.model)
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, answer)
 
     def _count(self, final: FinalReply, model: str) -> None:
         attrs = {"model": model, "worker_id": self.config.worker_id}
@@ -298,16 +265,6 @@ def _connectable(endpoint: str, host: str) -> str:
     for wildcard in ("*", "0.0.0.0"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
-
-
-def _finish_reason(meta: dict) -> FinishReason:
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-    if kind == "stop":
-        return FinishReason.STOP
-    if kind == "abort":
-        return FinishReason.ABORT
-    return FinishReason.LENGTH
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -58,6 +58,14 @@ class EngineClient:
                 raise EngineError(resp.status, await resp.text())
             return await resp.json(content_type=None)
 
+    async def abort(self, rid: str) -> bool:
+        """Best effort ``/abort_request``; False when the engine refused or is unreachable."""
+        try:
+            async with self.session.post(self.base_url + "/abort_request", json={"rid": rid}) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, OSError):
+            return False
+
     async def generate(
         self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> AsyncIterator[EngineChunk]:

@@ -88,6 +88,24 @@ class KvRelay:
                 "%s: undecodable KV batch seq %d: %s", self.worker_id, notice.seq, notice.error
             )
 
+    async def refresh_loop(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Re-announce every mirrored block every ``interval_s``.
+
+        Engines announce a block once, when it is stored; one that stays resident (a hot system
+        prompt) is never announced again. The index's TTL drops blocks nobody re-confirmed, so
+        without this a hot prefix would expire while it is cached. Only blocks whose removal
+        event was lost for good age out now, which is what the TTL is for.
+        """
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+                return
+            except TimeoutError:
+                pass
+            blocks = self.mirror.dump()
+            if blocks:
+                await self._publish(list(blocks))
+
     async def engine_restarted(self, reason: str) -> None:
         """The engine's cache is empty now: so are the mirror and this worker's index entries."""
         log.warning("%s: %s: its cache is empty", self.worker_id, reason)

@@ -1,0 +1,160 @@
+"""One request's run on the engine: stream tokens to the client, report progress to the
+scheduler, stop quietly when the scheduler preempts it.
+
+A continuation (``output_offset > 0``) carries the tokens the client already has at the end of
+its prompt; its chunks continue the numbering and its usage counts the whole answer, so the
+client sees one unbroken stream across a preemption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from thunderagent.bus import Bus
+from thunderagent.schemas import (
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    FinishReason,
+    RequestProgress,
+    TokenChunk,
+    Usage,
+    WorkerGenerate,
+    subjects,
+)
+from thunderagent.worker.engine_client import EngineClient, EngineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Generation:
+    work: WorkerGenerate
+    worker_id: str
+    bus: Bus
+    engine: EngineClient
+    output: list[int] = field(default_factory=list)
+    """Tokens this run produced."""
+    preempted: bool = False
+    task: asyncio.Task | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.work.request.request_id
+
+    @property
+    def engine_rid(self) -> str:
+        """The engine's id for this run: a continuation must not collide with the aborted run,
+        which the engine may not have dropped yet."""
+        offset = self.work.output_offset
+        return f"{self.request_id}#{offset}" if offset else self.request_id
+
+    def all_output(self) -> list[int]:
+        """Every output token the client has: earlier runs' (the prompt's tail) and this one's."""
+        ids = self.work.request.token_ids or []
+        offset = self.work.output_offset
+        return [*ids[len(ids) - offset :], *self.output] if offset else list(self.output)
+
+    async def preempt(self) -> None:
+        """Stop streaming and abort at the engine (SGLang's ``/abort_request``; closing the
+        stream also aborts it there, this just does not wait for the next token to notice)."""
+        self.preempted = True
+        if self.task is not None:
+            self.task.cancel()
+        await self.engine.abort(self.engine_rid)
+
+    async def run(self) -> FinalReply | None:
+        self.task = asyncio.current_task()
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            if not self.preempted:
+                raise
+            await self._progress("aborted")
+            return None
+
+    async def _run(self) -> FinalReply | None:
+        req = self.work.request
+        offset = self.work.output_offset
+        sampling = {
+            "max_new_tokens": req.max_tokens,
+            "temperature": req.sampling.temperature,
+            "top_p": req.sampling.top_p,
+            "ignore_eos": req.sampling.ignore_eos,
+        }
+        if req.sampling.stop:
+            sampling["stop"] = req.sampling.stop
+        started = time.monotonic()
+        first_token_at: float | None = None
+        text_parts: list[str] = []
+        meta: dict = {}
+        try:
+            async for chunk in self.engine.generate(self.engine_rid, req.token_ids or [], sampling):
+                meta = chunk.meta
+                if not chunk.new_token_ids:
+                    continue
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                    await self._progress("started")
+                if req.stream:
+                    piece = TokenChunk(
+                        request_id=req.request_id,
+                        index=offset + len(self.output),
+                        token_ids=chunk.new_token_ids,
+                        text=chunk.new_text,
+                    )
+                    await self.bus.publish(self.work.reply_subject, piece)
+                else:
+                    text_parts.append(chunk.new_text)
+                self.output.extend(chunk.new_token_ids)
+        except (TimeoutError, EngineError, OSError) as err:
+            log.warning("request %s failed at the engine: %s", req.request_id, err)
+            await self._progress("failed")
+            error = ErrorReply(
+                code=ErrorCode.ENGINE_ERROR,
+                message=str(err),
+                request_id=req.request_id,
+                service=f"worker/{self.worker_id}",
+            )
+            await self.bus.publish(self.work.reply_subject, error)
+            return None
+        finished = time.monotonic()
+        engine_prompt = int(meta.get("prompt_tokens", len(req.token_ids or [])))
+        final = FinalReply(
+            request_id=req.request_id,
+            worker_id=self.worker_id,
+            usage=Usage(
+                prompt_tokens=engine_prompt - offset,
+                cached_tokens=min(int(meta.get("cached_tokens", 0)), engine_prompt - offset),
+                completion_tokens=offset + int(meta.get("completion_tokens", len(self.output))),
+            ),
+            ttft_ms=((first_token_at or finished) - started) * 1e3,
+            e2e_ms=(finished - started) * 1e3,
+            finish_reason=_finish_reason(meta),
+            text="".join(text_parts),
+            predicted_cached_tokens=self.work.predicted_cached_tokens,
+            engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
+        )
+        await self.bus.publish(self.work.reply_subject, final)
+        await self.bus.publish(subjects.COMPLETIONS, final)
+        await self._progress("finished")
+        return final
+
+    async def _progress(self, phase: str) -> None:
+        progress = RequestProgress(
+            request_id=self.request_id, worker_id=self.worker_id, phase=phase, ts=time.time()
+        )
+        await self.bus.publish(subjects.SCHED_PROGRESS, progress)
+
+
+def _finish_reason(meta: dict) -> FinishReason:
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "stop":
+        return FinishReason.STOP
+    if kind == "abort":
+        return FinishReason.ABORT
+    return FinishReason.LENGTH

@@ -1,0 +1,105 @@
+"""The scheduler service over real NATS: preemption keeps the client's stream whole, deadlines
+are answered early, and every submission ends in tokens or an error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import routable, wait_for
+from thunderagent.bus import connect
+from thunderagent.bus.bus import encode
+from thunderagent.client import RequestFailed
+from thunderagent.schemas import (
+    ErrorCode,
+    FinalReply,
+    GenerateRequest,
+    ProgramRelease,
+    TokenChunk,
+    subjects,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def collect(client, request):
+    chunks, final = [], None
+    async for reply in client.stream(request):
+        if isinstance(reply, TokenChunk):
+            chunks.append(reply)
+        elif isinstance(reply, FinalReply):
+            final = reply
+        else:
+            raise AssertionError(f"unexpected {reply}")
+    return chunks, final, time.monotonic()
+
+
+async def test_preempted_long_request_streams_unbroken_and_short_one_goes_first(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        # one worker that runs one request at a time: a short urgent request must preempt
+        await start_full_stack(
+            stack,
+            workers=1,
+            scheduler="preempt",
+            scheduler_params={"max_running": 1, "preempt_min_remaining_tokens": 32},
+            profile="tiny",
+        )
+        client = await routable(nats_server.url, 1)
+        long_req = GenerateRequest(model=MODEL, token_ids=list(range(10, 74)), max_tokens=400,
+                                   priority=5)  # fmt: skip
+        long_task = asyncio.create_task(collect(client, long_req))
+        await asyncio.sleep(0.3)  # the long request is decoding
+        short_req = GenerateRequest(model=MODEL, token_ids=[7, 8, 9], max_tokens=3, priority=0)
+        short_chunks, short_final, short_done = await collect(client, short_req)
+        long_chunks, long_final, long_done = await long_task
+        sched = stack.services["scheduler"].runtime
+        await client.close()
+    assert sched.core.stats()["preempted"] >= 1
+    assert short_done < long_done
+    assert sum(len(c.token_ids) for c in short_chunks) == 3
+    # the long request's client saw one stream: contiguous indices, every token once
+    indices = []
+    for c in long_chunks:
+        indices.extend(range(c.index, c.index + len(c.token_ids)))
+    assert indices == list(range(400))
+    assert long_final.usage.completion_tokens == 400
+    assert long_final.usage.prompt_tokens == 64
+    # the continuation found the KV the preempted run left behind
+    assert long_final.usage.cached_tokens >= 48
+
+
+async def test_deadline_in_the_past_is_answered_at_once(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await routable(nats_server.url, 1)
+        late = GenerateRequest(
+            model=MODEL, token_ids=[5] * 20, max_tokens=8, deadline_ms=time.time() * 1e3 - 1000
+        )
+        with pytest.raises(RequestFailed) as info:
+            await client.generate(late)
+        await client.close()
+    assert info.value.error.code == ErrorCode.DEADLINE
+
+
+async def test_program_steps_and_release(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", profile="tiny")
+        client = await routable(nats_server.url, 2)
+        context = list(range(100, 132))
+        workers = []
+        for step in range(3):
+            req = GenerateRequest(model=MODEL, token_ids=context, max_tokens=8, program_id="p1")
+            done = await client.generate(req)
+            workers.append(done.final.worker_id)
+            context = context + done.token_ids + [300 + step] * 8
+        nc = await connect(nats_server.url, name="release")
+        await nc.publish(subjects.PROGRAM_RELEASE, encode(ProgramRelease(program_id="p1")))
+        await nc.flush()
+        sched = stack.services["scheduler"].runtime
+        await wait_for(lambda: not sched.core.programs.programs, what="the program release")
+        await nc.close()
+        await client.close()
+    assert len(set(workers)) == 1, f"a program should stay on the worker with its KV: {workers}"
