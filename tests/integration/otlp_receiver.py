@@ -20,6 +20,8 @@ class ReceivedSpan:
     trace_id: str
     span_id: str
     parent_span_id: str
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class OtlpReceiver:
@@ -70,6 +72,8 @@ class OtlpReceiver:
                             trace_id=span.trace_id.hex(),
                             span_id=span.span_id.hex(),
                             parent_span_id=span.parent_span_id.hex(),
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
                         )
                     )
         with self._lock:

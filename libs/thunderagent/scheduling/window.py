@@ -5,11 +5,13 @@ arrives before it closes is released at its close. Lengths by mode:
 
 * ``none``: 0 (decide at once).
 * ``fixed``: ``fixed_window_s`` for every class.
-* ``adaptive``: ``min(cap, window_gain_s * pressure)`` with ``pressure`` = requests waiting in
-  the scheduler + arrivals expected in the next 10 ms (arrival rate over the last second). Idle
-  means no pressure and no wait; ``cap`` is ``online_window_cap_s`` for priority 0 and
-  ``batch_window_cap_s`` for the rest (DESIGN feature 5; feature 12: a long window is a P99
-  spike, so online requests stay at <= 10 ms).
+* ``adaptive``: ``min(cap, window_gain_s * waiting)``, ``waiting`` = requests the scheduler
+  already holds (workers had no room for them). While every worker has room nothing waits and a
+  window could not change a decision, only delay it, so arrivals go at once however fast they
+  come; once requests compete for room, the window grows with the backlog so each decision sees
+  more of it. ``cap`` is ``online_window_cap_s`` for priority 0 and ``batch_window_cap_s`` for
+  the rest (DESIGN feature 5; feature 12: a long window is a P99 spike, so online requests stay
+  at <= 10 ms).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from thunderagent.scheduling.params import SchedParams
 
 RATE_HORIZON_S = 1.0
 """Arrival rate is counted over the last second: long enough to smooth single bursts."""
-LOOKAHEAD_S = 0.010
-"""Pressure counts arrivals expected within one online window."""
 
 
 @dataclass(slots=True)
@@ -45,8 +45,7 @@ class Window:
         if p.window == "fixed":
             return p.fixed_window_s
         cap = p.online_window_cap_s if priority <= 0 else p.batch_window_cap_s
-        pressure = waiting + self.arrival_rate(now) * LOOKAHEAD_S
-        return min(cap, p.window_gain_s * pressure)
+        return min(cap, p.window_gain_s * waiting)
 
     def release_at(self, priority: int, waiting: int, now: float) -> float:
         """When a request arriving now is decided. ``waiting``: requests already waiting."""

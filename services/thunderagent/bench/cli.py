@@ -17,6 +17,7 @@ BENCHES = {
         "thunderagent.bench.replay",
         "trace replay through every routing policy, virtual time",
     ),
+    "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
 }
 
 

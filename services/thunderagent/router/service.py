@@ -21,6 +21,7 @@ from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.registry import WorkerRegistry, WorkerState
+from thunderagent.router.inflight import InflightPrefixes
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router.verification import Routed, Verifier
 from thunderagent.routing import RouteQuery, get_policy
@@ -63,6 +64,7 @@ class Router:
         self.policy = get_policy(config.policy)
         self.rng = random.Random(config.seed)
         self.verifier = Verifier()
+        self.inflight = InflightPrefixes()
         self.metrics = RouterMetrics()
         self._hashers: dict[int, BlockHasher] = {}
 
@@ -109,6 +111,8 @@ class Router:
         hashes = self.hasher(page_size).hash_tokens(req.token_ids or [])
         index = self.follower.index
         overlaps = index.overlap(hashes.primary, hashes.check) if hashes.primary else {}
+        if hashes.primary:
+            overlaps = self.inflight.merge(overlaps, hashes.primary, hashes.check, time.time())
         serving = {w.worker_id for w in workers}
         overlaps = {w: n for w, n in overlaps.items() if w in serving}
         query = RouteQuery(
@@ -124,6 +128,8 @@ class Router:
         ranked = self.policy.rank(query, [w.view() for w in workers], self.rng)
         best = ranked[0]
         self.policy.on_routed(query, best.worker_id)
+        if hashes.primary:
+            self.inflight.record(best.worker_id, hashes.primary, hashes.check, time.time())
         chosen = self.registry.get(best.worker_id)
         if chosen is not None:
             chosen.assigned_since_report += 1
@@ -220,6 +226,7 @@ class RouterService:
     def _on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
             self.follower.forget_worker(worker_id)
+            self.router.inflight.forget(worker_id)
 
     async def run(self) -> None:
         bus = self.ctx.bus

@@ -94,7 +94,7 @@ class SchedulerService:
         self.core.submit(self._sched_request(submit, []), self.clock())
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
-        self.wake.set()
+        self.poll_now()  # no loop hop: a request with room goes out in this same callback
 
     def _sched_request(self, submit: ScheduleRequest, output: list[int]) -> SchedRequest:
         req = submit.request
@@ -160,11 +160,13 @@ class SchedulerService:
         self.wake.set()
 
     # ---- the loop -------------------------------------------------------------------------
+    def poll_now(self) -> None:
+        for action in self.core.poll(self.clock()):
+            self._spawn(self._carry_out(action))
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            now = self.clock()
-            for action in self.core.poll(now):
-                self._spawn(self._carry_out(action))
+            self.poll_now()
             wake_at = self.core.next_wakeup(self.clock())
             timeout = self.config.max_sleep_s
             if wake_at is not None:

@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from thunderagent.telemetry import inject_headers
+
+
+_encode = msgspec.json.encode
 
 
 class EngineError(Exception):
@@ -77,8 +81,10 @@ class EngineClient:
             "sampling_params": sampling_params,
             "stream": True,
         }
+        headers = inject_headers({"Content-Type": "application/json"})
+        # msgspec, not aiohttp's json.dumps: prompts are thousands of ints, on every request
         async with self.session.post(
-            self.base_url + "/generate", json=body, headers=inject_headers()
+            self.base_url + "/generate", data=_encode(body), headers=headers
         ) as resp:
             if resp.status != 200:
                 raise EngineError(resp.status, (await resp.text())[:500])

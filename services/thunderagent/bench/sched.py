@@ -1,0 +1,395 @@
+"""Scheduler comparison in virtual time: priority/preemption, window, PD cap, agent programs.
+
+    thunderagent bench sched [--json FILE] [--quick] [--workers 8] [--profile NAME]
+        [--seed S] [--link-gbps 25] [--only priority,window,pd,programs]
+
+Four scenarios, each replaying one seeded workload (``thunderagent.workloads``) through fresh
+simulated engines, the same KV-aware routing policy (``thunder``) and each scheduler variant of
+``thunderagent.scheduling.registry`` in turn. ``--quick`` shrinks every workload (CI smoke run).
+Latencies in ms; the JSON keeps every figure printed and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from thunderagent.bench.replay import code_version
+from thunderagent.engine import Profile, get_profile
+from thunderagent.replay import Record, ReplayConfig, ReplayResult, percentile
+from thunderagent.replay.workload_driver import run_open, run_programs
+from thunderagent.workloads import AgentParams, AgentWorkload, MixedParams, MixedWorkload
+
+ROUTING = "thunder"
+"""One KV-aware routing policy for every run: only the scheduler changes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setup:
+    profile: Profile
+    workers: int
+    seed: int
+    quick: bool
+    link_bytes_per_s: float
+
+
+def _cfg(s: Setup, scheduler: str, **kw) -> ReplayConfig:
+    return ReplayConfig(
+        profile=s.profile, policy=ROUTING, workers=s.workers, scheduler=scheduler, seed=s.seed, **kw
+    )
+
+
+def _ms(values: Sequence[float], q: float) -> float:
+    return round(percentile(values, q) * 1000.0, 1)
+
+
+def _ttft(recs: Sequence[Record]) -> list[float]:
+    return [r.first_token - r.arrival for r in recs if r.status == "completed"]
+
+
+def _e2e(recs: Sequence[Record]) -> list[float]:
+    return [r.finish - r.arrival for r in recs if r.status == "completed"]
+
+
+def _common(result: ReplayResult, wall: float) -> dict:
+    recs = result.records
+    done = [r for r in recs if r.status == "completed"]
+    span = result.makespan - min((r.arrival for r in recs), default=0.0)
+    prompt = sum(r.prompt_tokens for r in done)
+    return {
+        "requests": len(recs),
+        "completed": len(done),
+        "rejected": sum(r.status == "rejected" for r in recs),
+        "output_tok_s": round(sum(r.completion_tokens for r in done) / span, 1) if span else 0.0,
+        "hit_ratio": round(sum(r.cached_tokens for r in done) / prompt, 4) if prompt else 0.0,
+        "prefill_tokens": result.prefill_tokens,
+        "engine_retractions": sum(r.preemptions - r.sched_preemptions for r in recs),
+        "makespan_s": round(result.makespan, 2),
+        "wall_s": round(wall, 2),
+    }
+
+
+def _timed(fn: Callable[[], ReplayResult]) -> tuple[ReplayResult, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# ---- scenario 1: priority, SRPT, preemption -----------------------------------------------
+def priority(s: Setup) -> dict:
+    """Open-loop short/long mix at high load; shorts are class 0, longs class 1."""
+    mix = MixedParams(
+        requests=600 if s.quick else 3000,
+        rate_per_s=40.0 * s.workers / 8,
+        long_fraction=0.2,
+        estimate_noise=0.5,
+    )
+    reqs = MixedWorkload(mix, seed=s.seed).requests()
+    out = {}
+    for name in ("fcfs", "priority_srpt", "preempt"):
+        res, wall = _timed(lambda n=name: run_open(_cfg(s, n, scheduler_params=_CAP), reqs))
+        short = [r for r in res.records if r.request_id.startswith("short")]
+        long_ = [r for r in res.records if r.request_id.startswith("long")]
+        resumed = sum(r.resume_prompt_tokens for r in res.records)
+        out[name] = {
+            "short_ttft_p50_ms": _ms(_ttft(short), 50),
+            "short_ttft_p99_ms": _ms(_ttft(short), 99),
+            "long_ttft_p50_ms": _ms(_ttft(long_), 50),
+            "long_ttft_p99_ms": _ms(_ttft(long_), 99),
+            "short_e2e_p50_ms": _ms(_e2e(short), 50),
+            "long_e2e_p50_ms": _ms(_e2e(long_), 50),
+            "long_e2e_p99_ms": _ms(_e2e(long_), 99),
+            "preemptions": sum(r.sched_preemptions for r in res.records),
+            "resume_hit_ratio": (
+                round(sum(r.resume_cached_tokens for r in res.records) / resumed, 4)
+                if resumed
+                else None
+            ),
+            **_common(res, wall),
+        }
+    return out
+
+
+_CAP = {"max_running": 32}
+"""Running cap per worker for the priority scenario (all three variants alike): requests wait
+in the scheduler, where their order is decided, instead of in the engines' FCFS queues."""
+
+
+# ---- scenario 2: scheduling window and prefix grouping ------------------------------------
+def window(s: Setup) -> dict:
+    """Bursty arrivals sharing a few long uncached prefixes: grouping has material."""
+    mix = MixedParams(
+        requests=400 if s.quick else 2000,
+        rate_per_s=60.0 * s.workers / 8,
+        long_fraction=0.0,
+        short_prompt_blocks=(4, 32),
+        short_output_tokens=(16, 128),
+        shared_prefix_fraction=0.8,
+        shared_prefixes=64,
+        shared_prefix_blocks=256,
+    )
+    reqs = MixedWorkload(mix, seed=s.seed + 1).requests()
+    out = {}
+    for key, name in (
+        ("none", "window_none"),
+        ("fixed_100ms", "window_fixed"),
+        ("adaptive", "window_adaptive"),
+    ):
+        res, wall = _timed(lambda n=name: run_open(_cfg(s, n), reqs))
+        st = res.sched_stats
+        out[key] = {
+            "ttft_p50_ms": _ms(_ttft(res.records), 50),
+            "ttft_p99_ms": _ms(_ttft(res.records), 99),
+            "prefill_tokens_saved": st.get("prefill_tokens_saved", 0),
+            "grouped_requests": st.get("grouped_requests", 0),
+            **_common(res, wall),
+        }
+    return out
+
+
+# ---- scenario 3: PD disaggregation, in-flight transfer cap --------------------------------
+def pd(s: Setup) -> dict:
+    """Half the workers prefill, half decode; long prompts make transfers matter."""
+    n_prefill = max(1, s.workers // 2)
+    roles = ["prefill"] * n_prefill + ["decode"] * (s.workers - n_prefill)
+    mix = MixedParams(
+        requests=400 if s.quick else 2000,
+        rate_per_s=30.0 * s.workers / 8,
+        long_fraction=0.3,
+        long_prompt_blocks=(128, 512),
+        long_output_tokens=(128, 512),
+        long_priority=0,
+    )
+    reqs = MixedWorkload(mix, seed=s.seed + 2).requests()
+    out = {}
+    for key, name in (("uncapped", "pd_uncapped"), ("capped", "pd_capped")):
+        cfg = _cfg(s, name, roles=roles, link_bytes_per_s=s.link_bytes_per_s)
+        res, wall = _timed(lambda c=cfg: run_open(c, reqs))
+        out[key] = {
+            "ttft_p50_ms": _ms(_ttft(res.records), 50),
+            "ttft_p99_ms": _ms(_ttft(res.records), 99),
+            "e2e_p50_ms": _ms(_e2e(res.records), 50),
+            "e2e_p99_ms": _ms(_e2e(res.records), 99),
+            "transfer_p50_ms": _ms(res.transfers_s, 50),
+            "transfer_p99_ms": _ms(res.transfers_s, 99),
+            "pd_held_polls": res.sched_stats.get("pd_held_polls", 0),
+            **_common(res, wall),
+        }
+    out["roles"] = {"prefill": n_prefill, "decode": s.workers - n_prefill}
+    out["link_gb_s"] = s.link_bytes_per_s / 1e9
+    return out
+
+
+# ---- scenario 4: agent programs -----------------------------------------------------------
+def programs(s: Setup) -> dict:
+    """Many closed-loop programs at once: their contexts oversubscribe the cluster's KV."""
+    params = AgentParams(
+        programs=(96 if s.quick else 384) * s.workers // 8,
+        steps_range=(4, 8) if s.quick else (6, 14),
+        start_gap_s=0.05,
+        system_blocks=128,
+        task_blocks_range=(256, 1024),
+        observation_blocks_range=(32, 256),
+        output_tokens_range=(128, 512),
+        tool_pause_median_s=4.0,
+    )
+    out = {}
+    runs = (
+        ("unaware", "thunder", {"programs": False}),
+        ("aware", "thunder", {}),
+        ("direct", "direct", {}),
+    )
+    for key, name, knobs in runs:
+        wl = AgentWorkload(params, seed=s.seed + 3)
+        res, wall = _timed(
+            lambda n=name, k=knobs, w=wl: run_programs(_cfg(s, n, scheduler_params=k), w)
+        )
+        done = [r for r in res.records if r.status == "completed"]
+        span = res.makespan
+        st = res.sched_stats
+        out[key] = {
+            "scheduler": name if not knobs else f"{name} (programs off)",
+            "steps_per_min": round(len(done) / span * 60.0, 1) if span else 0.0,
+            "recomputed_tokens": _recomputed(res.records, params.block_size),
+            "program_pauses": st.get("program_pauses", 0),
+            "program_resumes": st.get("program_resumes", 0),
+            "ttft_p50_ms": _ms(_ttft(res.records), 50),
+            "ttft_p99_ms": _ms(_ttft(res.records), 99),
+            **_common(res, wall),
+        }
+    kv = s.profile.capacity_tokens * s.workers
+    out["programs"] = params.programs
+    out["cluster_kv_tokens"] = kv
+    return out
+
+
+def _recomputed(recs: Sequence[Record], block_size: int) -> int:
+    """Prompt tokens an earlier step of the same program had already computed (its prompt; the
+    step's prompt extends it) that were not found cached: KV the engines had to redo."""
+    last: dict[str, int] = {}
+    total = 0
+    for r in sorted(recs, key=lambda r: r.arrival):
+        if r.status != "completed" or r.request_id.rsplit("-s", 1)[0] is None:
+            continue
+        prog = r.request_id.rsplit("-s", 1)[0]
+        prev = last.get(prog)
+        if prev is not None:
+            usable = min(prev, (r.prompt_tokens - 1) // block_size * block_size)
+            total += max(0, usable - r.cached_tokens)
+        last[prog] = r.prompt_tokens // block_size * block_size
+    return total
+
+
+SCENARIOS: dict[str, Callable[[Setup], dict]] = {
+    "priority": priority,
+    "window": window,
+    "pd": pd,
+    "programs": programs,
+}
+
+
+# ---- output -------------------------------------------------------------------------------
+TABLES = {
+    "priority": (
+        "short_ttft_p50_ms",
+        "short_ttft_p99_ms",
+        "long_ttft_p99_ms",
+        "long_e2e_p50_ms",
+        "preemptions",
+        "resume_hit_ratio",
+    ),
+    "window": (
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "prefill_tokens_saved",
+        "grouped_requests",
+        "hit_ratio",
+    ),
+    "pd": (
+        "output_tok_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "e2e_p50_ms",
+        "transfer_p99_ms",
+        "pd_held_polls",
+    ),
+    "programs": (
+        "steps_per_min",
+        "hit_ratio",
+        "recomputed_tokens",
+        "prefill_tokens",
+        "program_pauses",
+        "engine_retractions",
+    ),
+}
+
+
+def table(name: str, results: dict) -> str:
+    cols = TABLES[name]
+    lines = [f"### {name}", "", "| variant | " + " | ".join(cols) + " | wall s |"]
+    lines.append("|" + "---|" * (len(cols) + 2))
+    for variant, row in results.items():
+        if not isinstance(row, dict) or "wall_s" not in row:
+            continue
+        cells = [_fmt(row.get(c)) for c in cols]
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {row['wall_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return "-" if math.isnan(v) else f"{v:.4g}" if abs(v) < 10 else f"{v:.0f}"
+    return "-" if v is None else str(v)
+
+
+def targets(doc: dict) -> dict:
+    """The issue's targets, checked on this run's figures."""
+    out: dict = {}
+    pr = doc.get("priority")
+    if pr:
+        base, best = (
+            pr["fcfs"],
+            min(("priority_srpt", "preempt"), key=lambda k: pr[k]["short_ttft_p99_ms"]),
+        )
+        gain = base["short_ttft_p99_ms"] / max(pr[best]["short_ttft_p99_ms"], 1e-9)
+        slow = pr[best]["long_e2e_p50_ms"] / max(base["long_e2e_p50_ms"], 1e-9) - 1
+        out["short_ttft_p99_gain"] = {"variant": best, "x": round(gain, 2), "met": gain >= 3.0}
+        out["long_e2e_p50_change"] = {
+            "variant": best,
+            "pct": round(100 * slow, 1),
+            "met": slow <= 0.10,
+        }
+    pg = doc.get("programs")
+    if pg:
+        x = pg["aware"]["steps_per_min"] / max(pg["unaware"]["steps_per_min"], 1e-9)
+        out["programs_steps_per_min_gain"] = {"x": round(x, 2), "met": x >= 1.5}
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="thunderagent bench sched", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="small workloads (CI smoke run)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=25.0,
+        help="PD KV-transfer link, GB/s (gigaBYTES; 25 = one 200 Gb/s RDMA NIC)",
+    )
+    p.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
+    args = p.parse_args(argv)
+    args.scenarios = args.only.split(",")
+    bad = [x for x in args.scenarios if x not in SCENARIOS]
+    if bad:
+        p.error(f"unknown scenarios {bad}; known: {list(SCENARIOS)}")
+    if args.workers < 2 or not args.link_gbps > 0:
+        p.error("--workers must be >= 2 and --link-gbps > 0")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    setup = Setup(
+        profile=get_profile(args.profile),
+        workers=args.workers,
+        seed=args.seed,
+        quick=args.quick,
+        link_bytes_per_s=args.link_gbps * 1e9,
+    )
+    doc: dict = {}
+    for name in args.scenarios:
+        doc[name] = SCENARIOS[name](setup)
+    doc["targets"] = targets(doc)
+    doc["config"] = {
+        "workers": args.workers,
+        "profile": args.profile,
+        "routing": ROUTING,
+        "seed": args.seed,
+        "quick": args.quick,
+        "link_gb_s": args.link_gbps,
+        "code_version": code_version(),
+    }
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    doc = run(args)
+    for name in args.scenarios:
+        print(table(name, doc[name]), end="\n\n")
+    print("targets:", json.dumps(doc["targets"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

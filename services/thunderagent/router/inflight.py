@@ -1,0 +1,53 @@
+"""Prefixes this router replica has just sent somewhere, before the engine's KV events say so.
+
+The event-fed index learns a prompt's blocks only after the engine prefilled them and the
+events crossed ZMQ, the adapter and JetStream: tens of milliseconds in which a burst of requests
+sharing a new prefix would scatter over the fleet, each paying the prefill. So every routed
+prompt is also recorded here, per worker, for a short time; a query takes, per worker, the
+longer of the confirmed and the in-flight prefix. A guess that turns out wrong (the request
+failed, the blocks were evicted) costs one prefill and expires with the TTL; lazy verification
+counts it like any other false hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from thunderagent.prefix_index import PrefixIndex
+
+INFLIGHT_TTL_S = 30.0
+"""Long enough for a queued request's prefill to finish and its events to arrive; short enough
+that a wrong guess stops attracting requests quickly."""
+
+
+@dataclass
+class InflightPrefixes:
+    ttl_s: float = INFLIGHT_TTL_S
+    index: PrefixIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex(self.ttl_s)
+
+    def record(self, worker: str, primary: Sequence[int], check: Sequence[int], now: float) -> None:
+        """``worker`` is about to hold these blocks (the router just sent it the prompt)."""
+        last = self.index.worker_seq(worker)
+        seq = 0 if last is None else last + 1
+        self.index.apply_stored(worker, seq, (primary, check), None, now)
+
+    def merge(
+        self, confirmed: dict[str, int], primary: Sequence[int], check: Sequence[int], now: float
+    ) -> dict[str, int]:
+        """Per worker, the longer of the confirmed and the in-flight match."""
+        self.index.expire(now)
+        guessed = self.index.overlap(primary, check)
+        if not guessed:
+            return confirmed
+        merged = dict(confirmed)
+        for worker, blocks in guessed.items():
+            if blocks > merged.get(worker, 0):
+                merged[worker] = blocks
+        return merged
+
+    def forget(self, worker: str) -> None:
+        self.index.remove_worker(worker)
