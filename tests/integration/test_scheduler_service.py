@@ -54,6 +54,7 @@ async def test_preempted_long_request_streams_unbroken_and_short_one_goes_first(
         await asyncio.sleep(0.3)  # the long request is decoding
         short_req = GenerateRequest(model=MODEL, token_ids=[7, 8, 9], max_tokens=3, priority=0)
         short_chunks, short_final, short_done = await collect(client, short_req)
+        assert short_final.usage.completion_tokens == 3
         long_chunks, long_final, long_done = await long_task
         sched = stack.services["scheduler"].runtime
         await client.close()

@@ -12,7 +12,6 @@ import msgspec
 
 from thunderagent.telemetry import inject_headers
 
-
 _encode = msgspec.json.encode
 
 
