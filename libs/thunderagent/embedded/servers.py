@@ -9,6 +9,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from thunderagent.embedded.children import ChildProcess, spawn
 from thunderagent.embedded.ports import free_port, wait_for_port
@@ -39,31 +40,28 @@ def find_redis_server() -> str:
 
 
 @dataclass
-class NatsServer:
-    """A nats-server with JetStream, storing under ``data_dir``."""
+class LoopbackServer:
+    """A server process on a free loopback port, logging and storing under ``data_dir``."""
 
     data_dir: Path
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"
     child: ChildProcess | None = None
+    name = "server"
 
-    @property
-    def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+    def argv(self) -> list[str]:
+        raise NotImplementedError
 
-    def start(self, timeout_s: float = 15.0) -> NatsServer:
+    def start(self, timeout_s: float = 15.0) -> Self:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.data_dir / "nats-server.conf"
-        # A config file, because max_payload has no command-line flag: KV dumps can be large.
-        conf.write_text(
-            f'listen: "{self.host}:{self.port}"\n'
-            "max_payload: 8MB\n"
-            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
-        )
-        argv = [find_nats_server(), "-c", str(conf)]
-        self.child = spawn("nats-server", argv, log_path=self.data_dir / "nats-server.log")
+        log_path = self.data_dir / f"{self.name}.log"
+        self.child = spawn(self.name, self.argv(), log_path=log_path)
         _wait_ready(self.child, self.port, self.host, timeout_s)
+        self.ready(timeout_s)
         return self
+
+    def ready(self, timeout_s: float) -> None:
+        """Beyond an open port: answers its protocol (default: the port is enough)."""
 
     def stop(self) -> None:
         if self.child is not None:
@@ -71,21 +69,38 @@ class NatsServer:
 
 
 @dataclass
-class RedisServer:
-    """A throwaway redis-server: no persistence, no protected mode beyond loopback."""
+class NatsServer(LoopbackServer):
+    """A nats-server with JetStream, storing under ``data_dir``."""
 
-    data_dir: Path
-    port: int = field(default_factory=free_port)
-    host: str = "127.0.0.1"
-    child: ChildProcess | None = None
+    name = "nats-server"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        conf = self.data_dir / "nats-server.conf"
+        # A config file, because max_payload has no command-line flag: KV dumps can be large.
+        conf.write_text(
+            f'listen: "{self.host}:{self.port}"\n'
+            "max_payload: 8MB\n"
+            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
+        )
+        return [find_nats_server(), "-c", str(conf)]
+
+
+@dataclass
+class RedisServer(LoopbackServer):
+    """A throwaway redis-server: no persistence, loopback only."""
+
+    name = "redis-server"
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 15.0) -> RedisServer:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
+    def argv(self) -> list[str]:
+        return [
             find_redis_server(),
             "--port", str(self.port),
             "--bind", self.host,
@@ -93,14 +108,9 @@ class RedisServer:
             "--appendonly", "no",
             "--dir", str(self.data_dir),
         ]  # fmt: skip
-        self.child = spawn("redis-server", argv, log_path=self.data_dir / "redis-server.log")
-        _wait_ready(self.child, self.port, self.host, timeout_s)
-        _wait_redis_ping(self.host, self.port, timeout_s)
-        return self
 
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
+    def ready(self, timeout_s: float) -> None:
+        _wait_redis_ping(self.host, self.port, timeout_s)
 
 
 def _wait_ready(child: ChildProcess, port: int, host: str, timeout_s: float) -> None:
