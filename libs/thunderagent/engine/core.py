@@ -148,8 +148,16 @@ class EngineCore:
         self._waiting.append(seq)
         return None
 
-    def abort(self, request_id: str, now: float) -> FinishedRequest | None:
-        """Drop a request wherever it is and free its pages (nothing is inserted)."""
+    def abort(
+        self, request_id: str, now: float, *, keep_cache: bool = False
+    ) -> FinishedRequest | None:
+        """Drop a request wherever it is and free its pages.
+
+        ``keep_cache=False`` (a client abort): nothing more is inserted. ``keep_cache=True`` (a
+        scheduler preemption): the full pages of everything computed so far, prompt and output,
+        are inserted first, as a finished request's are, so a continuation of the same request
+        id (prompt + generated tokens) finds them cached; they stay evictable like any cache.
+        """
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
@@ -159,8 +167,19 @@ class EngineCore:
             self._prefilling.remove(seq)
         else:
             self._running.pop(request_id, None)
+        if keep_cache and seq.computed:
+            self._insert_full_pages(seq)
         self._free(seq)
         return self._record(seq, "abort")
+
+    def import_blocks(self, block_keys: list[int]) -> int:
+        """KV pages that arrived from another engine (PD disaggregation: the prefill worker's
+        pages of a prompt, chained from the root) become cached here, unpinned, evicting LRU
+        leaves for room; Stored events come out of the next ``step``. Returns pages now cached
+        (a prefix of ``block_keys``; the rest did not fit)."""
+        n = self.cache.insert(list(block_keys), None, page_size=self.page)
+        self.cache.release(list(block_keys[:n]))
+        return n
 
     def flush(self, now: float) -> bool:
         """Clear the prefix cache (SGLang's /flush_cache): refused while requests hold KV."""

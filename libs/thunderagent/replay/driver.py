@@ -19,6 +19,14 @@ What the router sees is modelled on the live system, not on the simulator's true
 * Every ``feedback_interval`` the policy's ``observe`` (when it has one) gets the measured queue
   depths and the false-hit rate (1 - cached / predicted tokens of the requests that finished in
   the window), as the live router's tuner does.
+
+Scheduler actions are carried out as ``thunderagent/scheduling/README.md`` asks: a ``Preempt``
+aborts the run keeping its computed pages cached and re-submits a continuation (prompt +
+generated tokens, same id, original arrival, re-routed); a ``Dispatch`` with a decode worker is
+a PD run (``pd.py``: prefill with one output token, KV transfer, decode on the other worker).
+A fourth event source, timers, carries KV-transfer landings and closed-loop arrivals
+(``follow_up``: the next step of an agent program, ``workload_driver.py``); with neither in use
+the loop is exactly the three-source one above.
 """
 
 from __future__ import annotations
@@ -33,11 +41,11 @@ from thunderagent.engine import AllCleared, EngineCore, EngineLoad, Profile, Rem
 from thunderagent.engine.core import StepOutcome
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex
+from thunderagent.replay.pd import TransferLinks
 from thunderagent.replay.traces import TraceRequest
 from thunderagent.routing import RouteQuery, WorkerView, get_policy
 from thunderagent.routing.cost import RoutingFeedback
 from thunderagent.scheduling import (
-    DirectScheduler,
     Dispatch,
     Preempt,
     Reject,
@@ -45,11 +53,16 @@ from thunderagent.scheduling import (
     Scheduler,
     WorkerRoom,
 )
+from thunderagent.scheduling.registry import SCHEDULERS as _REGISTRY
 
-SCHEDULERS: dict[str, Callable[[], Scheduler]] = {"direct": DirectScheduler}
-"""Scheduler name -> factory; scheduling policies add their entry here."""
+SCHEDULERS: dict[str, Callable[..., Scheduler]] = _REGISTRY
+"""Scheduler name -> factory(**knobs): the scheduling registry itself (one registration path)."""
 
 INF = math.inf
+STALL_STEP_S = 1e-6
+STALL_LIMIT = 100
+"""A scheduler asking to wake at the current instant more than this many times in a row is
+broken (the replay would spin)."""
 
 
 @dataclass(kw_only=True)
@@ -70,6 +83,12 @@ class ReplayConfig:
     """Prefix index TTL; None: off (events are lossless here, so TTL only loses hits)."""
     prior_output_tokens: int = 128
     """Expected output length before any request has finished."""
+    scheduler_params: dict = field(default_factory=dict)
+    """Knobs for the scheduler factory (``SchedParams`` fields)."""
+    roles: Sequence[str] | None = None
+    """Per-worker role, "prefill" / "decode" / "both" (PD disaggregation); None: all "both"."""
+    link_bytes_per_s: float = 25e9
+    """PD KV-transfer bandwidth out of each prefill worker (25 GB/s: one 200 Gb/s RDMA NIC)."""
 
 
 @dataclass(slots=True)
@@ -86,6 +105,12 @@ class Record:
     cached_tokens: int = -1
     completion_tokens: int = 0
     preemptions: int = 0
+    sched_preemptions: int = 0
+    """Scheduler ``Preempt``s (also counted in ``preemptions`` with the engine's retractions)."""
+    resume_prompt_tokens: int = 0
+    """Prompt tokens (prompt + generated) of continuation runs after a preemption."""
+    resume_cached_tokens: int = 0
+    """Of those, tokens found cached when the continuation was admitted."""
     status: str = "queued"
     """"queued", "running", "completed" or "rejected"."""
     best_overlap_tokens: int = 0
@@ -103,6 +128,11 @@ class ReplayResult:
     """(virtual time, per-worker running + waiting requests)."""
     steps: int
     makespan: float
+    prefill_tokens: int = 0
+    """Prompt tokens the engines computed (cache misses, re-prefills and retractions)."""
+    transfers_s: list[float] = field(default_factory=list)
+    """PD: each KV transfer's duration on the link, queueing behind earlier ones included."""
+    sched_stats: dict = field(default_factory=dict)
 
 
 def _outstanding(load: EngineLoad) -> int:
@@ -120,16 +150,33 @@ class Replay:
                 f"profile page_size {config.profile.engine.page_size} != block size {block_size}"
             )
         try:
-            self.scheduler = SCHEDULERS[config.scheduler]()
+            factory = SCHEDULERS[config.scheduler]
         except KeyError:
             known = sorted(SCHEDULERS)
             raise ValueError(f"unknown scheduler {config.scheduler!r}; known: {known}") from None
+        knobs = config.scheduler_params
+        self.scheduler = factory(**knobs) if knobs else factory()
         self.policy = get_policy(config.policy, **config.policy_params)
         self.rng = random.Random(config.seed)
         n = config.workers
         self.ids = [f"w{i:02d}" for i in range(n)]
         self.slot = {w: i for i, w in enumerate(self.ids)}
         self.cores = [EngineCore(config.profile) for _ in range(n)]
+        self.roles = list(config.roles) if config.roles is not None else ["both"] * n
+        if len(self.roles) != n:
+            raise ValueError(f"{len(self.roles)} roles for {n} workers")
+        self.links = TransferLinks(config.profile.kv_bytes_per_token, config.link_bytes_per_s)
+        self.timers: list[tuple[float, int, str, object]] = []
+        self._timer_seq = 0
+        self.follow_up: Callable[[str, float], TraceRequest | None] | None = None
+        """Closed loop: called when a request ends; returns the next request to arrive."""
+        self.extra: list[str] = []
+        self.meta: dict[str, TraceRequest] = {}
+        self.resuming: set[str] = set()
+        self.prefill_tokens = 0
+        self.stalled_wakeups = 0
+        """Wakeups asked for the current instant and moved 1 µs later (see ``_poll``)."""
+        self._stalls = 0
         self.index = PrefixIndex(config.index_ttl)
         self.hasher = BlockHasher(page_size=1)  # block ids are given directly (one per block)
         self.check: dict[int, int] = {}
@@ -165,12 +212,14 @@ class Replay:
         times = [r.arrival / speed for r in trace]
         i, n = 0, len(trace)
         heap = self.heap
+        timers = self.timers
         while True:
             t_arr = times[i] if i < n else INF
             t_step = heap[0][0] if heap else INF
-            t = min(t_arr, t_step, self._wake)
+            t_timer = timers[0][0] if timers else INF
+            t = min(t_arr, t_step, t_timer, self._wake)
             if self.dirty and t > self.now:
-                self._start_steps(t_arr)
+                self._start_steps(min(t_arr, t_timer))
                 continue
             if t == INF:
                 break
@@ -185,15 +234,56 @@ class Replay:
             elif t_step == t:
                 _, w = heapq.heappop(heap)
                 self._complete(w, t)
+            elif t_timer == t:
+                _, _, kind, payload = heapq.heappop(timers)
+                self._timer(kind, payload, t)
             else:
                 self._wake = INF
                 self._refresh_loads(t)
             self._poll(t)
         if progress is not None and n % 500:
             progress(n % 500)
-        records = [self.records[r.request_id] for r in trace]
+        records = [self.records[r] for r in [*(r.request_id for r in trace), *self.extra]]
         last = max((r.finish for r in records if r.status == "completed"), default=0.0)
-        return ReplayResult(records, self.busy, self.timeline, self.steps, last)
+        stats = getattr(self.scheduler, "stats", None)
+        return ReplayResult(
+            records,
+            self.busy,
+            self.timeline,
+            self.steps,
+            last,
+            prefill_tokens=self.prefill_tokens,
+            transfers_s=self.links.durations,
+            sched_stats={
+                **(dict(stats()) if stats is not None else {}),
+                "stalled_wakeups": self.stalled_wakeups,
+            },
+        )
+
+    def _push_timer(self, t: float, kind: str, payload: object) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self.timers, (t, self._timer_seq, kind, payload))
+
+    def _timer(self, kind: str, payload: object, t: float) -> None:
+        if kind == "arrive":
+            assert isinstance(payload, TraceRequest)
+            self.extra.append(payload.request_id)
+            self._arrive(payload, t)
+        else:
+            self._transfer_landed(str(payload), t)
+
+    def _ended(self, rec: Record, t: float) -> None:
+        """A request is over (completed or rejected): the closed loop issues what follows."""
+        if self.follow_up is None:
+            return
+        nxt = self.follow_up(rec.request_id, t)
+        if nxt is not None:
+            self._push_timer(max(nxt.arrival, t), "arrive", nxt)
+            return
+        session = self.session.get(rec.request_id)
+        release = getattr(self.scheduler, "release_program", None)
+        if session is not None and release is not None:
+            release(session, t)
 
     def _tick(self, t: float) -> None:
         """Periodic work, done lazily at the first event at or after its boundary."""
@@ -222,6 +312,7 @@ class Replay:
                 kv_used_blocks=load.kv_used_blocks,
                 kv_total_blocks=load.kv_total_blocks,
                 max_running=core.profile.engine.max_running_requests,
+                role=self.roles[w],
             )
             self.scheduler.update_worker(room, t)
         self._next_load = (math.floor(t / self.cfg.load_interval) + 1) * self.cfg.load_interval
@@ -246,38 +337,53 @@ class Replay:
         rid = req.request_id
         self.keys[rid] = (hashes.primary, hashes.check)
         self.session[rid] = req.session
+        self.meta[rid] = req
         rec = Record(rid, t, req.prompt_len, req.output_len)
         self.records[rid] = rec
         self._refresh_loads(t)
         overlaps = self.index.overlap(hashes.primary, hashes.check)
         usable = (req.prompt_len - 1) // bs
         rec.best_overlap_tokens = min(max(overlaps.values(), default=0), usable) * bs
-        expected = self._out_sum // self._out_n if self._out_n else self.cfg.prior_output_tokens
+        self.scheduler.submit(self._sched_request(rec, overlaps, t), t)
+        self.route_overlaps[rid] = overlaps  # the index's belief, read at first dispatch
+
+    def _expected(self, rid: str) -> int:
+        hint = self.meta[rid].expected_output
+        if hint is not None:
+            return hint
+        return self._out_sum // self._out_n if self._out_n else self.cfg.prior_output_tokens
+
+    def _sched_request(self, rec: Record, overlaps: dict[str, int], t: float) -> SchedRequest:
+        """Route ``rec`` (a continuation carries its generated tokens) and wrap it."""
+        rid, bs = rec.request_id, self.block_size
+        primary = self.keys[rid][0]
+        generated = rec.completion_tokens
+        expected = self._expected(rid)
         query = RouteQuery(
             request_id=rid,
-            prompt_tokens=req.prompt_len,
+            prompt_tokens=rec.prompt_tokens + generated,
             block_size=bs,
-            block_hashes=hashes.primary,
+            block_hashes=primary,
             overlaps=overlaps,
-            expected_output_tokens=expected,
+            expected_output_tokens=max(expected - generated, 1),
         )
         views = [self._view(w) for w in range(len(self.cores))]
         ranked = self.policy.rank(query, views, self.rng)
         self.policy.on_routed(query, ranked[0].worker_id)
-        self.scheduler.submit(
-            SchedRequest(
-                request_id=rid,
-                arrival=t,
-                prompt_tokens=req.prompt_len,
-                expected_output_tokens=expected,
-                candidates=[(c.worker_id, c.overlap_blocks) for c in ranked],
-                block_size=bs,
-                block_hashes=hashes.primary,
-                program_id=req.session,
-            ),
-            t,
+        meta = self.meta[rid]
+        return SchedRequest(
+            request_id=rid,
+            arrival=rec.arrival,
+            prompt_tokens=rec.prompt_tokens + generated,
+            expected_output_tokens=expected,
+            candidates=[(c.worker_id, c.overlap_blocks) for c in ranked],
+            block_size=bs,
+            block_hashes=primary,
+            priority=meta.priority,
+            program_id=meta.session,
+            deadline=meta.deadline,
+            generated_tokens=generated,
         )
-        self.route_overlaps[rid] = overlaps  # the index's belief, read at first dispatch
 
     def _view(self, w: int) -> WorkerView:
         load = self.loads[w]
@@ -301,10 +407,20 @@ class Replay:
             elif isinstance(action, Reject):
                 rec = self.records[action.request_id]
                 rec.status, rec.finish = "rejected", t
+                self._ended(rec, t)
         wake = self.scheduler.next_wakeup(t)
         self._wake = INF if wake is None else max(wake, t)
-        if self._wake == t:
+        if self._wake > t:
+            self._stalls = 0
+            return
+        # Asked to wake now again: a deadline that ``poll`` tests as ``now - since >= d`` but
+        # reports as ``since + d`` can differ by one rounding step. Retry a microsecond later;
+        # a scheduler that keeps asking is broken.
+        self._stalls += 1
+        self.stalled_wakeups += 1
+        if self._stalls > STALL_LIMIT:
             raise RuntimeError(f"scheduler {self.cfg.scheduler!r} asked to wake now ({t}) again")
+        self._wake = t + STALL_STEP_S
 
     def _dispatch(self, action: Dispatch, t: float) -> None:
         rec = self.records[action.request_id]
@@ -315,18 +431,28 @@ class Replay:
             usable = (rec.prompt_tokens - 1) // self.block_size
             rec.predicted_tokens = min(overlaps.get(action.worker_id, 0), usable) * self.block_size
         generated = rec.completion_tokens
+        new_tokens = rec.output_tokens - generated
+        pd = action.decode_worker is not None and action.decode_worker != action.worker_id
+        if pd:  # prefill here up to the first token; pd.py models the rest
+            self.links.start(rec.request_id, action.decode_worker)
+            new_tokens = 1
         request = Request(
             request_id=rec.request_id,
             prompt_len=rec.prompt_tokens + generated,
             block_keys=primary,
-            max_new_tokens=rec.output_tokens - generated,
+            max_new_tokens=new_tokens,
         )
+        self._add(rec, w, request, t)
+
+    def _add(self, rec: Record, w: int, request: Request, t: float) -> None:
         rejected = self.cores[w].add(request, t)
         rec.worker = w
         self.pending[w] += 1
         if rejected is not None:
             rec.status, rec.finish = "rejected", t
-            self.scheduler.on_finished(rec.request_id, action.worker_id, t)
+            self.links.forget(rec.request_id)
+            self.scheduler.on_finished(rec.request_id, self.ids[w], t)
+            self._ended(rec, t)
             return
         rec.status = "running"
         if w not in self.inflight:
@@ -335,29 +461,29 @@ class Replay:
     def _preempt(self, action: Preempt, t: float) -> None:
         rec = self.records[action.request_id]
         w = self.slot[action.worker_id]
-        fin = self.cores[w].abort(rec.request_id, t)
+        if self.links.phase(rec.request_id) is not None:
+            return  # a PD run is not preemptible here (the scheduler never picks one)
+        fin = self.cores[w].abort(rec.request_id, t, keep_cache=True)
         if fin is None:
             return
-        if rec.cached_tokens < 0:
-            rec.cached_tokens = fin.cached_tokens
+        self._account_run(rec, fin.cached_tokens, fin.prompt_tokens)
         rec.completion_tokens += fin.completion_tokens
         rec.preemptions += 1 + fin.preemptions
+        rec.sched_preemptions += 1
         rec.status, rec.worker = "queued", -1
-        primary, _ = self.keys[rec.request_id]
-        self.scheduler.submit(
-            SchedRequest(
-                request_id=rec.request_id,
-                arrival=rec.arrival,
-                prompt_tokens=rec.prompt_tokens,
-                expected_output_tokens=rec.output_tokens - rec.completion_tokens,
-                candidates=[(action.worker_id, 0)],
-                block_size=self.block_size,
-                block_hashes=primary,
-                program_id=self.session[rec.request_id],
-                generated_tokens=rec.completion_tokens,
-            ),
-            t,
-        )
+        self.resuming.add(rec.request_id)
+        primary, checks = self.keys[rec.request_id]
+        overlaps = self.index.overlap(primary, checks)
+        self.scheduler.submit(self._sched_request(rec, overlaps, t), t)
+
+    def _account_run(self, rec: Record, cached: int, prompt: int) -> None:
+        """Cache figures of one engine run: the first run's hit, or a continuation's resume."""
+        if rec.request_id in self.resuming:
+            self.resuming.discard(rec.request_id)
+            rec.resume_prompt_tokens += prompt
+            rec.resume_cached_tokens += cached
+        elif rec.cached_tokens < 0:
+            rec.cached_tokens = cached
 
     # ---- engines -------------------------------------------------------------------------
     def _start_steps(self, t_arrival: float) -> None:
@@ -371,6 +497,7 @@ class Replay:
             if outcome.kind == "idle":
                 raise RuntimeError(f"engine {w} has work but planned an idle step at {now}")
             self.steps += 1
+            self.prefill_tokens += outcome.prefill_tokens
             self.busy[w] += outcome.duration
             self.inflight[w] = (now, outcome)
             heapq.heappush(self.heap, (now + outcome.duration, w))
@@ -384,23 +511,63 @@ class Replay:
         records = self.records
         for rid in outcome.first_token:
             rec = records[rid]
-            if rec.worker == w and math.isnan(rec.first_token):
+            if rec.worker != w or rec.status != "running":
+                continue
+            if math.isnan(rec.first_token):
                 rec.first_token = t
+            if self.links.phase(rid) != "decode":  # each run starts once (continuations too)
                 self.scheduler.on_started(rid, worker_id, t)
         for fin in outcome.finished:
             rec = records[fin.request_id]
             if rec.worker != w or rec.status != "running":
                 continue
-            if rec.cached_tokens < 0:
-                rec.cached_tokens = fin.cached_tokens
+            if self.links.phase(fin.request_id) != "decode":
+                self._account_run(rec, fin.cached_tokens, fin.prompt_tokens)
             rec.completion_tokens += fin.completion_tokens
             rec.preemptions += fin.preemptions
-            rec.status, rec.finish = "completed", t
-            self._out_sum += rec.output_tokens
-            self._out_n += 1
-            self._win_pred += rec.predicted_tokens
-            self._win_hit += min(rec.cached_tokens, rec.predicted_tokens)
-            self.scheduler.on_finished(fin.request_id, worker_id, t)
+            if self.links.phase(fin.request_id) == "prefill":
+                self._prefilled(rec, w, fin.prompt_tokens, t)
+                continue
+            self._completed(rec, worker_id, t)
+
+    def _completed(self, rec: Record, worker_id: str, t: float) -> None:
+        self.links.forget(rec.request_id)
+        rec.status, rec.finish = "completed", t
+        self._out_sum += rec.output_tokens
+        self._out_n += 1
+        self._win_pred += rec.predicted_tokens
+        self._win_hit += min(rec.cached_tokens, rec.predicted_tokens)
+        self.scheduler.on_finished(rec.request_id, worker_id, t)
+        self._ended(rec, t)
+
+    # ---- PD disaggregation (the model is described in pd.py) -----------------------------
+    def _prefilled(self, rec: Record, w: int, context: int, t: float) -> None:
+        """The prefill run ended with the first token: the KV goes over the link."""
+        rid = rec.request_id
+        decode = self.links.decode_worker(rid)
+        if rec.completion_tokens >= rec.output_tokens:  # nothing left to decode
+            self.scheduler.on_transfer_done(rid, decode, t)
+            self._completed(rec, decode, t)
+            return
+        rec.status = "transferring"
+        done = self.links.send(rid, self.ids[w], context, t)
+        self._push_timer(done, "transfer", rid)
+
+    def _transfer_landed(self, rid: str, t: float) -> None:
+        rec = self.records[rid]
+        decode = self.links.landed(rid)
+        d = self.slot[decode]
+        primary = self.keys[rid][0]
+        context = rec.prompt_tokens + rec.completion_tokens - 1  # KV exists up to here
+        self.cores[d].import_blocks(primary[: context // self.block_size])
+        self.scheduler.on_transfer_done(rid, decode, t)
+        request = Request(
+            request_id=rid,
+            prompt_len=rec.prompt_tokens + rec.completion_tokens,
+            block_keys=primary,
+            max_new_tokens=rec.output_tokens - rec.completion_tokens,
+        )
+        self._add(rec, d, request, t)
 
     def _apply_events(self, w: int, outcome: StepOutcome, t: float) -> None:
         """Feed the index (and the scheduler) from the step's KV events, as the router would."""

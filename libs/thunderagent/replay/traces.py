@@ -44,6 +44,12 @@ class TraceRequest:
     session: str | None = None
     """Program / session id when the trace has one (multi-turn agents)."""
     step: int | None = None
+    priority: int = 0
+    """Scheduling class (0 most urgent); generated workloads set it, trace files do not."""
+    deadline: float | None = None
+    """Absolute deadline on the replay clock (None: none)."""
+    expected_output: int | None = None
+    """The client's output-length estimate; None: the router's running mean is used."""
 
 
 def _int(row: dict, key: str, low: int) -> int:

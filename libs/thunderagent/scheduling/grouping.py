@@ -123,7 +123,9 @@ class PrefixGroups:
         return min(h.since for h in self.held.values()) + timeout_s
 
     def expire(self, now: float, timeout_s: float) -> list[str]:
-        late = [r for r, h in self.held.items() if now - h.since >= timeout_s]
+        # the same expression as ``next_timeout``: ``now - since >= timeout`` can be false at
+        # ``now == since + timeout`` by rounding, and the driver would wake again at once
+        late = [r for r, h in self.held.items() if now >= h.since + timeout_s]
         for rid in late:
             self.drop(rid)
         self.released_timeout += len(late)

@@ -86,7 +86,7 @@ def priority(s: Setup) -> dict:
     """Open-loop short/long mix at high load; shorts are class 0, longs class 1."""
     mix = MixedParams(
         requests=600 if s.quick else 3000,
-        rate_per_s=40.0 * s.workers / 8,
+        rate_per_s=50.0 * s.workers / 8,
         long_fraction=0.2,
         estimate_noise=0.5,
     )
@@ -125,13 +125,13 @@ in the scheduler, where their order is decided, instead of in the engines' FCFS 
 def window(s: Setup) -> dict:
     """Bursty arrivals sharing a few long uncached prefixes: grouping has material."""
     mix = MixedParams(
-        requests=400 if s.quick else 2000,
+        requests=400 if s.quick else 1000,
         rate_per_s=60.0 * s.workers / 8,
         long_fraction=0.0,
         short_prompt_blocks=(4, 32),
         short_output_tokens=(16, 128),
         shared_prefix_fraction=0.8,
-        shared_prefixes=64,
+        shared_prefixes=200,
         shared_prefix_blocks=256,
     )
     reqs = MixedWorkload(mix, seed=s.seed + 1).requests()
@@ -159,7 +159,7 @@ def pd(s: Setup) -> dict:
     n_prefill = max(1, s.workers // 2)
     roles = ["prefill"] * n_prefill + ["decode"] * (s.workers - n_prefill)
     mix = MixedParams(
-        requests=400 if s.quick else 2000,
+        requests=400 if s.quick else 1500,
         rate_per_s=30.0 * s.workers / 8,
         long_fraction=0.3,
         long_prompt_blocks=(128, 512),
@@ -190,7 +190,7 @@ def pd(s: Setup) -> dict:
 def programs(s: Setup) -> dict:
     """Many closed-loop programs at once: their contexts oversubscribe the cluster's KV."""
     params = AgentParams(
-        programs=(96 if s.quick else 384) * s.workers // 8,
+        programs=(96 if s.quick else 256) * s.workers // 8,
         steps_range=(4, 8) if s.quick else (6, 14),
         start_gap_s=0.05,
         system_blocks=128,
