@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200, help="requests in the demo workload")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
+    p.add_argument(
+        "--compare",
+        default="round_robin",
+        help="also run the workload with these routing policies (comma list; '' for none)",
+    )
 
     p = add("request", "send one request and stream its tokens", _cmd_request)
     _nats_arg(p)

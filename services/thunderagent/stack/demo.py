@@ -1,9 +1,10 @@
 """``thunderagent demo``: the embedded stack, a short conversational workload, a summary.
 
-The workload is multi-turn chats that share a few system prompts, sent as text (so the router
-tokenizes them), each turn's prompt being the previous prompt plus the previous answer plus a
-new question: the pattern where KV-aware routing pays off. The summary shows how much of the
-prompt traffic the engines served from cache and where requests went.
+The workload is multi-turn chats about long documents, sent as text (so the router tokenizes
+them): each conversation opens one of a few dozen documents, and each turn's prompt is the
+previous prompt plus the previous answer plus a new question, the pattern where KV-aware routing
+pays off. The same workload runs once per routing policy on a fresh stack, and the summary
+shows side by side how much of the prompt traffic the engines served from cache.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ from thunderagent.client import Completion, RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
 from thunderagent.stack.up import Stack, StackConfig
 
-SYSTEM_PROMPTS = [
-    "You are a meticulous code reviewer for a distributed systems team. " * 6,
-    "You are a travel planner who answers with short, concrete itineraries. " * 6,
-    "You are a patient math tutor; show each step and check the result. " * 6,
-]
+WORDS = (
+    "cache prefix router worker prefill decode batch token block hash index replica queue "
+    "latency throughput memory eviction shard program session window priority transfer"
+).split()
+
+
+def document(k: int, words: int = 600) -> str:
+    """A deterministic ~4k-character document (one byte = one token in simulated models)."""
+    rng = random.Random(k)
+    return f"Document {k}. " + " ".join(rng.choice(WORDS) for _ in range(words)) + "\n"
+
+
+DOCUMENTS = 32
 QUESTIONS = [
     "What should I look at first?",
     "Can you give an example?",
@@ -44,7 +53,7 @@ class DemoResult:
 
 
 async def _conversation(client: ThunderClient, model: str, rng: random.Random, turns: int, result):
-    history = rng.choice(SYSTEM_PROMPTS) + f"\nUser {rng.randrange(10**6)} asks: "
+    history = document(rng.randrange(DOCUMENTS)) + f"User {rng.randrange(10**6)} asks: "
     for _ in range(turns):
         history += rng.choice(QUESTIONS) + "\n"
         request = GenerateRequest(model=model, text=history, max_tokens=rng.randint(16, 48))
@@ -102,44 +111,57 @@ def summarize(result: DemoResult) -> dict:
     }
 
 
-def print_summary(summary: dict, policy: str) -> None:
+def print_summary(summaries: dict[str, dict]) -> None:
+    """One column per routing policy, same workload."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"ThunderAgent demo ({policy} routing)")
+    table = Table(title="ThunderAgent demo: the same chat workload per routing policy")
     table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("requests", "errors", "wall_s", "requests_per_s", "prompt_tokens", "cached_tokens"):
-        table.add_row(key, str(summary[key]))
-    table.add_row("cache reuse (cached / prompt tokens)", f"{summary['cache_reuse']:.1%}")
-    table.add_row(
-        "TTFT p50 / p99 (client)", f"{summary['ttft_ms']['p50']} / {summary['ttft_ms']['p99']} ms"
-    )
-    table.add_row(
-        "requests per worker", ", ".join(f"{w}: {n}" for w, n in summary["per_worker"].items())
-    )
+    for policy in summaries:
+        table.add_column(policy, justify="right")
+
+    def row(label: str, fmt) -> None:
+        table.add_row(label, *(fmt(s) for s in summaries.values()))
+
+    row("requests / errors", lambda s: f"{s['requests']} / {s['errors']}")
+    row("requests per second", lambda s: str(s["requests_per_s"]))
+    row("prompt tokens", lambda s: str(s["prompt_tokens"]))
+    row("served from cache", lambda s: f"{s['cached_tokens']} ({s['cache_reuse']:.1%})")
+    row("TTFT p50 / p99 (client, ms)", lambda s: f"{s['ttft_ms']['p50']} / {s['ttft_ms']['p99']}")
+    row("mean end to end (ms)", lambda s: str(s["e2e_ms_mean"]))
+    row("requests per worker", lambda s: " ".join(str(n) for n in s["per_worker"].values()))
     Console().print(table)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_once(args: argparse.Namespace, policy: str) -> dict:
     config = StackConfig.from_args(args)
-    print(
-        f"starting the stack: NATS, Redis, index, scheduler, router, {config.workers} workers ..."
-    )
+    config.policy = policy
+    print(f"[{policy}] starting NATS, Redis, index, scheduler, router, {config.workers} workers")
     stack = Stack.start(config)
     try:
-        print(f"up (NATS {stack.nats_url}, logs {stack.run_dir}); running {args.requests} requests")
+        print(
+            f"[{policy}] up (NATS {stack.nats_url}, logs {stack.run_dir}); {args.requests} requests"
+        )
         result = asyncio.run(
             run_workload(stack.nats_url, config.model, args.requests, args.concurrency)
         )
     finally:
         stack.stop()
-    summary = summarize(result)
-    print_summary(summary, config.policy)
+    return summarize(result)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    policies = [args.policy, *(p for p in args.compare.split(",") if p and p != args.policy)]
+    summaries = {policy: run_once(args, policy) for policy in policies}
+    print_summary(summaries)
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump(summary, fh, indent=2)
-    if summary["errors"] or not summary["requests"]:
-        print(f"errors: {summary['first_errors']}", file=sys.stderr)
+            json.dump(summaries, fh, indent=2)
+    failed = {
+        p: s["first_errors"] for p, s in summaries.items() if s["errors"] or not s["requests"]
+    }
+    if failed:
+        print(f"errors: {failed}", file=sys.stderr)
         return 1
     return 0
