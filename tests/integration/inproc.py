@@ -81,6 +81,7 @@ class InprocStack:
         kv_events: bool = True,
         port: int | None = None,
         events_config: str | None = None,
+        host_blocks: int = 0,
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
         addresses (a restart: same URL, empty cache, event sequence from 0)."""
@@ -97,7 +98,7 @@ class InprocStack:
             )
         publisher = ZmqKvEventPublisher.from_cli(events_config) if kv_events else None
         engine = EngineDriver(
-            get_profile(profile).with_engine(page_size=page_size),
+            get_profile(profile).with_engine(page_size=page_size, host_blocks=host_blocks),
             publisher=publisher,
             speedup=speedup,
         )

@@ -130,3 +130,31 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
             lambda: overlaps(cold) == overlaps(first_router), what="cold replica to agree"
         )
         await client.close()
+
+
+async def test_host_tier_blocks_reach_the_router_as_host_only(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        # tiny profile: 32 GPU pages of 16 tokens; 64 more pages in host memory
+        await start_full_stack(stack, workers=1, policy="thunder", profile="tiny", host_blocks=64)
+        router = await start_router(stack, "router-tiers", None)
+        client = await routable(nats_server.url, 1)
+        first = conversation(7, 8)
+        await client.generate(GenerateRequest(model=MODEL, token_ids=first, max_tokens=2))
+        for s in range(20, 26):  # other prompts push the first one's pages out of the GPU
+            await client.generate(
+                GenerateRequest(model=MODEL, token_ids=conversation(s, 8), max_tokens=2)
+            )
+        h = BlockHasher(PAGE).hash_tokens(first)
+
+        def tiers():
+            feeder = router.follower.feeder
+            gpu = feeder.gpu_index.overlap(h.primary, h.check).get("w0", 0)
+            return gpu, feeder.index.overlap(h.primary, h.check).get("w0", 0)
+
+        await wait_for(lambda: router.follower.feeder.gpu is not None, what="a host-tier event")
+        await wait_for(lambda: tiers()[1] > tiers()[0], what="host-only blocks in the index")
+        again = await client.generate(GenerateRequest(model=MODEL, token_ids=first, max_tokens=2))
+        await client.close()
+    assert (
+        again.final.usage.cached_tokens >= tiers()[1] * PAGE - PAGE
+    )  # loaded back, not recomputed

@@ -37,6 +37,9 @@ class _Block:
     """Cached children on any tier."""
     gpu_children: int = 0
     stamp: int = 0
+    tokens: list[int] | None = None
+    """The page's token ids when the caller gave them: SGLang's events carry them on every
+    store, tier moves included, and a subscriber re-hashing tokens needs them there too."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,6 +203,7 @@ class PrefixCache:
                 tokens = (
                     None if token_ids is None else token_ids[i * page_size : (i + 1) * page_size]
                 )
+                block.tokens = tokens
                 self._emit_stored(key, parent, tokens, Medium.GPU)
             elif block.medium is Medium.CPU_PINNED:
                 self._promote(key, block)
@@ -275,7 +279,7 @@ class PrefixCache:
         if block.parent is not None:
             self._blocks[block.parent].gpu_children += 1
         self._emit_removed(key, Medium.CPU_PINNED)
-        self._emit_stored(key, block.parent, None, Medium.GPU)
+        self._emit_stored(key, block.parent, block.tokens, Medium.GPU)
 
     def _evict_gpu(self, key: int, block: _Block) -> None:
         self.gpu_blocks -= 1
@@ -288,7 +292,7 @@ class PrefixCache:
         if self.host_capacity:
             block.medium = Medium.CPU_PINNED
             self.host_blocks += 1
-            self._emit_stored(key, block.parent, None, Medium.CPU_PINNED)
+            self._emit_stored(key, block.parent, block.tokens, Medium.CPU_PINNED)
             if block.children == 0:
                 heapq.heappush(self._host_heap, (block.stamp, key))
             while self.host_blocks > self.host_capacity and self._evict_host():

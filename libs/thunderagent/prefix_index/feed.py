@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from thunderagent.prefix_index.index import PrefixIndex
-from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch
+from thunderagent.schemas import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    Medium,
+)
 
 
 class FeedOutcome(Enum):
@@ -36,8 +43,22 @@ class _Cursor:
 
 @dataclass
 class IndexFeeder:
+    """Feeds ``index`` (every tier) and, once a host-memory tier shows up, ``gpu`` (GPU only).
+
+    While every event has been GPU-medium the two are identical, so ``gpu`` stays None and costs
+    nothing; the first host-tier event clones ``index`` into it, after which GPU-medium events go
+    to both and host-tier ones only to ``index``. A block in ``index`` but not in ``gpu`` is held
+    in host memory only: a hit there saves prefill at the price of a PCIe copy (the routing
+    policy credits it less).
+    """
+
     index: PrefixIndex
     cursors: dict[str, _Cursor] = field(default_factory=dict)
+    gpu: PrefixIndex | None = None
+
+    @property
+    def gpu_index(self) -> PrefixIndex:
+        return self.gpu if self.gpu is not None else self.index
 
     def apply(self, batch: KvEventBatch, now: float) -> FeedOutcome:
         worker = batch.worker_id
@@ -45,7 +66,8 @@ class IndexFeeder:
         outcome = FeedOutcome.APPLIED
         if cur is None or batch.epoch > cur.epoch:
             counter = cur.counter + 1 if cur else 0
-            self.index.reset_worker(worker, counter - 1)
+            for index in self._indexes():
+                index.reset_worker(worker, counter - 1)
             cur = self.cursors[worker] = _Cursor(batch.epoch, batch.seq, counter - 1)
             outcome = FeedOutcome.NEW_EPOCH if batch.seq == 0 else FeedOutcome.GAP
         elif batch.epoch < cur.epoch or batch.seq <= cur.seq:
@@ -53,18 +75,20 @@ class IndexFeeder:
         elif batch.seq != cur.seq + 1:
             outcome = FeedOutcome.GAP
         cur.seq = batch.seq
-        index = self.index
         for ev in batch.events:
             cur.counter += 1
-            if isinstance(ev, BlocksStored):
-                index.apply_stored(
-                    worker, cur.counter, (ev.hashes, ev.check_hashes), ev.parent_hash, now
-                )
-            elif isinstance(ev, BlocksRemoved):
-                index.apply_removed(worker, cur.counter, ev.hashes, now)
-            elif isinstance(ev, AllCleared):
-                index.clear_worker(worker, cur.counter, now)
+            if not isinstance(ev, AllCleared) and ev.medium != Medium.GPU and self.gpu is None:
+                self.gpu = _clone(self.index, now)
+            for index in self._indexes(ev):
+                _apply(index, worker, cur.counter, ev, now)
         return outcome
+
+    def _indexes(self, ev: KvEvent | None = None) -> tuple[PrefixIndex, ...]:
+        if self.gpu is None:
+            return (self.index,)
+        if ev is None or isinstance(ev, AllCleared) or ev.medium == Medium.GPU:
+            return (self.index, self.gpu)
+        return (self.index,)
 
     def evict_locally(self, worker: str, hashes: list[int], now: float) -> None:
         """Drop entries this process found stale (lazy verification), outside the event stream."""
@@ -72,9 +96,26 @@ class IndexFeeder:
         if cur is None:
             return
         cur.counter += 1
-        self.index.apply_removed(worker, cur.counter, hashes, now)
+        for index in self._indexes():
+            index.apply_removed(worker, cur.counter, hashes, now)
 
     def forget(self, worker: str) -> None:
         """The worker left (lease lapsed): drop its entries and its cursor."""
         self.cursors.pop(worker, None)
-        self.index.remove_worker(worker)
+        for index in self._indexes():
+            index.remove_worker(worker)
+
+
+def _apply(index: PrefixIndex, worker: str, seq: int, ev: KvEvent, now: float) -> None:
+    if isinstance(ev, BlocksStored):
+        index.apply_stored(worker, seq, (ev.hashes, ev.check_hashes), ev.parent_hash, now)
+    elif isinstance(ev, BlocksRemoved):
+        index.apply_removed(worker, seq, ev.hashes, now)
+    elif isinstance(ev, AllCleared):
+        index.clear_worker(worker, seq, now)
+
+
+def _clone(index: PrefixIndex, now: float) -> PrefixIndex:
+    copy = PrefixIndex(index.ttl_s)
+    copy.restore(index.snapshot(), now)
+    return copy

@@ -85,6 +85,7 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             page_size=args.page_size,
             kv_events_config=args.kv_events_config,
             speedup=args.speedup,
+            host_blocks=args.host_blocks,
         )
     )
 
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
     p.add_argument(
         "--speedup", type=float, default=1.0, help="run the engine's clock this much faster"
+    )
+    p.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        help="host-memory KV tier in pages (SGLang's hierarchical cache); 0: off",
     )
 
     p = add("schemas", "write the JSON Schema of every message", _cmd_schemas)

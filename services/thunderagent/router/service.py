@@ -109,19 +109,17 @@ class Router:
         started = time.perf_counter()
         page_size = workers[0].registration.page_size
         hashes = self.hasher(page_size).hash_tokens(req.token_ids or [])
-        index = self.follower.index
-        overlaps = index.overlap(hashes.primary, hashes.check) if hashes.primary else {}
-        if hashes.primary:
-            overlaps = self.inflight.merge(overlaps, hashes.primary, hashes.check, time.time())
+        overlaps, any_tier = self._overlaps(hashes.primary, hashes.check)
         serving = {w.worker_id for w in workers}
         overlaps = {w: n for w, n in overlaps.items() if w in serving}
+        any_tier = {w: n for w, n in any_tier.items() if w in serving}
         query = RouteQuery(
             request_id=req.request_id,
             prompt_tokens=len(req.token_ids or []),
             block_size=page_size,
             block_hashes=hashes.primary,
             overlaps=overlaps,
-            host_overlaps=overlaps,
+            host_overlaps=any_tier,
             expected_output_tokens=req.max_tokens,
             priority=req.priority,
         )
@@ -160,6 +158,21 @@ class Router:
             page_size=page_size,
             block_hashes=hashes.primary,
         )
+
+    def _overlaps(self, primary: list[int], check: list[int]) -> tuple[dict, dict]:
+        """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
+        what this replica has in flight (assumed to land on the GPU)."""
+        if not primary:
+            return {}, {}
+        feeder = self.follower.feeder
+        now = time.time()
+        gpu = self.inflight.merge(feeder.gpu_index.overlap(primary, check), primary, check, now)
+        if feeder.gpu is None:
+            return gpu, gpu
+        any_tier = dict(feeder.index.overlap(primary, check))
+        for worker, blocks in gpu.items():
+            any_tier[worker] = max(any_tier.get(worker, 0), blocks)
+        return gpu, any_tier
 
     def _account(self, decision: RouteDecision, elapsed: float) -> None:
         self.metrics.decision_latency.record(elapsed, {"policy": decision.policy})

@@ -29,10 +29,13 @@ class SimEngineConfig:
     page_size: int = 16
     kv_events_config: str | None = None
     speedup: float = 1.0
+    host_blocks: int = 0
 
 
 async def _serve(config: SimEngineConfig) -> None:
-    profile = get_profile(config.profile).with_engine(page_size=config.page_size)
+    profile = get_profile(config.profile).with_engine(
+        page_size=config.page_size, host_blocks=config.host_blocks
+    )
     publisher = None
     if config.kv_events_config:
         publisher = ZmqKvEventPublisher.from_cli(config.kv_events_config)

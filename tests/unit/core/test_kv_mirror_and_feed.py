@@ -122,3 +122,37 @@ def test_verifier_finds_false_hits_and_the_stale_blocks():
     v.remember("c", Routed("w0", [], 0, 16))
     assert v.unverified == 1 and v.verify("a", "w0", 0) is None
     assert v.verify("b", "w1", 0) is None  # spilled to another worker: nothing to conclude
+
+
+def test_host_tier_blocks_are_tracked_apart_from_gpu_blocks():
+    h = BlockHasher(PAGE).hash_tokens(list(range(16)))
+    feeder = IndexFeeder(PrefixIndex(ttl_s=None))
+    store = BlocksStored(hashes=h.primary, check_hashes=h.check)
+    feeder.apply(batch("w", 0, [store]), 0)
+    assert feeder.gpu is None and feeder.gpu_index is feeder.index  # no host tier yet: one index
+    # the engine demotes the last two blocks to host memory
+    demoted = h.primary[2:]
+    feeder.apply(
+        batch("w", 1, [
+            BlocksRemoved(hashes=demoted, medium=Medium.GPU),
+            BlocksStored(hashes=demoted, check_hashes=h.check[2:], parent_hash=h.primary[1],
+                         medium=Medium.CPU_PINNED),
+        ]),
+        0,
+    )  # fmt: skip
+    assert feeder.gpu_index.overlap(h.primary, h.check) == {"w": 2}
+    assert feeder.index.overlap(h.primary, h.check) == {"w": 4}
+    # loaded back: GPU again
+    feeder.apply(
+        batch("w", 2, [
+            BlocksRemoved(hashes=demoted, medium=Medium.CPU_PINNED),
+            BlocksStored(hashes=demoted, check_hashes=h.check[2:], parent_hash=h.primary[1]),
+        ]),
+        0,
+    )  # fmt: skip
+    assert feeder.gpu_index.overlap(h.primary, h.check) == {"w": 4}
+    data = capture(feeder, stream_seq=3, now=0.0)
+    fresh = IndexFeeder(PrefixIndex(ttl_s=None))
+    restore(fresh, data, now=0.0)
+    assert fresh.gpu is not None
+    assert fresh.gpu_index.overlap(h.primary, h.check) == {"w": 4}
