@@ -91,6 +91,9 @@ class EngineLoad:
     """Tokens whose KV is held by running requests."""
     cached_blocks: int
     host_cached_blocks: int
+    prefill_backlog_tokens: int = 0
+    """Prompt tokens still to prefill: the chunked request's rest plus every waiting prompt
+    (their cache hits are not known before admission, so this is an upper bound)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -203,6 +206,8 @@ class EngineCore:
             num_tokens=sum(s.computed for s in seqs),
             cached_blocks=self.cache.gpu_blocks,
             host_cached_blocks=self.cache.host_blocks,
+            prefill_backlog_tokens=sum(s.target - s.computed for s in self._prefilling)
+            + sum(s.target for s in self._waiting),
         )
 
     def step(self, now: float, until: float | None = None) -> StepOutcome:

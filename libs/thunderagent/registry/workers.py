@@ -39,6 +39,7 @@ class WorkerState:
             kv_total_blocks=load.kv_total_blocks or self.registration.kv_capacity_blocks,
             active_tokens=load.num_tokens,
             pending=self.assigned_since_report,
+            prefill_tokens=load.prefill_backlog_tokens,
         )
 
     def outstanding(self) -> int:

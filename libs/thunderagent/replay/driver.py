@@ -388,6 +388,7 @@ class Replay(SchedulerActions):
             kv_total_blocks=load.kv_total_blocks,
             active_tokens=load.num_tokens,
             pending=self.pending[w],
+            prefill_tokens=load.prefill_backlog_tokens,
         )
 
     # ---- engines -------------------------------------------------------------------------

@@ -66,7 +66,12 @@ class DynamoKv:
             host_only = max(
                 0, min(query.host_overlaps.get(w.worker_id, 0), query.prompt_blocks) - gpu
             )
-            waiting_prefill = (w.queued + w.pending) * self._uncached.get() / bs
+            # Dynamo books every routed request's prefill until its first token; where the
+            # worker reports its prefill backlog that is the same quantity, else estimate it
+            if w.prefill_tokens >= 0:
+                waiting_prefill = (w.prefill_tokens + w.pending * self._uncached.get()) / bs
+            else:
+                waiting_prefill = (w.queued + w.pending) * self._uncached.get() / bs
             credit = gpu + self.host_cache_hit_weight * host_only
             prefill = max(0.0, waiting_prefill + prompt - credit)
             decode = (w.active_tokens + w.pending * self._prompt.get()) / bs + prompt

@@ -52,6 +52,9 @@ class WorkerView:
     """Tokens held by running requests (decode load)."""
     pending: int = 0
     """Requests routed here since the last load report (not yet visible in it)."""
+    prefill_tokens: int = -1
+    """Prompt tokens waiting for prefill on the worker, as it last reported (-1: not reported,
+    as with stock SGLang; policies then estimate it from ``queued``)."""
 
     @property
     def outstanding(self) -> int:

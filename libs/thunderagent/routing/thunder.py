@@ -105,7 +105,10 @@ class Thunder:
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
         credit = (gpu + self.host_credit * host_only) * query.block_size * decay
         own = max(0.0, query.prompt_tokens - credit)
-        ahead = (w.queued + w.pending) * self._uncached.get()
+        if w.prefill_tokens >= 0:  # the engine says how much prefill is ahead, a long one too
+            ahead = w.prefill_tokens + w.pending * self._uncached.get()
+        else:
+            ahead = (w.queued + w.pending) * self._uncached.get()
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         # Pressure from KV that running requests hold, not from the cache: a warm worker's
         # pool is always "full" of evictable blocks.

@@ -57,3 +57,7 @@ class LoadReport(Struct, frozen=True, kw_only=True):
     """Tokens held by running requests (SGLang's ``/get_load`` ``num_tokens``)."""
     inflight: int = 0
     """Requests accepted by the adapter and not finished yet."""
+    prefill_backlog_tokens: int = -1
+    """Prompt tokens of accepted requests that have not produced a first token yet (the
+    prefill work queued on the engine, counted by the adapter since SGLang does not report
+    it; cache hits are not known in advance, so an upper bound). -1: unknown."""

@@ -214,6 +214,9 @@ class WorkerAdapter:
             kv_total_blocks=total_of("kv_total_blocks") or total,
             num_tokens=total_of("num_tokens"),
             inflight=self.inflight,
+            prefill_backlog_tokens=sum(
+                len(g.work.request.token_ids or []) for g in self.running.values() if not g.started
+            ),
         )
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:

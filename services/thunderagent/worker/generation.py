@@ -39,6 +39,8 @@ class Generation:
     output: list[int] = field(default_factory=list)
     """Tokens this run produced."""
     preempted: bool = False
+    started: bool = False
+    """The first token came out: its prefill is no longer queued work on the engine."""
     task: asyncio.Task | None = None
 
     @property
@@ -98,6 +100,7 @@ class Generation:
                     continue
                 if first_token_at is None:
                     first_token_at = time.monotonic()
+                    self.started = True
                     await self._progress("started")
                 if req.stream:
                     piece = TokenChunk(

@@ -226,3 +226,14 @@ def test_params_are_validated(params: dict, field: str) -> None:
 def test_tuner_params_are_validated(params: dict, field: str) -> None:
     with pytest.raises(ParamError, match=f"thunder.tuner.{field}="):
         OnlineTuner(**params)
+
+
+def test_reported_prefill_backlog_replaces_the_queue_estimate() -> None:
+    p = unit()
+    p.on_routed(q(3), "x")  # uncached mean: 30 tokens
+    query = q(4)
+    # no report: 2 queued requests at the mean; reported: the backlog itself (a long prompt)
+    estimated = WorkerView("a", queued=2)
+    reported = WorkerView("b", queued=2, prefill_tokens=500, pending=1)
+    assert p.cost(query, estimated, min_outstanding=0) == pytest.approx(40 + 2 * 30)
+    assert p.cost(query, reported, min_outstanding=0) == pytest.approx(40 + 500 + 1 * 30)
