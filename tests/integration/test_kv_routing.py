@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
 from thunderagent.client import ThunderClient
 from thunderagent.hashing import BlockHasher
+from thunderagent.prefix_index.state import IndexState
 from thunderagent.router.service import RouterConfig, RouterService
-from thunderagent.schemas import GenerateRequest
+from thunderagent.schemas import GenerateRequest, subjects
 
 pytestmark = pytest.mark.integration
 PAGE = 16
 
 
-async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+async def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
     while True:
@@ -27,6 +30,20 @@ async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
         if loop.time() > give_up_at:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def wait_for_async(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while not await predicate():
+        if loop.time() > give_up_at:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _snapshot_covers(redis, stream_seq: int) -> bool:
+    data = await redis.get(subjects.REDIS_INDEX_SNAPSHOT)
+    return bool(data) and msgspec.msgpack.decode(data, type=IndexState).stream_seq >= stream_seq
 
 
 async def routable(nats_url: str, workers: int) -> ThunderClient:
@@ -91,7 +108,12 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
             return [svc.follower.index.overlap(h.primary, h.check) for h in probes]
 
         # 1. a replica started now (snapshot from Redis + stream replay) sees what the others see
-        await asyncio.sleep(1.0)  # at least one snapshot interval
+        index_svc = stack.services["index"].runtime
+        redis = aioredis.from_url(redis_server.url)
+        await wait_for_async(
+            lambda: _snapshot_covers(redis, index_svc.follower.stream_seq), what="a snapshot"
+        )
+        await redis.aclose()
         late = await start_router(stack, "router-late", redis_server.url)
         await wait_for(lambda: late.follower.caught_up.is_set(), what="late replica catch-up")
         await wait_for(lambda: overlaps(late) == overlaps(first_router), what="replicas to agree")
@@ -99,7 +121,6 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
         assert any(overlaps(late)), "the probes should hit somewhere"
 
         # 2. a lost KV event is detected by the index service and repaired by a resync
-        index_svc = stack.services["index"].runtime
         for relay in stack.relays.values():
             relay.seq += 1  # each worker's next batch skips a number, as if one was lost
         before = index_svc.resyncs_requested
