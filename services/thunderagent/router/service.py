@@ -109,34 +109,16 @@ class Router:
         started = time.perf_counter()
         page_size = workers[0].registration.page_size
         hashes = self.hasher(page_size).hash_tokens(req.token_ids or [])
-        overlaps, any_tier = self._overlaps(hashes.primary, hashes.check)
-        serving = {w.worker_id for w in workers}
-        overlaps = {w: n for w, n in overlaps.items() if w in serving}
-        any_tier = {w: n for w, n in any_tier.items() if w in serving}
-        query = RouteQuery(
-            request_id=req.request_id,
-            prompt_tokens=len(req.token_ids or []),
-            block_size=page_size,
-            block_hashes=hashes.primary,
-            overlaps=overlaps,
-            host_overlaps=any_tier,
-            expected_output_tokens=req.max_tokens,
-            priority=req.priority,
-        )
+        query = self._query(req, page_size, hashes, {w.worker_id for w in workers})
         ranked = self.policy.rank(query, [w.view() for w in workers], self.rng)
-        best = ranked[0]
-        self.policy.on_routed(query, best.worker_id)
-        if hashes.primary:
-            self.inflight.record(best.worker_id, hashes.primary, hashes.check, time.time())
-        chosen = self.registry.get(best.worker_id)
-        if chosen is not None:
-            chosen.assigned_since_report += 1
+        best = ranked[0].worker_id
+        self._remember(query, best, hashes, req.model)
+        overlap = query.overlaps.get(best, 0)
         elapsed = time.perf_counter() - started
-        overlap = overlaps.get(best.worker_id, 0)
         decision = RouteDecision(
             request_id=req.request_id,
             model=req.model,
-            worker_id=best.worker_id,
+            worker_id=best,
             overlap_blocks=overlap,
             prompt_blocks=len(hashes.primary),
             candidates=ranked,
@@ -145,12 +127,7 @@ class Router:
             decision_us=elapsed * 1e6,
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
         )
-        self._account(decision, elapsed)
-        best_anywhere = max(overlaps.values(), default=0)
-        self.verifier.remember(
-            req.request_id,
-            Routed(best.worker_id, hashes.primary, overlap, page_size, best_anywhere, req.model),
-        )
+        self.metrics.decision_latency.record(elapsed, {"policy": decision.policy})
         return ScheduleRequest(
             request=req,
             reply_subject=reply,
@@ -158,6 +135,38 @@ class Router:
             page_size=page_size,
             block_hashes=hashes.primary,
         )
+
+    def _query(self, req: GenerateRequest, page_size: int, hashes, serving: set) -> RouteQuery:
+        overlaps, any_tier = self._overlaps(hashes.primary, hashes.check)
+        return RouteQuery(
+            request_id=req.request_id,
+            prompt_tokens=len(req.token_ids or []),
+            block_size=page_size,
+            block_hashes=hashes.primary,
+            overlaps={w: n for w, n in overlaps.items() if w in serving},
+            host_overlaps={w: n for w, n in any_tier.items() if w in serving},
+            expected_output_tokens=req.max_tokens,
+            priority=req.priority,
+        )
+
+    def _remember(self, query: RouteQuery, worker_id: str, hashes, model: str) -> None:
+        """Everything that learns from the choice: the policy, the in-flight overlay, the
+        pending count until the next load report, and lazy verification."""
+        self.policy.on_routed(query, worker_id)
+        if hashes.primary:
+            self.inflight.record(worker_id, hashes.primary, hashes.check, time.time())
+        chosen = self.registry.get(worker_id)
+        if chosen is not None:
+            chosen.assigned_since_report += 1
+        routed = Routed(
+            worker_id,
+            hashes.primary,
+            query.overlaps.get(worker_id, 0),
+            query.block_size,
+            max(query.overlaps.values(), default=0),
+            model,
+        )
+        self.verifier.remember(query.request_id, routed)
 
     def _overlaps(self, primary: list[int], check: list[int]) -> tuple[dict, dict]:
         """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
@@ -173,9 +182,6 @@ class Router:
         for worker, blocks in gpu.items():
             any_tier[worker] = max(any_tier.get(worker, 0), blocks)
         return gpu, any_tier
-
-    def _account(self, decision: RouteDecision, elapsed: float) -> None:
-        self.metrics.decision_latency.record(elapsed, {"policy": decision.policy})
 
     async def on_completion(self, final: FinalReply, _: Delivery) -> None:
         verdict = self.verifier.verify(final.request_id, final.worker_id, final.usage.cached_tokens)

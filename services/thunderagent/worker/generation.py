@@ -80,21 +80,13 @@ class Generation:
 
     async def _run(self) -> FinalReply | None:
         req = self.work.request
-        offset = self.work.output_offset
-        sampling = {
-            "max_new_tokens": req.max_tokens,
-            "temperature": req.sampling.temperature,
-            "top_p": req.sampling.top_p,
-            "ignore_eos": req.sampling.ignore_eos,
-        }
-        if req.sampling.stop:
-            sampling["stop"] = req.sampling.stop
         started = time.monotonic()
         first_token_at: float | None = None
         text_parts: list[str] = []
         meta: dict = {}
         try:
-            async for chunk in self.engine.generate(self.engine_rid, req.token_ids or [], sampling):
+            stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req))
+            async for chunk in stream:
                 meta = chunk.meta
                 if not chunk.new_token_ids:
                     continue
@@ -103,54 +95,78 @@ class Generation:
                     self.started = True
                     await self._progress("started")
                 if req.stream:
-                    piece = TokenChunk(
-                        request_id=req.request_id,
-                        index=offset + len(self.output),
-                        token_ids=chunk.new_token_ids,
-                        text=chunk.new_text,
-                    )
-                    await self.bus.publish(self.work.reply_subject, piece)
+                    await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
                 else:
                     text_parts.append(chunk.new_text)
                 self.output.extend(chunk.new_token_ids)
         except (TimeoutError, EngineError, OSError) as err:
-            log.warning("request %s failed at the engine: %s", req.request_id, err)
-            await self._progress("failed")
-            error = ErrorReply(
-                code=ErrorCode.ENGINE_ERROR,
-                message=str(err),
-                request_id=req.request_id,
-                service=f"worker/{self.worker_id}",
-            )
-            await self.bus.publish(self.work.reply_subject, error)
+            await self._fail(err)
             return None
         finished = time.monotonic()
-        engine_prompt = int(meta.get("prompt_tokens", len(req.token_ids or [])))
-        final = FinalReply(
-            request_id=req.request_id,
-            worker_id=self.worker_id,
-            usage=Usage(
-                prompt_tokens=engine_prompt - offset,
-                cached_tokens=min(int(meta.get("cached_tokens", 0)), engine_prompt - offset),
-                completion_tokens=offset + int(meta.get("completion_tokens", len(self.output))),
-            ),
-            ttft_ms=((first_token_at or finished) - started) * 1e3,
-            e2e_ms=(finished - started) * 1e3,
-            finish_reason=_finish_reason(meta),
-            text="".join(text_parts),
-            predicted_cached_tokens=self.work.predicted_cached_tokens,
-            engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
-        )
+        final = self._final(meta, "".join(text_parts), started, first_token_at or finished)
         await self.bus.publish(self.work.reply_subject, final)
         await self.bus.publish(subjects.COMPLETIONS, final)
         await self._progress("finished")
         return final
+
+    def _chunk(self, chunk) -> TokenChunk:
+        return TokenChunk(
+            request_id=self.request_id,
+            index=self.work.output_offset + len(self.output),
+            token_ids=chunk.new_token_ids,
+            text=chunk.new_text,
+        )
+
+    def _final(self, meta: dict, text: str, started: float, first_token_at: float) -> FinalReply:
+        """Usage as the client sees it: a continuation's prompt ends with earlier output."""
+        offset = self.work.output_offset
+        prompt = int(meta.get("prompt_tokens", len(self.work.request.token_ids or []))) - offset
+        finished = time.monotonic()
+        return FinalReply(
+            request_id=self.request_id,
+            worker_id=self.worker_id,
+            usage=Usage(
+                prompt_tokens=prompt,
+                cached_tokens=min(int(meta.get("cached_tokens", 0)), prompt),
+                completion_tokens=offset + int(meta.get("completion_tokens", len(self.output))),
+            ),
+            ttft_ms=(first_token_at - started) * 1e3,
+            e2e_ms=(finished - started) * 1e3,
+            finish_reason=_finish_reason(meta),
+            text=text,
+            predicted_cached_tokens=self.work.predicted_cached_tokens,
+            engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
+        )
+
+    async def _fail(self, err: Exception) -> None:
+        log.warning("request %s failed at the engine: %s", self.request_id, err)
+        await self._progress("failed")
+        error = ErrorReply(
+            code=ErrorCode.ENGINE_ERROR,
+            message=str(err),
+            request_id=self.request_id,
+            service=f"worker/{self.worker_id}",
+        )
+        await self.bus.publish(self.work.reply_subject, error)
 
     async def _progress(self, phase: str) -> None:
         progress = RequestProgress(
             request_id=self.request_id, worker_id=self.worker_id, phase=phase, ts=time.time()
         )
         await self.bus.publish(subjects.SCHED_PROGRESS, progress)
+
+
+def _sampling(req) -> dict:
+    """SGLang's sampling_params for a GenerateRequest."""
+    sampling = {
+        "max_new_tokens": req.max_tokens,
+        "temperature": req.sampling.temperature,
+        "top_p": req.sampling.top_p,
+        "ignore_eos": req.sampling.ignore_eos,
+    }
+    if req.sampling.stop:
+        sampling["stop"] = req.sampling.stop
+    return sampling
 
 
 def _finish_reason(meta: dict) -> FinishReason:
