@@ -118,19 +118,7 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
         print(path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="thunderagent", description="KV-cache-aware control plane for LLM inference"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    commands: dict[str, tuple[str, Callable]] = {}
-
-    def add(name: str, help_text: str, fn: Callable) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(func=fn)
-        commands[name] = (help_text, fn)
-        return p
-
+def _stack_commands(add) -> None:
     from thunderagent.stack.up import add_stack_arguments
 
     p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
@@ -158,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the final reply as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="idle timeout, seconds")
 
+
+def _control_plane_commands(add) -> None:
     p = add("router", "run a router replica", _cmd_router)
     _nats_arg(p)
     _metrics_arg(p)
@@ -181,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _metrics_arg(p)
     p.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL for snapshots")
 
+
+def _worker_commands(add) -> None:
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
     _metrics_arg(p)
@@ -213,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="host-memory KV tier in pages (SGLang's hierarchical cache); 0: off",
     )
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thunderagent", description="KV-cache-aware control plane for LLM inference"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str, fn: Callable) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=fn)
+        return p
+
+    _stack_commands(add)
+    _control_plane_commands(add)
+    _worker_commands(add)
     p = add("schemas", "write the JSON Schema of every message", _cmd_schemas)
     p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
 
