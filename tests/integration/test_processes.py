@@ -131,7 +131,10 @@ def test_one_request_is_one_trace_across_processes(tmp_path):
                     trace_id = roots[-1].trace_id
                     trace = [s for s in spans if s.trace_id == trace_id]
                     services = {s.service for s in trace}
-                    if {"thunderagent-router", "thunderagent-scheduler",
+                    ids = {s.span_id for s in trace}
+                    # each process exports on its own schedule: wait until every parent is in
+                    complete = all(not s.parent_span_id or s.parent_span_id in ids for s in trace)
+                    if complete and {"thunderagent-router", "thunderagent-scheduler",
                         "thunderagent-simengine"} <= services and services & {
                             "thunderagent-worker-w0", "thunderagent-worker-w1"}:  # fmt: skip
                         break
