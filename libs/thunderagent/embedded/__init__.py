@@ -3,7 +3,7 @@ wheel, ``redis-server`` from the system) on free loopback ports, as child proces
 with their parent. Used by ``thunderagent up`` and by the test fixtures."""
 
 from thunderagent.embedded.children import ChildProcess, spawn
-from thunderagent.embedded.ports import free_port, wait_for_port
+from thunderagent.embedded.ports import free_port, preferred_port, wait_for_port
 from thunderagent.embedded.servers import (
     NatsServer,
     RedisServer,
@@ -18,6 +18,7 @@ __all__ = [
     "find_nats_server",
     "find_redis_server",
     "free_port",
+    "preferred_port",
     "spawn",
     "wait_for_port",
 ]

@@ -13,6 +13,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def preferred_port(port: int, host: str = "127.0.0.1") -> int:
+    """``port`` when it is free (so clients find the server at its usual address), else any."""
+    return port if port_is_free(port, host) else free_port(host)
+
+
 def wait_for_port(port: int, *, host: str = "127.0.0.1", timeout_s: float = 15.0) -> None:
     """Block until something accepts TCP connections on ``host:port``."""
     give_up_at = time.monotonic() + timeout_s

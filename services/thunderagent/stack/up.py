@@ -17,7 +17,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from thunderagent.embedded import ChildProcess, NatsServer, RedisServer, free_port, spawn
+from thunderagent.embedded import (
+    ChildProcess,
+    NatsServer,
+    RedisServer,
+    free_port,
+    preferred_port,
+    spawn,
+)
 from thunderagent.stack.readiness import wait_until_ready
 
 DEFAULT_MODEL = "sim/llama-3.1-8b"
@@ -108,7 +115,8 @@ class Stack:
         if self.config.nats_url:
             self.nats_url = self.config.nats_url
         else:
-            nats = NatsServer(self.run_dir / "nats").start()
+            # NATS's usual port when free, so `thunderagent request` finds it without --nats
+            nats = NatsServer(self.run_dir / "nats", port=preferred_port(4222)).start()
             self.servers.append(nats)
             self.nats_url = nats.url
         if self.config.redis_url:
