@@ -4,17 +4,19 @@ router replicas agree, lost events are repaired, and Redis going away stops noth
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index.state import IndexState
 from thunderagent.router.service import RouterConfig, RouterService
-from thunderagent.schemas import GenerateRequest, subjects
+from thunderagent.schemas import GenerateRequest, OverlapQuery, OverlapReply, subjects
 
 pytestmark = pytest.mark.integration
 PAGE = 16
@@ -44,6 +46,11 @@ async def wait_for_async(predicate, timeout_s: float = 20.0, what: str = "condit
 async def _snapshot_covers(redis, stream_seq: int) -> bool:
     data = await redis.get(subjects.REDIS_INDEX_SNAPSHOT)
     return bool(data) and msgspec.msgpack.decode(data, type=IndexState).stream_seq >= stream_seq
+
+
+async def _has_hot_prefixes(redis) -> bool:
+    raw = await redis.get(subjects.REDIS_HOT_PREFIXES)
+    return bool(raw) and len(json.loads(raw)) > 0 and json.loads(raw)[0]["hits"] >= 1
 
 
 async def routable(nats_url: str, workers: int) -> ThunderClient:
@@ -119,6 +126,23 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
         await wait_for(lambda: overlaps(late) == overlaps(first_router), what="replicas to agree")
         assert late.follower.restored_from > 0, "the late replica should start from the snapshot"
         assert any(overlaps(late)), "the probes should hit somewhere"
+
+        # the index service answers overlap queries, and keeps the hot-prefix table in Redis
+        nc = await connect(nats_server.url, name="overlap-query")
+        bus = Bus(nc, service="test")
+        probe = probes[0]
+        query = OverlapQuery(hashes=probe.primary, check_hashes=probe.check)
+        answer = await bus.request(subjects.INDEX_OVERLAP, query, OverlapReply, timeout=5)
+        assert answer.overlaps == index_svc.follower.index.overlap(probe.primary, probe.check)
+        assert answer.overlaps, "the first prompt is cached somewhere"
+        await nc.close()
+        # a repeat of the first prompt reuses its prefix: that prefix is now "hot"
+        await client.generate(
+            GenerateRequest(model=MODEL, token_ids=[*prompts[0], 5], max_tokens=2)
+        )
+        redis = aioredis.from_url(redis_server.url)
+        await wait_for_async(lambda: _has_hot_prefixes(redis), what="the hot-prefix table in Redis")
+        await redis.aclose()
 
         # 2. a lost KV event is detected by the index service and repaired by a resync
         for relay in stack.relays.values():
