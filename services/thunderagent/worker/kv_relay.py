@@ -24,6 +24,7 @@ from thunderagent.sglang.zmq_subscriber import (
     Undecodable,
     ZmqKvEventSubscriber,
 )
+from thunderagent.telemetry import inject_headers
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class KvRelay:
                 events=events,
                 epoch=self.epoch,
             )
-            await self.bus.nc.jetstream().publish(self._subject, _encode(batch))
+            await self.bus.nc.jetstream().publish(
+                self._subject, _encode(batch), headers=inject_headers()
+            )
 
     async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
         log.info("%s: resync requested (%s)", self.worker_id, request.reason)
