@@ -293,6 +293,10 @@ def _run_baseline(stack: Stack, requests: list[LiveRequest]) -> dict:
         message = "sglang-router is not installed: pip install 'thunderagent[baseline]'"
         print(message, file=sys.stderr)
         return {"skipped": message}
+    # The baseline gets the machine to itself: only the engines keep running.
+    for child in stack.children:
+        if not child.name.startswith("engine-"):
+            child.stop()
     asyncio.run(flush_all(stack.engine_urls))
     proc, url = start_sglang_router(stack.engine_urls, stack.run_dir / "sglang-router.log")
     try:
