@@ -37,6 +37,8 @@ class Setup:
     seed: int
     quick: bool
     link_bytes_per_s: float
+    programs: int | None = None
+    """Agent programs in the programs scenario (None: 256 per 8 workers, 96 with --quick)."""
 
 
 def _cfg(s: Setup, scheduler: str, **kw) -> ReplayConfig:
@@ -190,7 +192,7 @@ def pd(s: Setup) -> dict:
 def programs(s: Setup) -> dict:
     """Many closed-loop programs at once: their contexts oversubscribe the cluster's KV."""
     params = AgentParams(
-        programs=(96 if s.quick else 256) * s.workers // 8,
+        programs=s.programs or (96 if s.quick else 256) * s.workers // 8,
         steps_range=(4, 8) if s.quick else (6, 14),
         start_gap_s=0.05,
         system_blocks=128,
@@ -346,6 +348,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="PD KV-transfer link, GB/s (gigaBYTES; 25 = one 200 Gb/s RDMA NIC)",
     )
     p.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
+    p.add_argument(
+        "--programs", type=int, default=None, help="agent programs (default: 256 per 8 workers)"
+    )
     args = p.parse_args(argv)
     args.scenarios = args.only.split(",")
     bad = [x for x in args.scenarios if x not in SCENARIOS]
@@ -363,6 +368,7 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         quick=args.quick,
         link_bytes_per_s=args.link_gbps * 1e9,
+        programs=args.programs,
     )
     doc: dict = {}
     for name in args.scenarios:
