@@ -55,6 +55,7 @@ def model_token(model: str) -> str:
 
 
 def model_from_token(token: str) -> str:
+    """Inverse of :func:`model_token`."""
     out: list[str] = []
     i = 0
     while i < len(token):
@@ -68,30 +69,37 @@ def model_from_token(token: str) -> str:
 
 
 def requests(model: str) -> str:
+    """Where clients publish a ``GenerateRequest`` for ``model`` (reply inbox: the stream)."""
     return f"{PREFIX}.requests.{model_token(model)}"
 
 
 def worker_generate(worker_id: str) -> str:
+    """Scheduler -> adapter hand-off (``WorkerGenerate`` -> ``Ack``)."""
     return f"{PREFIX}.worker.{worker_id}.generate"
 
 
 def worker_abort(worker_id: str) -> str:
+    """Scheduler -> adapter preemption (``AbortRequest`` -> ``Preempted``)."""
     return f"{PREFIX}.worker.{worker_id}.abort"
 
 
 def worker_load(worker_id: str) -> str:
+    """Adapter's ``LoadReport`` several times a second (also its lease heartbeat)."""
     return f"{PREFIX}.worker.{worker_id}.load"
 
 
 def worker_resync(worker_id: str) -> str:
+    """Index -> adapter (``ResyncRequest`` -> ``Ack``): republish the whole cache."""
     return f"{PREFIX}.worker.{worker_id}.resync"
 
 
 def kv_events(worker_id: str) -> str:
+    """The adapter's ``KvEventBatch`` stream (captured by ``KV_EVENTS_STREAM``)."""
     return f"{PREFIX}.kv.events.{worker_id}"
 
 
 def dead_letter(service: str) -> str:
+    """``DeadLetter`` records of messages ``service`` rejected."""
     return f"{PREFIX}.deadletter.{service}"
 
 

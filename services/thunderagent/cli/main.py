@@ -112,10 +112,14 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from thunderagent.schemas.catalog import JSON_DIR, write_json_schemas
+    from thunderagent.schemas.reference import DOC_PATH
 
     out = Path(args.out) if args.out else JSON_DIR
     for path in write_json_schemas(out):
         print(path)
+    from thunderagent.schemas.reference import write_reference
+
+    print(write_reference(Path(args.out) / "messages.md" if args.out else DOC_PATH))
 
 
 def _stack_commands(add) -> None:
@@ -220,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _stack_commands(add)
     _control_plane_commands(add)
     _worker_commands(add)
-    p = add("schemas", "write the JSON Schema of every message", _cmd_schemas)
+    p = add("schemas", "write every message's JSON Schema and docs/messages.md", _cmd_schemas)
     p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
 
     from thunderagent.bench.cli import add_bench_parser

@@ -140,3 +140,10 @@ def test_every_message_field_has_a_docstring():
                 if not documented:
                     missing.append(f"{name}.{node.target.id}")
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_committed_message_reference_is_current():
+    from thunderagent.schemas.reference import DOC_PATH, markdown_reference
+
+    assert DOC_PATH.exists(), f"{DOC_PATH} missing: run `thunderagent schemas`"
+    assert DOC_PATH.read_text() == markdown_reference(), "docs/messages.md is stale"
