@@ -10,6 +10,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from thunderagent.routing.policy import RouteQuery, WorkerView
+from thunderagent.schemas import Candidate
+
 T = TypeVar("T")
 
 PREFILL_S_PER_TOKEN = 5e-5
@@ -197,3 +200,34 @@ class OnlineTuner:
         elif imbalance < self.low_imbalance and feedback.false_hit_rate < self.max_false_hit_rate:
             scale *= 1.0 + self.step
         return min(max(scale, self.min_scale), self.max_scale)
+
+
+# ---- pieces every cost-based policy computes the same way ---------------------------------
+def cached_blocks(query: RouteQuery, worker_id: str) -> tuple[int, int]:
+    """(blocks on the worker's GPU, further blocks only in its host tier) of the prompt."""
+    gpu = min(query.overlaps.get(worker_id, 0), query.prompt_blocks)
+    any_tier = min(query.host_overlaps.get(worker_id, 0), query.prompt_blocks)
+    return gpu, max(0, any_tier - gpu)
+
+
+def queued_prefill_tokens(w: WorkerView, mean_uncached_tokens: float) -> float:
+    """Prefill work ahead of a new request on ``w``: the backlog the worker reports (the
+    engine's, or the adapter's count of accepted prompts without a first token) plus what was
+    routed since; without a report, its queue length times the mean uncached prompt."""
+    if w.prefill_tokens >= 0:
+        return w.prefill_tokens + w.pending * mean_uncached_tokens
+    return (w.queued + w.pending) * mean_uncached_tokens
+
+
+def candidates(
+    ordered: Sequence[WorkerView], cost: Mapping[str, float], query: RouteQuery
+) -> list[Candidate]:
+    """Ranked candidates, score = -cost, with the prefix each one holds."""
+    return [
+        Candidate(
+            worker_id=w.worker_id,
+            score=-cost[w.worker_id],
+            overlap_blocks=query.overlaps.get(w.worker_id, 0),
+        )
+        for w in ordered
+    ]

@@ -18,8 +18,11 @@ from typing import ClassVar
 
 from thunderagent.routing.cost import (
     RunningMean,
+    cached_blocks,
+    candidates,
     finite_at_least,
     in_unit_interval,
+    queued_prefill_tokens,
     rank_by_cost,
     require,
 )
@@ -62,16 +65,10 @@ class DynamoKv:
         prompt = query.prompt_tokens / bs
         out: dict[str, float] = {}
         for w in workers:
-            gpu = min(query.overlaps.get(w.worker_id, 0), query.prompt_blocks)
-            host_only = max(
-                0, min(query.host_overlaps.get(w.worker_id, 0), query.prompt_blocks) - gpu
-            )
-            # Dynamo books every routed request's prefill until its first token; where the
-            # worker reports its prefill backlog that is the same quantity, else estimate it
-            if w.prefill_tokens >= 0:
-                waiting_prefill = (w.prefill_tokens + w.pending * self._uncached.get()) / bs
-            else:
-                waiting_prefill = (w.queued + w.pending) * self._uncached.get() / bs
+            gpu, host_only = cached_blocks(query, w.worker_id)
+            # Dynamo books every routed request's prefill until its first token; a reported
+            # backlog is the same quantity
+            waiting_prefill = queued_prefill_tokens(w, self._uncached.get()) / bs
             credit = gpu + self.host_cache_hit_weight * host_only
             prefill = max(0.0, waiting_prefill + prompt - credit)
             decode = (w.active_tokens + w.pending * self._prompt.get()) / bs + prompt
@@ -83,14 +80,7 @@ class DynamoKv:
     ) -> list[Candidate]:
         cost = self.costs(query, workers)
         ordered = rank_by_cost(workers, cost, lambda w: w.worker_id, self.temperature, rng)
-        return [
-            Candidate(
-                worker_id=w.worker_id,
-                score=-cost[w.worker_id],
-                overlap_blocks=query.overlaps.get(w.worker_id, 0),
-            )
-            for w in ordered
-        ]
+        return candidates(ordered, cost, query)
 
     def on_routed(self, query: RouteQuery, worker_id: str) -> None:
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size

@@ -27,9 +27,12 @@ from thunderagent.routing.cost import (
     RoutingFeedback,
     RunningMean,
     by_key,
+    cached_blocks,
+    candidates,
     finite_at_least,
     finite_positive,
     in_unit_interval,
+    queued_prefill_tokens,
     rank_by_cost,
     require,
 )
@@ -100,15 +103,11 @@ class Thunder:
 
     def cost(self, query: RouteQuery, w: WorkerView, min_outstanding: int) -> float:
         """Predicted seconds until ``query`` would finish on ``w``."""
-        gpu = min(query.overlaps.get(w.worker_id, 0), query.prompt_blocks)
-        host_only = max(0, min(query.host_overlaps.get(w.worker_id, 0), query.prompt_blocks) - gpu)
+        gpu, host_only = cached_blocks(query, w.worker_id)
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
         credit = (gpu + self.host_credit * host_only) * query.block_size * decay
         own = max(0.0, query.prompt_tokens - credit)
-        if w.prefill_tokens >= 0:  # the engine says how much prefill is ahead, a long one too
-            ahead = w.prefill_tokens + w.pending * self._uncached.get()
-        else:
-            ahead = (w.queued + w.pending) * self._uncached.get()
+        ahead = queued_prefill_tokens(w, self._uncached.get())
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         # Pressure from KV that running requests hold, not from the cache: a warm worker's
         # pool is always "full" of evictable blocks.
@@ -136,14 +135,7 @@ class Thunder:
             first = by_key([workers[a], workers[b]], key, rng)[0]
             rest = [w for w in workers if w.worker_id != first.worker_id]
             ordered = [first, *by_key(rest, key, rng)]
-        return [
-            Candidate(
-                worker_id=w.worker_id,
-                score=-cost[w.worker_id],
-                overlap_blocks=query.overlaps.get(w.worker_id, 0),
-            )
-            for w in ordered
-        ]
+        return candidates(ordered, cost, query)
 
     def on_routed(self, query: RouteQuery, worker_id: str) -> None:
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size
