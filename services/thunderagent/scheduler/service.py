@@ -72,6 +72,14 @@ class SchedulerService:
         self.bus = bus
         self.clock = clock
         self.core = make_scheduler(config.scheduler, **config.params)
+        params = getattr(self.core, "params", None)
+        if params is not None and params.pd_mode == "disaggregated":
+            # The pure policy and the virtual-time replay model PD transfers; the live adapters
+            # cannot move KV between engines yet, so a transfer would never complete here.
+            raise ValueError(
+                f"scheduler {config.scheduler!r} runs PD disaggregation, which the live service "
+                "does not support yet (it is modelled in `thunderagent bench sched`)"
+            )
         self.pending: dict[str, Pending] = {}
         self.registry = WorkerRegistry()
         self.wake = asyncio.Event()
