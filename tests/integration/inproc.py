@@ -192,6 +192,7 @@ async def start_full_stack(
     redis_url: str | None = None,
     scheduler: str = "thunder",
     scheduler_params: dict | None = None,
+    roles: list[str] | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -200,13 +201,20 @@ async def start_full_stack(
     from thunderagent.router.service import main as router_main
     from thunderagent.scheduler.service import SchedulerConfig
     from thunderagent.scheduler.service import main as scheduler_main
+    from thunderagent.schemas import WorkerRole
     from thunderagent.worker.adapter import AdapterConfig
     from thunderagent.worker.adapter import main as worker_main
 
     for i in range(workers):
         wid = f"w{i}"
         url = await stack.start_engine(wid, **engine_kwargs)
-        config = AdapterConfig(worker_id=wid, engine_url=url, lease_s=2.0, load_interval_s=0.05)
+        config = AdapterConfig(
+            worker_id=wid,
+            engine_url=url,
+            lease_s=2.0,
+            load_interval_s=0.05,
+            role=WorkerRole(roles[i]) if roles else WorkerRole.BOTH,
+        )
         await stack.start_service(
             f"worker-{wid}", lambda ctx, hold, c=config: worker_main(ctx, c, hold), hold=True
         )

@@ -104,3 +104,38 @@ async def test_program_steps_and_release(nats_server):
         await nc.close()
         await client.close()
     assert len(set(workers)) == 1, f"a program should stay on the worker with its KV: {workers}"
+
+
+async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack,
+            workers=2,
+            roles=["prefill", "decode"],
+            scheduler="pd_capped",
+            policy="thunder",
+            profile="llama-3.1-8b-h100",
+            speedup=20,
+        )
+        client = await routable(nats_server.url, 2)
+        sched = stack.services["scheduler"].runtime
+        # the scheduler learns the roles from the load reports
+        await wait_for(lambda: len(sched.core.admission.workers) == 2, what="both workers' rooms")
+        prompt = list(range(1000, 1000 + 160))  # 10 full pages
+        chunks, final, _ = await collect(
+            client, GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=12)
+        )
+        decode_engine = stack.engines["w1"]
+        await wait_for(lambda: sched.core.stats()["pd_inflight"] == 0, what="the transfer to end")
+        await client.close()
+    assert final.worker_id == "w1", "the decode worker finishes the request"
+    indices = [i for c in chunks for i in range(c.index, c.index + len(c.token_ids))]
+    assert indices == list(range(12)), "one unbroken stream across the hand-off"
+    assert final.usage.completion_tokens == 12
+    assert final.usage.prompt_tokens == 160
+    # the decode engine found the transferred prompt in its cache instead of prefilling it
+    assert final.usage.cached_tokens >= 160
+    assert decode_engine.core.cache.gpu_blocks >= 10
+    stats = sched.core.stats()
+    assert stats["pd_transfers"] >= 1
+    assert stats["pd_inflight"] == 0, "the transfer was reported done: the cap slot is free"

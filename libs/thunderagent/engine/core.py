@@ -175,12 +175,12 @@ class EngineCore:
         self._free(seq)
         return self._record(seq, "abort")
 
-    def import_blocks(self, block_keys: list[int]) -> int:
+    def import_blocks(self, block_keys: list[int], token_ids: list[int] | None = None) -> int:
         """KV pages that arrived from another engine (PD disaggregation: the prefill worker's
         pages of a prompt, chained from the root) become cached here, unpinned, evicting LRU
         leaves for room; Stored events come out of the next ``step``. Returns pages now cached
         (a prefix of ``block_keys``; the rest did not fit)."""
-        n = self.cache.insert(list(block_keys), None, page_size=self.page)
+        n = self.cache.insert(list(block_keys), None, token_ids, page_size=self.page)
         self.cache.release(list(block_keys[:n]))
         return n
 

@@ -25,6 +25,7 @@ from thunderagent.schemas.kv import KvEventBatch, OverlapQuery, OverlapReply, Re
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
+    KvTransfer,
     Preempted,
     ProgramRelease,
     RequestProgress,
@@ -51,6 +52,7 @@ MESSAGES: Final[dict[str, Any]] = {
     "WorkerGenerate": WorkerGenerate,
     "Ack": Ack,
     "AbortRequest": AbortRequest,
+    "KvTransfer": KvTransfer,
     "Preempted": Preempted,
     "ProgramRelease": ProgramRelease,
     "RequestProgress": RequestProgress,

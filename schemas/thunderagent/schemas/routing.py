@@ -75,6 +75,9 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
     output_offset: int = 0
     """Output tokens the client already received before a preemption: ``request.token_ids``
     ends with them, and this run's token chunks continue numbering from here."""
+    decode_worker: str = ""
+    """PD disaggregation: prefill here up to the first token, move the KV to this worker and
+    hand it the rest of the request. Empty: run the whole request here."""
 
 
 class Ack(Struct, frozen=True, kw_only=True):
@@ -116,6 +119,18 @@ class ProgramRelease(Struct, frozen=True, kw_only=True):
     """The program that ended."""
 
 
+class KvTransfer(Struct, frozen=True, kw_only=True):
+    """Prefill adapter -> decode adapter (request/reply, answered with an ``Ack`` once the pages
+    are in the decode engine's cache): the prompt whose KV moves over."""
+
+    request_id: str
+    """The request being disaggregated."""
+    token_ids: list[int]
+    """The prompt (and first token) whose full pages the decode engine imports."""
+    source_worker: str
+    """Prefill worker the KV comes from."""
+
+
 class RequestProgress(Struct, frozen=True, kw_only=True):
     """Adapter -> scheduler: a request's life on a worker (admission accounting)."""
 
@@ -123,7 +138,8 @@ class RequestProgress(Struct, frozen=True, kw_only=True):
     """The request."""
     worker_id: str
     """Where it runs."""
-    phase: Literal["started", "finished", "failed", "aborted"]
-    """``started``: first token out (prefill done); the others end the run."""
+    phase: Literal["started", "transferred", "finished", "failed", "aborted"]
+    """``started``: first token out (prefill done); ``transferred``: the KV reached the decode
+    worker (PD); the others end the run."""
     ts: float
     """Adapter wall clock, Unix seconds."""

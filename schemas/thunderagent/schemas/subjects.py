@@ -83,6 +83,11 @@ def worker_abort(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.abort"
 
 
+def worker_kv_import(worker_id: str) -> str:
+    """Prefill adapter -> decode adapter (``KvTransfer`` -> ``Ack``): import this KV (PD)."""
+    return f"{PREFIX}.worker.{worker_id}.kv_import"
+
+
 def worker_load(worker_id: str) -> str:
     """Adapter's ``LoadReport`` several times a second (also its lease heartbeat)."""
     return f"{PREFIX}.worker.{worker_id}.load"

@@ -86,6 +86,7 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             kv_events_config=args.kv_events_config,
             speedup=args.speedup,
             host_blocks=args.host_blocks,
+            link_gbps=args.link_gbps,
         )
     )
 
@@ -207,6 +208,12 @@ def _worker_commands(add) -> None:
         type=int,
         default=0,
         help="host-memory KV tier in pages (SGLang's hierarchical cache); 0: off",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=25.0,
+        help="PD KV-import link in GB/s (gigabytes; 25 = one 200 Gb/s RDMA NIC)",
     )
 
 

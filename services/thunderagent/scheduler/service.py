@@ -72,14 +72,6 @@ class SchedulerService:
         self.bus = bus
         self.clock = clock
         self.core = make_scheduler(config.scheduler, **config.params)
-        params = getattr(self.core, "params", None)
-        if params is not None and params.pd_mode == "disaggregated":
-            # The pure policy and the virtual-time replay model PD transfers; the live adapters
-            # cannot move KV between engines yet, so a transfer would never complete here.
-            raise ValueError(
-                f"scheduler {config.scheduler!r} runs PD disaggregation, which the live service "
-                "does not support yet (it is modelled in `thunderagent bench sched`)"
-            )
         self.pending: dict[str, Pending] = {}
         self.registry = WorkerRegistry()
         self.wake = asyncio.Event()
@@ -150,6 +142,8 @@ class SchedulerService:
         now = self.clock()
         if progress.phase == "started":
             self.core.on_started(progress.request_id, progress.worker_id, now)
+        elif progress.phase == "transferred":
+            self.core.on_transfer_done(progress.request_id, progress.worker_id, now)
         elif progress.phase in ("finished", "failed"):
             pending = self.pending.get(progress.request_id)
             if pending is not None and pending.worker_id == progress.worker_id:
@@ -199,7 +193,7 @@ class SchedulerService:
         token = otel_context.attach(pending.context)
         try:
             if isinstance(action, Dispatch):
-                await self._dispatch(pending, action.worker_id)
+                await self._dispatch(pending, action.worker_id, action.decode_worker or "")
             elif isinstance(action, Preempt):
                 await self._preempt(pending, action.worker_id, action.reason)
             elif isinstance(action, Reject):
@@ -208,7 +202,7 @@ class SchedulerService:
         finally:
             otel_context.detach(token)
 
-    async def _dispatch(self, pending: Pending, worker_id: str) -> None:
+    async def _dispatch(self, pending: Pending, worker_id: str, decode_worker: str = "") -> None:
         submit = pending.submit
         rid = submit.request.request_id
         order = [worker_id] + [
@@ -232,6 +226,7 @@ class SchedulerService:
                     predicted_cached_tokens=overlap.get(wid, 0) * submit.page_size,
                     attempt=attempt,
                     output_offset=len(pending.output),
+                    decode_worker=decode_worker if wid == worker_id else "",
                 )
                 try:
                     ack = await self.bus.request(

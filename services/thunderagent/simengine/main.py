@@ -30,6 +30,7 @@ class SimEngineConfig:
     kv_events_config: str | None = None
     speedup: float = 1.0
     host_blocks: int = 0
+    link_gbps: float = 25.0
 
 
 async def _serve(config: SimEngineConfig) -> None:
@@ -39,7 +40,12 @@ async def _serve(config: SimEngineConfig) -> None:
     publisher = None
     if config.kv_events_config:
         publisher = ZmqKvEventPublisher.from_cli(config.kv_events_config)
-    engine = EngineDriver(profile, publisher=publisher, speedup=config.speedup)
+    engine = EngineDriver(
+        profile,
+        publisher=publisher,
+        speedup=config.speedup,
+        link_bytes_per_s=config.link_gbps * 1e9,
+    )
     info = EngineInfo(
         model=config.model, page_size=config.page_size, kv_events_config=config.kv_events_config
     )

@@ -8,6 +8,7 @@ own router talk to it exactly as they talk to SGLang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -56,6 +57,7 @@ class SimEngineApp:
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
+        r.add_post("/import_kv", self.import_kv)
         r.add_get("/v1/models", self.models)
         OpenAIRoutes(engine, info.model).add_to(self.app)
 
@@ -98,6 +100,21 @@ class SimEngineApp:
             return _bad("rid must be a string")
         self.engine.abort(rid)
         return web.Response(text="")
+
+    async def import_kv(self, request: web.Request) -> web.Response:
+        """Not an SGLang endpoint: PD disaggregation for the simulated engine. SGLang moves KV
+        engine to engine (its PD bootstrap / NIXL); here the decode side imports the pages and
+        answers after the modelled transfer time."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _bad(f"body is not JSON: {err}")
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return _bad("input_ids must be a list of non-negative integers")
+        pages, seconds = self.engine.import_kv(ids)
+        await asyncio.sleep(seconds / self.engine.speedup)
+        return web.json_response({"imported_pages": pages, "transfer_s": seconds})
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(

@@ -24,6 +24,7 @@ from thunderagent.schemas import (
     AbortRequest,
     Ack,
     FinalReply,
+    KvTransfer,
     LoadReport,
     Preempted,
     WorkerGenerate,
@@ -119,6 +120,12 @@ class WorkerAdapter:
         )
         await self.bus.subscribe(
             subjects.worker_abort(self.config.worker_id), AbortRequest, self.on_abort
+        )
+        await self.bus.subscribe(
+            subjects.worker_kv_import(self.config.worker_id),
+            KvTransfer,
+            self.on_kv_import,
+            concurrent=True,
         )
         kv = await workers_bucket(self.bus)
         events = await self._kv_event_source()
@@ -239,6 +246,17 @@ class WorkerAdapter:
             self.running.pop(rid, None)
         if final is not None:
             self._count(final, work.request.model)
+
+    async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
+        """PD: the decode side takes over a prefilled prompt's KV before its continuation."""
+        try:
+            result = await self.engine.import_kv(transfer.token_ids)
+            answer = Ack(accepted=True)
+            log.debug("imported %s pages for %s", result.get("imported_pages"), transfer.request_id)
+        except (TimeoutError, EngineError, OSError) as err:
+            answer = Ack(accepted=False, reason=f"KV import failed: {err}")
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, answer)
 
     async def on_abort(self, abort: AbortRequest, delivery: Delivery) -> None:
         """Preemption: stop the run without telling the client, hand back what it produced."""

@@ -61,6 +61,17 @@ class EngineClient:
                 raise EngineError(resp.status, await resp.text())
             return await resp.json(content_type=None)
 
+    async def import_kv(self, token_ids: list[int]) -> dict:
+        """PD: import a prompt's KV (the simulated engine's ``/import_kv``)."""
+        body = _encode({"input_ids": token_ids})
+        headers = {"Content-Type": "application/json"}
+        async with self.session.post(
+            self.base_url + "/import_kv", data=body, headers=headers
+        ) as resp:
+            if resp.status != 200:
+                raise EngineError(resp.status, (await resp.text())[:300])
+            return await resp.json()
+
     async def abort(self, rid: str) -> bool:
         """Best effort ``/abort_request``; False when the engine refused or is unreachable."""
         try:

@@ -13,12 +13,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from thunderagent.bus import Bus
+import msgspec
+
+from thunderagent.bus import Bus, BusError
 from thunderagent.schemas import (
+    Ack,
     ErrorCode,
     ErrorReply,
     FinalReply,
     FinishReason,
+    KvTransfer,
     RequestProgress,
     TokenChunk,
     Usage,
@@ -71,6 +75,8 @@ class Generation:
     async def run(self) -> FinalReply | None:
         self.task = asyncio.current_task()
         try:
+            if self.work.decode_worker and self.work.request.max_tokens > 1:
+                return await self._prefill_then_hand_off()
             return await self._run()
         except asyncio.CancelledError:
             if not self.preempted:
@@ -108,6 +114,59 @@ class Generation:
         await self.bus.publish(subjects.COMPLETIONS, final)
         await self._progress("finished")
         return final
+
+    async def _prefill_then_hand_off(self) -> FinalReply | None:
+        """PD disaggregation: prefill here up to the first token, move the KV to the decode
+        worker, hand it the rest as a continuation (the client's stream goes on from there).
+        If the transfer or the hand-off fails, the rest runs here instead: slower, not lost."""
+        req = self.work.request
+        decode = self.work.decode_worker
+        first: list[int] = []
+        try:
+            prefill = {**_sampling(req), "max_new_tokens": 1}
+            async for chunk in self.engine.generate(self.engine_rid, req.token_ids or [], prefill):
+                if chunk.new_token_ids:
+                    if not self.started:
+                        self.started = True
+                        await self._progress("started")
+                    if req.stream:
+                        await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
+                    first.extend(chunk.new_token_ids)
+                    self.output.extend(chunk.new_token_ids)
+        except (TimeoutError, EngineError, OSError) as err:
+            await self._fail(err)
+            return None
+        context = [*(req.token_ids or []), *first]
+        rest = self._continuation(context, len(first))
+        transfer = KvTransfer(
+            request_id=self.request_id, token_ids=context, source_worker=self.worker_id
+        )
+        try:
+            ack = await self.bus.request(
+                subjects.worker_kv_import(decode), transfer, Ack, timeout=30
+            )
+            await self._progress("transferred")
+            if ack.accepted:
+                ack = await self.bus.request(subjects.worker_generate(decode), rest, Ack, timeout=5)
+            if ack.accepted:
+                return None  # the decode worker answers the client from here
+            log.warning("PD hand-off of %s to %s refused: %s", self.request_id, decode, ack.reason)
+        except BusError as err:
+            log.warning("PD hand-off of %s to %s failed: %s", self.request_id, decode, err)
+            await self._progress("transferred")  # no transfer in flight any more
+        return await Generation(rest, self.worker_id, self.bus, self.engine).run()
+
+    def _continuation(self, context: list[int], generated: int) -> WorkerGenerate:
+        req = self.work.request
+        return WorkerGenerate(
+            request=msgspec.structs.replace(
+                req, token_ids=context, max_tokens=req.max_tokens - generated
+            ),
+            reply_subject=self.work.reply_subject,
+            predicted_cached_tokens=self.work.predicted_cached_tokens,
+            attempt=self.work.attempt,
+            output_offset=self.work.output_offset + generated,
+        )
 
     def _chunk(self, chunk) -> TokenChunk:
         return TokenChunk(
