@@ -20,8 +20,8 @@ from opentelemetry import trace
 from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
+from thunderagent.prefix_index.inflight import InflightPrefixes
 from thunderagent.registry import WorkerRegistry, WorkerState
-from thunderagent.router.inflight import InflightPrefixes
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router.verification import Routed, Verifier
 from thunderagent.routing import RouteQuery, get_policy

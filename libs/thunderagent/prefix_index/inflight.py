@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.prefix_index import PrefixIndex
+from thunderagent.prefix_index.index import PrefixIndex
 
 INFLIGHT_TTL_S = 30.0
 """Long enough for a queued request's prefill to finish and its events to arrive; short enough
