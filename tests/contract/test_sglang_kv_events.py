@@ -437,21 +437,21 @@ def recorder_module(
     return load_event_recorder(Path(build_dir))
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
-def test_block_hashes_equal_sglang_recorder(recorder_module: ModuleType, page_size: int) -> None:
-    rng = random.Random(page_size)
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+def test_block_hashes_equal_sglang_recorder(recorder_module: ModuleType, block_size: int) -> None:
+    rng = random.Random(block_size)
     for salt in (None, "tenant-7"):
         root = FakeNode(FakeKey([], cache_salt=salt), None, hash_value=[])
         parent, prior = root, (w.sglang_salt_parent(salt) if salt else None)
-        recorder = recorder_module.KVCacheEventRecorder(enabled=True, page_size=page_size)
-        for depth in range(4):  # a chain root -> a -> b -> c -> d, each node page-aligned
+        recorder = recorder_module.KVCacheEventRecorder(enabled=True, page_size=block_size)
+        for depth in range(4):  # a chain root -> a -> b -> c -> d, each node block-aligned
             top = 2**40 if depth == 2 else 150_000  # one node with wide (> uint32) token ids
-            tokens = [rng.randrange(top) for _ in range(page_size * rng.randint(1, 5))]
+            tokens = [rng.randrange(top) for _ in range(block_size * rng.randint(1, 5))]
             node = FakeNode(FakeKey(tokens, cache_salt=salt), parent)
             recorder.record_store(node)
             recorder.record_remove(node)
             stored, removed = recorder.take()
-            digests = w.sglang_page_digests(tokens, page_size, prior)
+            digests = w.sglang_block_digests(tokens, block_size, prior)
             ours = [w.digest_to_int64(d) for d in digests]
             assert stored.block_hashes == ours
             assert stored.parent_block_hash == (
@@ -462,17 +462,17 @@ def test_block_hashes_equal_sglang_recorder(recorder_module: ModuleType, page_si
             parent, prior = node, digests[-1]
 
 
-def test_page_digests_equal_sglang_native(recorder_module: ModuleType) -> None:
+def test_block_digests_equal_sglang_native(recorder_module: ModuleType) -> None:
     get_hash_str = recorder_module.compute_node_hash_values.__globals__["get_hash_str"]
     hash_str_to_int64 = recorder_module.compute_node_hash_values.__globals__["hash_str_to_int64"]
     rng = random.Random(9)
     for _ in range(200):
-        page_size = rng.choice((1, 2, 3, 16, 32))
+        block_size = rng.choice((1, 2, 3, 16, 32))
         tokens = [rng.randrange(2**32) for _ in range(rng.randrange(0, 130))]
         prior = rng.choice((None, rng.randbytes(32)))
-        theirs = get_hash_str(tokens, prior.hex() if prior else None, page_size=page_size)
-        ours = w.sglang_page_digests(tokens, page_size, prior)
-        assert [d.hex() for d in ours] == theirs  # partial last pages included
+        theirs = get_hash_str(tokens, prior.hex() if prior else None, page_size=block_size)
+        ours = w.sglang_block_digests(tokens, block_size, prior)
+        assert [d.hex() for d in ours] == theirs  # partial last blocks included
         assert [hash_str_to_int64(h) for h in theirs] == w.sglang_block_hashes(
-            tokens, page_size, prior
+            tokens, block_size, prior
         )

@@ -14,9 +14,9 @@ from aiohttp import web
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
-from thunderagent.runtime import ServiceContext
-from thunderagent.runtime.fleet import workers_bucket
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+from thunderagent.shell import ServiceContext
+from thunderagent.shell.fleet import workers_bucket
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 from thunderagent.telemetry import Telemetry
@@ -76,7 +76,7 @@ class InprocStack:
         worker_id: str,
         *,
         profile: str = "tiny",
-        page_size: int = 16,
+        block_size: int = 16,
         speedup: float = 1.0,
         kv_events: bool = True,
         port: int | None = None,
@@ -98,11 +98,11 @@ class InprocStack:
             )
         publisher = ZmqKvEventPublisher.from_cli(events_config) if kv_events else None
         engine = EngineDriver(
-            get_profile(profile).with_engine(page_size=page_size, host_blocks=host_blocks),
+            get_profile(profile).with_engine(block_size=block_size, host_blocks=host_blocks),
             publisher=publisher,
             speedup=speedup,
         )
-        info = EngineInfo(model=MODEL, page_size=engine.page_size, kv_events_config=events_config)
+        info = EngineInfo(model=MODEL, block_size=engine.block_size, kv_events_config=events_config)
         app = SimEngineApp(engine, info).app
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -111,19 +111,19 @@ class InprocStack:
         self._runners.append(runner)
         self.engines[worker_id] = engine
         self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
-        self._engine_setup[worker_id] = (runner, port, events_config, profile, page_size, speedup)
+        self._engine_setup[worker_id] = (runner, port, events_config, profile, block_size, speedup)
         return self.engine_urls[worker_id]
 
     async def restart_engine(self, worker_id: str) -> None:
         """Stop the engine and start a fresh one on the same HTTP and ZMQ addresses."""
-        runner, port, events_config, profile, page_size, speedup = self._engine_setup[worker_id]
+        runner, port, events_config, profile, block_size, speedup = self._engine_setup[worker_id]
         await runner.cleanup()
         self._runners.remove(runner)
         await self.engines[worker_id].close()
         await self.start_engine(
             worker_id,
             profile=profile,
-            page_size=page_size,
+            block_size=block_size,
             speedup=speedup,
             kv_events=events_config is not None,
             port=port,

@@ -84,7 +84,7 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
         await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
                                speedup=50)  # fmt: skip
         client = await routable(nats_server.url, 3)
-        prefix = conversation(1, 12)  # 192 tokens, 12 full pages
+        prefix = conversation(1, 12)  # 192 tokens, 12 full blocks
         first = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
         )
@@ -179,13 +179,13 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
 
 async def test_host_tier_blocks_reach_the_router_as_host_only(nats_server):
     async with inproc_stack(nats_server.url) as stack:
-        # tiny profile: 32 GPU pages of 16 tokens; 64 more pages in host memory
+        # tiny profile: 32 GPU blocks of 16 tokens; 64 more blocks in host memory
         await start_full_stack(stack, workers=1, policy="thunder", profile="tiny", host_blocks=64)
         router = await start_router(stack, "router-tiers", None)
         client = await routable(nats_server.url, 1)
         first = conversation(7, 8)
         await client.generate(GenerateRequest(model=MODEL, token_ids=first, max_tokens=2))
-        for s in range(20, 26):  # other prompts push the first one's pages out of the GPU
+        for s in range(20, 26):  # other prompts push the first one's blocks out of the GPU
             await client.generate(
                 GenerateRequest(model=MODEL, token_ids=conversation(s, 8), max_tokens=2)
             )

@@ -62,7 +62,7 @@ async def test_repeated_prompt_reports_cached_tokens(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=1)
         client = await _routable_client(stack, nats_server.url)
-        prompt = list(range(10, 10 + 100))  # 6 full pages of 16, 4 tokens left over
+        prompt = list(range(10, 10 + 100))  # 6 full blocks of 16, 4 tokens left over
         first = await client.generate(GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=2))
         second = await client.generate(GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=2))
         await client.close()

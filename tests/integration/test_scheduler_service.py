@@ -121,7 +121,7 @@ async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other
         sched = stack.services["scheduler"].runtime
         # the scheduler learns the roles from the load reports
         await wait_for(lambda: len(sched.core.admission.workers) == 2, what="both workers' rooms")
-        prompt = list(range(1000, 1000 + 160))  # 10 full pages
+        prompt = list(range(1000, 1000 + 160))  # 10 full blocks
         chunks, final, _ = await collect(
             client, GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=12)
         )

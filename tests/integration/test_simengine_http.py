@@ -28,7 +28,7 @@ async def sse(resp) -> list[dict]:
 async def test_generate_info_load_and_flush(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         url = await stack.start_engine("e0", kv_events=False)
-        prompt = list(range(10, 10 + 40))  # 2 full pages of 16
+        prompt = list(range(10, 10 + 40))  # 2 full blocks of 16
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5}}
         async with aiohttp.ClientSession() as s:
             async with s.post(url + "/generate", json=body) as r:
@@ -58,7 +58,7 @@ async def test_generate_info_load_and_flush(nats_server):
     assert (meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"]) == (40, 0, 5)
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert len(first["output_ids"]) == 5 and first["text"]
-    assert chunks[-1]["meta_info"]["cached_tokens"] == 32  # the first request cached 2 pages
+    assert chunks[-1]["meta_info"]["cached_tokens"] == 32  # the first request cached 2 blocks
     assert chunks[-1]["output_ids"] == first["output_ids"]  # cumulative, as SGLang streams
     assert [len(c["output_ids"]) for c in chunks] == sorted(len(c["output_ids"]) for c in chunks)
     assert by_text["meta_info"]["id"] == "x" and by_text["meta_info"]["prompt_tokens"] == 8

@@ -1,7 +1,7 @@
 """Simulated engine core: roofline timing, paged prefix cache, continuous batching, virtual time.
 
 Pure logic: no asyncio, sockets or clocks. The wall-clock HTTP shell and the replay benchmarks
-drive ``EngineCore`` (one engine) or ``Simulator`` (many engines in virtual time).
+drive ``EngineCore``: one engine in wall time, many in virtual time (``thunderagent.replay``).
 """
 
 from thunderagent.engine.core import (
@@ -16,7 +16,6 @@ from thunderagent.engine.events import AllCleared, CacheEvent, Medium, Removed, 
 from thunderagent.engine.prefix_cache import Match, PrefixCache
 from thunderagent.engine.profiles import PRESETS, Profile, get_profile
 from thunderagent.engine.timing import TimingModel
-from thunderagent.engine.vtime import RequestRecord, Simulator, round_robin
 
 __all__ = [
     "PRESETS",
@@ -31,12 +30,9 @@ __all__ = [
     "Profile",
     "Removed",
     "Request",
-    "RequestRecord",
-    "Simulator",
     "StepOutcome",
     "Stored",
     "TimingModel",
     "derived_key",
     "get_profile",
-    "round_robin",
 ]

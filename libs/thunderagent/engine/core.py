@@ -9,12 +9,12 @@ One ``step(now)`` is one engine iteration, planned as SGLang's scheduler does by
 * otherwise a decode batch: one token for every running request.
 
 Cache behaviour follows SGLang's radix cache: a request's prefix hit is pinned at admission;
-the full pages of every prefill chunk are inserted (and pinned) when the chunk ends, so other
-requests can hit them at once; on finish the full pages of prompt + output are inserted and
-everything is unpinned. Output pages have no caller key: their key is derived by chaining
-``xxh3_64(f"{parent_key}/{request_id}/{page_index}")``, so they are reusable only by a retried
-run of the same request. When a decode step finds no free page, the request with the fewest
-generated tokens (longest prompt on ties) is retracted: its pages are released (what it
+the full blocks of every prefill chunk are inserted (and pinned) when the chunk ends, so other
+requests can hit them at once; on finish the full blocks of prompt + output are inserted and
+everything is unpinned. Output blocks have no caller key: their key is derived by chaining
+``xxh3_64(f"{parent_key}/{request_id}/{block_index}")``, so they are reusable only by a retried
+run of the same request. When a decode step finds no free block, the request with the fewest
+generated tokens (longest prompt on ties) is retracted: its blocks are released (what it
 inserted stays cached), and it re-queues at the front keeping its generated tokens, which are
 re-prefilled with the prompt later.
 
@@ -38,12 +38,12 @@ from thunderagent.engine.timing import TimingModel
 
 @dataclass(slots=True)
 class Request:
-    """What the engine is asked to run. ``block_keys``: one chained key per full prompt page,
-    optionally followed by keys of output pages (with ``token_ids`` holding prompt + output)."""
+    """What the engine is asked to run. ``block_hashes``: one chained key per full prompt block,
+    optionally followed by keys of output blocks (with ``token_ids`` holding prompt + output)."""
 
     request_id: str
     prompt_len: int
-    block_keys: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     max_new_tokens: int = 16
     token_ids: list[int] | None = None
 
@@ -104,9 +104,9 @@ class _Seq:
     target: int
     """Tokens to prefill: prompt, plus generated tokens after a retraction."""
     held: int = 0
-    """Leading pages pinned in the cache."""
+    """Leading blocks pinned in the cache."""
     private: int = 0
-    """Pages reserved in the pool and not (yet) in the cache."""
+    """Blocks reserved in the pool and not (yet) in the cache."""
     computed: int = 0
     """Tokens whose KV exists."""
     generated: int = 0
@@ -115,7 +115,7 @@ class _Seq:
 
 
 def derived_key(parent: int | None, request_id: str, index: int) -> int:
-    """Key of a page the caller gave no key for (output pages), chained on its parent."""
+    """Key of a block the caller gave no key for (output blocks), chained on its parent."""
     return xxhash.xxh3_64_intdigest(f"{parent}/{request_id}/{index}".encode())
 
 
@@ -124,7 +124,7 @@ class EngineCore:
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
-        self.page = profile.engine.page_size
+        self.block_size = profile.engine.block_size
         self.timing = TimingModel(profile)
         self.cache = PrefixCache(profile.capacity_blocks, profile.engine.host_blocks)
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -141,11 +141,11 @@ class EngineCore:
         total = request.prompt_len + request.max_new_tokens
         if request.prompt_len <= 0 or request.max_new_tokens <= 0:
             raise ValueError(f"request {request.request_id!r}: empty prompt or output")
-        if total > self.cache.capacity * self.page:
+        if total > self.cache.capacity * self.block_size:
             return FinishedRequest(request.request_id, request.prompt_len, 0, 0, 0, "rejected")
-        # Keys past the prompt name output pages, when the caller knows its output (the HTTP
-        # shell's deterministic output); otherwise output page keys are derived.
-        keys = list(request.block_keys[: total // self.page])
+        # Keys past the prompt name output blocks, when the caller knows its output (the HTTP
+        # shell's deterministic output); otherwise output block keys are derived.
+        keys = list(request.block_hashes[: total // self.block_size])
         seq = _Seq(req=request, arrival=now, keys=keys, target=request.prompt_len)
         self._seqs[request.request_id] = seq
         self._waiting.append(seq)
@@ -154,10 +154,10 @@ class EngineCore:
     def abort(
         self, request_id: str, now: float, *, keep_cache: bool = False
     ) -> FinishedRequest | None:
-        """Drop a request wherever it is and free its pages.
+        """Drop a request wherever it is and free its blocks.
 
         ``keep_cache=False`` (a client abort): nothing more is inserted. ``keep_cache=True`` (a
-        scheduler preemption): the full pages of everything computed so far, prompt and output,
+        scheduler preemption): the full blocks of everything computed so far, prompt and output,
         are inserted first, as a finished request's are, so a continuation of the same request
         id (prompt + generated tokens) finds them cached; they stay evictable like any cache.
         """
@@ -171,17 +171,17 @@ class EngineCore:
         else:
             self._running.pop(request_id, None)
         if keep_cache and seq.computed:
-            self._insert_full_pages(seq)
+            self._insert_full_blocks(seq)
         self._free(seq)
         return self._record(seq, "abort")
 
-    def import_blocks(self, block_keys: list[int], token_ids: list[int] | None = None) -> int:
-        """KV pages that arrived from another engine (PD disaggregation: the prefill worker's
-        pages of a prompt, chained from the root) become cached here, unpinned, evicting LRU
-        leaves for room; Stored events come out of the next ``step``. Returns pages now cached
-        (a prefix of ``block_keys``; the rest did not fit)."""
-        n = self.cache.insert(list(block_keys), None, token_ids, page_size=self.page)
-        self.cache.release(list(block_keys[:n]))
+    def import_blocks(self, block_hashes: list[int], token_ids: list[int] | None = None) -> int:
+        """KV blocks that arrived from another engine (PD disaggregation: the prefill worker's
+        blocks of a prompt, chained from the root) become cached here, unpinned, evicting LRU
+        leaves for room; Stored events come out of the next ``step``. Returns blocks now cached
+        (a prefix of ``block_hashes``; the rest did not fit)."""
+        n = self.cache.insert(list(block_hashes), None, token_ids, block_size=self.block_size)
+        self.cache.release(list(block_hashes[:n]))
         return n
 
     def flush(self, now: float) -> bool:
@@ -264,22 +264,22 @@ class EngineCore:
 
     def _admit(self, seq: _Seq) -> int:
         """Pin the cached prefix (loading host-tier blocks); returns blocks loaded."""
-        usable = self._keys(seq, (seq.target - 1) // self.page)
+        usable = self._keys(seq, (seq.target - 1) // self.block_size)
         match = self.cache.match(usable)
         self.cache.acquire(usable[: match.gpu])
         loaded = 0
         if match.host:
             loaded = self.cache.load(usable[match.gpu : match.gpu + match.host])
         seq.held = match.gpu + loaded
-        seq.computed = seq.held * self.page
+        seq.computed = seq.held * self.block_size
         return loaded
 
     def _chunk(self, seq: _Seq, budget: int) -> int:
-        """Tokens of ``seq`` to prefill now within ``budget``, with their pages reserved."""
+        """Tokens of ``seq`` to prefill now within ``budget``, with their blocks reserved."""
         n = min(budget, seq.target - seq.computed)
         if n <= 0:
             return 0
-        need = -(-(seq.computed + n) // self.page) - seq.held - seq.private
+        need = -(-(seq.computed + n) // self.block_size) - seq.held - seq.private
         if need > 0 and not self.cache.reserve(need):
             return 0
         seq.private += max(need, 0)
@@ -287,7 +287,7 @@ class EngineCore:
 
     def _end_chunk(self, seq: _Seq, n: int, out: StepOutcome) -> None:
         seq.computed += n
-        self._insert_full_pages(seq)
+        self._insert_full_blocks(seq)
         if seq.computed < seq.target:
             return
         self._prefilling.remove(seq)
@@ -323,9 +323,9 @@ class EngineCore:
             self._emit(seq, k, out)
 
     def _grow(self, seqs: list[_Seq], k: int) -> bool:
-        """Reserve the pages ``k`` more decode tokens need, all or nothing."""
-        page = self.page
-        needs = [-(-(s.computed + k) // page) - s.held - s.private for s in seqs]
+        """Reserve the blocks ``k`` more decode tokens need, all or nothing."""
+        block = self.block_size
+        needs = [-(-(s.computed + k) // block) - s.held - s.private for s in seqs]
         total = sum(n for n in needs if n > 0)
         if total and not self.cache.reserve(total):
             return False
@@ -352,28 +352,28 @@ class EngineCore:
         if seq.generated < seq.req.max_new_tokens:
             return
         self._running.pop(rid, None)
-        self._insert_full_pages(seq)
+        self._insert_full_blocks(seq)
         self._free(seq)
         del self._seqs[rid]
         out.finished.append(self._record(seq, "length"))
 
-    def _insert_full_pages(self, seq: _Seq) -> None:
-        """Move the request's full private pages into the cache (SGLang's cache_*_req)."""
-        full = seq.computed // self.page
+    def _insert_full_blocks(self, seq: _Seq) -> None:
+        """Move the request's full private blocks into the cache (SGLang's cache_*_req)."""
+        full = seq.computed // self.block_size
         if full <= seq.held:
             return
         keys = self._keys(seq, full)[seq.held : full]
         parent = seq.keys[seq.held - 1] if seq.held else None
         tokens = None
         token_ids = seq.req.token_ids
-        if token_ids is not None and full * self.page <= len(token_ids):
-            tokens = token_ids[seq.held * self.page : full * self.page]
-        self.cache.insert(keys, parent, tokens, reserved=True, page_size=self.page)
+        if token_ids is not None and full * self.block_size <= len(token_ids):
+            tokens = token_ids[seq.held * self.block_size : full * self.block_size]
+        self.cache.insert(keys, parent, tokens, reserved=True, block_size=self.block_size)
         seq.private -= len(keys)
         seq.held = full
 
     def _keys(self, seq: _Seq, n: int) -> list[int]:
-        """The first ``n`` page keys of ``seq``, deriving keys the caller did not give."""
+        """The first ``n`` block keys of ``seq``, deriving keys the caller did not give."""
         keys = seq.keys
         rid = seq.req.request_id
         while len(keys) < n:

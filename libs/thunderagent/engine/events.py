@@ -2,7 +2,7 @@
 AllBlocksCleared), as plain records.
 
 Another layer encodes them to SGLang's msgpack wire format; keeping them plain here keeps the
-engine core free of any wire library. ``token_ids`` is flat (as on SGLang's wire): ``page_size``
+engine core free of any wire library. ``token_ids`` is flat (as on SGLang's wire): ``block_size``
 ids per stored block, or None when the caller gave no token ids (trace replay).
 """
 
@@ -22,10 +22,10 @@ class Medium(StrEnum):
 
 @dataclass(slots=True)
 class Stored:
-    """Blocks became cached on ``medium``; ``block_keys[0]``'s parent is ``parent_key``."""
+    """Blocks became cached on ``medium``; ``block_hashes[0]``'s parent is ``parent_key``."""
 
     kind: ClassVar[str] = "stored"
-    block_keys: list[int]
+    block_hashes: list[int]
     parent_key: int | None
     token_ids: list[int] | None
     medium: Medium = Medium.GPU
@@ -36,7 +36,7 @@ class Removed:
     """Blocks left ``medium`` (evicted, or demoted to the host tier)."""
 
     kind: ClassVar[str] = "removed"
-    block_keys: list[int]
+    block_hashes: list[int]
     medium: Medium = Medium.GPU
 
 

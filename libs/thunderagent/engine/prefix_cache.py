@@ -8,8 +8,8 @@ Invariants
   first); a host block's parent is on the GPU or the host.
 * Only unreferenced leaves are evicted, least recently used first (a parent is touched whenever
   a child is, so it never looks older than its children).
-* The GPU pool holds cached blocks plus ``reserved`` blocks: pages owned privately by running
-  requests (partial pages, chunks not yet inserted, generated tokens).
+* The GPU pool holds cached blocks plus ``reserved`` blocks: blocks owned privately by running
+  requests (partial blocks, chunks not yet inserted, generated tokens).
   ``gpu_blocks + reserved <= capacity`` always.
 * Events are emitted exactly when the contents change, so replaying them rebuilds the contents.
 
@@ -38,7 +38,7 @@ class _Block:
     gpu_children: int = 0
     stamp: int = 0
     tokens: list[int] | None = None
-    """The page's token ids when the caller gave them: SGLang's events carry them on every
+    """The block's token ids when the caller gave them: SGLang's events carry them on every
     store, tier moves included, and a subscriber re-hashing tokens needs them there too."""
 
 
@@ -131,7 +131,7 @@ class PrefixCache:
 
     # ---- pool ----------------------------------------------------------------------------
     def reserve(self, n: int) -> bool:
-        """Take ``n`` private pages, evicting LRU leaves if needed; all or nothing."""
+        """Take ``n`` private blocks, evicting LRU leaves if needed; all or nothing."""
         short = n - self.free
         if short > 0:
             self.evict(short)
@@ -175,33 +175,33 @@ class PrefixCache:
         token_ids: list[int] | None = None,
         *,
         reserved: bool = False,
-        page_size: int = 0,
+        block_size: int = 0,
     ) -> int:
         """Insert a chain of blocks under ``parent_key`` and pin every one of them.
 
-        ``reserved=True``: the caller holds one reserved page per key; new or promoted blocks
+        ``reserved=True``: the caller holds one reserved block per key; new or promoted blocks
         take it over and duplicates give it back. ``reserved=False``: room is made by eviction,
         and insertion stops at the first block that does not fit. Returns blocks inserted and
-        pinned (a prefix of ``keys``). ``token_ids`` is flat, ``page_size`` ids per key.
+        pinned (a prefix of ``keys``). ``token_ids`` is flat, ``block_size`` ids per key.
         """
         if parent_key is not None and self.medium(parent_key) is not Medium.GPU:
             raise ValueError(f"parent {parent_key} is not a GPU block")
         if reserved:
-            self.unreserve(len(keys))  # new blocks take these pages back one by one
+            self.unreserve(len(keys))  # new blocks take these blocks back one by one
         stamp = self._tick()
         self._touch_ancestors(parent_key, stamp)
         parent = parent_key
         for i, key in enumerate(keys):
             block = self._blocks.get(key)
-            needs_page = block is None or block.medium is Medium.CPU_PINNED
-            if needs_page and not reserved:
+            needs_block = block is None or block.medium is Medium.CPU_PINNED
+            if needs_block and not reserved:
                 if not self._room_for_one():
                     return i
                 block = self._blocks.get(key)  # making room may have dropped it from the host
             if block is None:
                 block = self._create(key, parent)
                 tokens = (
-                    None if token_ids is None else token_ids[i * page_size : (i + 1) * page_size]
+                    None if token_ids is None else token_ids[i * block_size : (i + 1) * block_size]
                 )
                 block.tokens = tokens
                 self._emit_stored(key, parent, tokens, Medium.GPU)
@@ -345,7 +345,7 @@ class PrefixCache:
     def _emit_removed(self, key: int, medium: Medium) -> None:
         last = self._events[-1] if self._events else None
         if isinstance(last, Removed) and last.medium is medium:
-            last.block_keys.append(key)
+            last.block_hashes.append(key)
         else:
             self._events.append(Removed([key], medium))
 
@@ -357,10 +357,10 @@ class PrefixCache:
         if (
             isinstance(last, Stored)
             and last.medium is medium
-            and last.block_keys[-1] == parent
+            and last.block_hashes[-1] == parent
             and (last.token_ids is None) == (tokens is None)
         ):
-            last.block_keys.append(key)
+            last.block_hashes.append(key)
             if tokens is not None and last.token_ids is not None:
                 last.token_ids.extend(tokens)
             return

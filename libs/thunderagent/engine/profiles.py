@@ -77,7 +77,7 @@ class Efficiency:
 class EngineSettings:
     """Engine knobs with SGLang's meaning."""
 
-    page_size: int = 16
+    block_size: int = 16
     """Tokens per KV block; the cache key granularity."""
     mem_fraction_static: float = 0.88
     """Share of device memory for weights + KV pool (SGLang's default on large GPUs)."""
@@ -106,11 +106,11 @@ class Profile:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.model.kv_bytes_per_token * self.engine.page_size
+        return self.model.kv_bytes_per_token * self.engine.block_size
 
     @property
     def capacity_blocks(self) -> int:
-        """(gpu_mem * mem_fraction - weight bytes) / (kv bytes per token * page_size)."""
+        """(gpu_mem * mem_fraction - weight bytes) / (kv bytes per token * block_size)."""
         if self.engine.kv_blocks_override is not None:
             return self.engine.kv_blocks_override
         pool = self.gpu.mem_bytes * self.gpu.count * self.engine.mem_fraction_static
@@ -121,10 +121,10 @@ class Profile:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.capacity_blocks * self.engine.page_size
+        return self.capacity_blocks * self.engine.block_size
 
     def with_engine(self, **changes: object) -> Profile:
-        """Copy with some engine settings changed (e.g. ``page_size=512`` for trace replay)."""
+        """Copy with some engine settings changed (e.g. ``block_size=512`` for trace replay)."""
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
 
 
@@ -168,7 +168,7 @@ PRESETS: dict[str, Profile] = {
         gpu=TINY_GPU,
         eff=Efficiency(mfu=0.5, bw_eff=0.5, step_overhead_s=0.001),
         engine=EngineSettings(
-            page_size=4, chunked_prefill_size=32, max_running_requests=8, kv_blocks_override=32
+            block_size=4, chunked_prefill_size=32, max_running_requests=8, kv_blocks_override=32
         ),
     ),
     "llama-3.1-8b-h100": Profile(
@@ -176,14 +176,14 @@ PRESETS: dict[str, Profile] = {
         model=LLAMA_31_8B,
         gpu=H100_SXM,
         eff=Efficiency(mfu=0.5, bw_eff=0.8, step_overhead_s=0.0005),
-        engine=EngineSettings(page_size=16, chunked_prefill_size=8192, max_running_requests=1024),
+        engine=EngineSettings(block_size=16, chunked_prefill_size=8192, max_running_requests=1024),
     ),
     "llama-3.1-70b-h200-tp2": Profile(
         name="llama-3.1-70b-h200-tp2",
         model=LLAMA_31_70B,
         gpu=dataclasses.replace(H200, count=2),
         eff=Efficiency(mfu=0.5, bw_eff=0.75, step_overhead_s=0.001),
-        engine=EngineSettings(page_size=16, chunked_prefill_size=8192, max_running_requests=1024),
+        engine=EngineSettings(block_size=16, chunked_prefill_size=8192, max_running_requests=1024),
     ),
 }
 

@@ -2,7 +2,7 @@
 
 Scheme (version 1, pinned by known-answer tests in ``tests/unit/hashing``):
 
-* Token ids are packed as uint32 little-endian; ``page_size`` tokens make a block. A partial last
+* Token ids are packed as uint32 little-endian; ``block_size`` tokens make a block. A partial last
   block is not hashed (it cannot be cached by a paged engine, so it cannot be routed on).
 * Root seeds come from the namespace (LoRA id, cache namespace, model...)::
 
@@ -30,7 +30,7 @@ Scheme (version 1, pinned by known-answer tests in ``tests/unit/hashing``):
 Why one-shot seeded calls over a memoryview instead of one streaming xxh3 state: measured here, a
 seeded ``xxh3_64_intdigest`` per block over a zero-copy memoryview slice is ~20 % faster than
 updating a streaming state and reading ``intdigest()`` (7 M vs 5.8 M blocks/s with both hashes,
-16-token pages), and it keeps the (parent, block) → hash property above, which a state over the
+16-token blocks), and it keeps the (parent, block) → hash property above, which a state over the
 whole prefix does not have. No block is ever copied into new bytes.
 """
 
@@ -142,25 +142,25 @@ class BlockHasher:
     """Hashes token ids (or block ids) into chained (primary, check) block hashes.
 
     Stateless after construction apart from the two root seeds, so one instance per
-    (page_size, namespace) is shared by every request of a model.
+    (block_size, namespace) is shared by every request of a model.
     """
 
-    __slots__ = ("_step", "namespace", "page_size", "root")
+    __slots__ = ("_step", "block_size", "namespace", "root")
 
-    def __init__(self, page_size: int, namespace: int | str = 0) -> None:
-        if not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        self.page_size = page_size
+    def __init__(self, block_size: int, namespace: int | str = 0) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
         self.namespace = namespace
         self.root: tuple[BlockHash, CheckHash] = namespace_roots(namespace)
-        self._step = page_size * TOKEN_BYTES
+        self._step = block_size * TOKEN_BYTES
 
     def __repr__(self) -> str:
-        return f"BlockHasher(page_size={self.page_size}, namespace={self.namespace!r})"
+        return f"BlockHasher(block_size={self.block_size}, namespace={self.namespace!r})"
 
     def num_blocks(self, num_tokens: int) -> int:
         """Full blocks in ``num_tokens`` tokens (the partial tail is never hashed)."""
-        return num_tokens // self.page_size
+        return num_tokens // self.block_size
 
     def hash_tokens(
         self,

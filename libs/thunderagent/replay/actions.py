@@ -5,7 +5,7 @@ carries out what ``Scheduler.poll`` returns, as ``thunderagent/scheduling/README
 
 * ``Dispatch``: the request goes to the chosen worker's engine; with a decode worker it is a PD
   run (``pd.py``): prefill with one output token, KV transfer, decode on the other worker.
-* ``Preempt``: the run is aborted keeping its computed pages cached, and a continuation (prompt +
+* ``Preempt``: the run is aborted keeping its computed blocks cached, and a continuation (prompt +
   generated tokens, same id, original arrival) is re-routed and re-submitted.
 * ``Reject``: the request ends rejected.
 
@@ -76,7 +76,7 @@ class SchedulerActions:
         request = Request(
             request_id=rec.request_id,
             prompt_len=rec.prompt_tokens + generated,
-            block_keys=primary,
+            block_hashes=primary,
             max_new_tokens=new_tokens,
         )
         self._add(rec, w, request, t)
@@ -146,7 +146,7 @@ class SchedulerActions:
         request = Request(
             request_id=rid,
             prompt_len=rec.prompt_tokens + rec.completion_tokens,
-            block_keys=primary,
+            block_hashes=primary,
             max_new_tokens=rec.output_tokens - rec.completion_tokens,
         )
         self._add(rec, d, request, t)

@@ -138,9 +138,9 @@ class Replay(SchedulerActions):
     def __init__(self, config: ReplayConfig, block_size: int) -> None:
         self.cfg = config
         self.block_size = block_size
-        if config.profile.engine.page_size != block_size:
+        if config.profile.engine.block_size != block_size:
             raise ValueError(
-                f"profile page_size {config.profile.engine.page_size} != block size {block_size}"
+                f"profile block_size {config.profile.engine.block_size} != block size {block_size}"
             )
         try:
             factory = SCHEDULERS[config.scheduler]
@@ -171,7 +171,7 @@ class Replay(SchedulerActions):
         """Wakeups asked for the current instant and moved 1 µs later (see ``_poll``)."""
         self._stalls = 0
         self.index = PrefixIndex(config.index_ttl)
-        self.hasher = BlockHasher(page_size=1)  # block ids are given directly (one per block)
+        self.hasher = BlockHasher(block_size=1)  # block ids are given directly (one per block)
         self.check: dict[int, int] = {}
         self.seq = [0] * n
         self.busy = [0.0] * n
@@ -452,7 +452,7 @@ class Replay(SchedulerActions):
         check = self.check
         for ev in outcome.events:
             if isinstance(ev, Removed):
-                keys = [k for k in ev.block_keys if k in check]
+                keys = [k for k in ev.block_hashes if k in check]
                 if keys:
                     self.index.apply_removed(worker_id, self.seq[w], keys, t)
                     self.seq[w] += 1
@@ -460,9 +460,9 @@ class Replay(SchedulerActions):
                 self.index.clear_worker(worker_id, self.seq[w], t)
                 self.seq[w] += 1
             else:
-                keys = [k for k in ev.block_keys if k in check]
+                keys = [k for k in ev.block_hashes if k in check]
                 if not keys:
-                    continue  # output pages only: no other request can ever match them
+                    continue  # output blocks only: no other request can ever match them
                 parent = ev.parent_key if ev.parent_key in check else None
                 checks = [check[k] for k in keys]
                 self.index.apply_stored(worker_id, self.seq[w], (keys, checks), parent, t)

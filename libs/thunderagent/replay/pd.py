@@ -4,19 +4,19 @@ A ``Dispatch(rid, p, decode_worker=d)`` is modelled in three phases:
 
 1. **prefill** on ``p``: the engine core runs the request with ``max_new_tokens=1``, so its
    prefill (chunked, batched with others, cache hits included) ends with the first token, as a
-   prefill-only SGLang worker does. The finish inserts the prompt's full pages into ``p``'s
+   prefill-only SGLang worker does. The finish inserts the prompt's full blocks into ``p``'s
    cache (the prefill pool keeps its prefix cache). The driver calls ``on_started(rid, p)``.
 2. **transfer**: ``context_tokens * kv_bytes_per_token / link_bytes_per_s`` seconds on ``p``'s
    outgoing link. Each prefill worker has one link (its NIC); transfers out of it go one after
    another, first come first served, so a burst of prefills queues on the link (a decode
    worker's inbound side is not modelled as a bottleneck). ``on_transfer_done(rid, d)`` fires
    when the last byte lands.
-3. **decode** on ``d``: the transferred pages are imported into ``d``'s cache
+3. **decode** on ``d``: the transferred blocks are imported into ``d``'s cache
    (``EngineCore.import_blocks``, which emits Stored events, so prefill and decode share one
    index), then a request for prompt + first token is added there; its admission hits every
-   imported page, so ``d`` only computes the partial last page and the first token's KV (a
+   imported block, so ``d`` only computes the partial last block and the first token's KV (a
    step the size of a decode step) before decoding the rest. If ``d``'s pool is so full that
-   pages were evicted before admission, the miss is re-prefilled on ``d`` (the cost of an
+   blocks were evicted before admission, the miss is re-prefilled on ``d`` (the cost of an
    oversubscribed decode pool, visible in the results).
 
 Pure bookkeeping: phases per request id, the link clock per prefill worker, and each transfer's

@@ -34,16 +34,16 @@ class KvEvent(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_only
 
 
 class BlockStored(KvEvent, tag="BlockStored"):
-    """Pages entered the cache, as one chain: each hash's parent is the previous one."""
+    """Blocks entered the cache, as one chain: each hash's parent is the previous one."""
 
     block_hashes: list[int]
-    """int64 hash per page, in prefix order."""
+    """int64 hash per block, in prefix order."""
     parent_block_hash: int | None
-    """Hash of the page before the first one; None when the chain starts at the root."""
+    """Hash of the block before the first one; None when the chain starts at the root."""
     token_ids: list[int]
-    """All token ids of the stored pages, concatenated."""
+    """All token ids of the stored blocks, concatenated."""
     block_size: int
-    """Token count of the event's pages (SGLang sets it to the page length)."""
+    """Token count of the event's blocks (SGLang sets it to the block length)."""
     lora_id: int | None
     """Always None in SGLang 0.5.23; required on the wire nonetheless."""
     medium: str | None = None
@@ -57,10 +57,10 @@ class BlockStored(KvEvent, tag="BlockStored"):
 
 
 class BlockRemoved(KvEvent, tag="BlockRemoved"):
-    """Pages left a storage tier."""
+    """Blocks left a storage tier."""
 
     block_hashes: list[int]
-    """int64 hashes of the removed pages."""
+    """int64 hashes of the removed blocks."""
     medium: str | None = None
     """Tier they left, one of the `MEDIUM_*` strings."""
 
@@ -105,15 +105,15 @@ _WIDE_TAG: Final = b"\xff"
 _SALT_PREFIX: Final = b"sglang-cache-salt-v1\0"
 
 
-def _page_bytes(page: Sequence[int]) -> tuple[bytes, bool]:
-    """Little-endian token bytes of one page and whether it used the wide (uint64) layout."""
+def _block_bytes(block: Sequence[int]) -> tuple[bytes, bool]:
+    """Little-endian token bytes of one block and whether it used the wide (uint64) layout."""
     try:
-        words = array("I", page)
+        words = array("I", block)
         wide = False
     except OverflowError:
-        if any(t < 0 or t > _I64_MAX for t in page):
+        if any(t < 0 or t > _I64_MAX for t in block):
             raise ValueError("token id must be a non-negative int64") from None
-        words = array("Q", page)
+        words = array("Q", block)
         wide = True
     if words.itemsize != (8 if wide else 4):  # pragma: no cover - exotic C ABI
         raise RuntimeError("unexpected array item size")
@@ -122,24 +122,24 @@ def _page_bytes(page: Sequence[int]) -> tuple[bytes, bool]:
     return words.tobytes(), wide
 
 
-def sglang_page_digests(
-    token_ids: Sequence[int], page_size: int, parent: bytes | None = None
+def sglang_block_digests(
+    token_ids: Sequence[int], block_size: int, parent: bytes | None = None
 ) -> list[bytes]:
-    """SHA-256 digest (32 bytes) of every page, chained: page i hashes digest i-1 first.
+    """SHA-256 digest (32 bytes) of every block, chained: block i hashes digest i-1 first.
 
-    A page is `digest(parent) || tokens`, tokens as uint32 little-endian; a page holding a
+    A block is `digest(parent) || tokens`, tokens as uint32 little-endian; a block holding a
     token id above 2**32-1 is hashed as `digest(parent) || 0xff || tokens as uint64 LE`.
-    The first page of a chain hashes its tokens alone when `parent` is None. The last page
-    may be shorter than `page_size` and is hashed as it is.
+    The first block of a chain hashes its tokens alone when `parent` is None. The last block
+    may be shorter than `block_size` and is hashed as it is.
     """
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     if parent is not None and len(parent) != 32:
         raise ValueError("parent must be a 32-byte SHA-256 digest")
     digests: list[bytes] = []
     prior = parent
-    for start in range(0, len(token_ids), page_size):
-        data, wide = _page_bytes(token_ids[start : start + page_size])
+    for start in range(0, len(token_ids), block_size):
+        data, wide = _block_bytes(token_ids[start : start + block_size])
         h = hashlib.sha256()
         if prior is not None:
             h.update(prior)
@@ -152,19 +152,19 @@ def sglang_page_digests(
 
 
 def digest_to_int64(digest: bytes) -> int:
-    """The event hash of a page: its digest's first 8 bytes, big-endian, as a signed int64."""
+    """The event hash of a block: its digest's first 8 bytes, big-endian, as a signed int64."""
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def sglang_block_hashes(
-    token_ids: Sequence[int], page_size: int, parent: bytes | None = None
+    token_ids: Sequence[int], block_size: int, parent: bytes | None = None
 ) -> list[int]:
-    """The int64 `block_hashes` SGLang publishes for these pages (no LoRA namespace).
+    """The int64 `block_hashes` SGLang publishes for these blocks (no LoRA namespace).
 
-    `parent` is the full 32-byte digest of the page before `token_ids[0]` (the chain links
+    `parent` is the full 32-byte digest of the block before `token_ids[0]` (the chain links
     through digests, never through the int64), None for a prefix starting at the root.
     """
-    return [digest_to_int64(d) for d in sglang_page_digests(token_ids, page_size, parent)]
+    return [digest_to_int64(d) for d in sglang_block_digests(token_ids, block_size, parent)]
 
 
 def sglang_salt_parent(cache_salt: str) -> bytes:

@@ -38,18 +38,18 @@ class MirrorStats:
     unknown_removals: int = 0
     """Removed hashes the mirror did not hold (already removed, or never seen)."""
     size_mismatches: int = 0
-    """Stored events whose block size differs from the registered page size."""
+    """Stored events whose block size differs from the registered block size."""
 
 
 @dataclass
 class KvMirror:
-    page_size: int
+    block_size: int
     hasher: BlockHasher = field(init=False)
     blocks: dict[int, MirrorBlock] = field(default_factory=dict)
     stats: MirrorStats = field(default_factory=MirrorStats)
 
     def __post_init__(self) -> None:
-        self.hasher = BlockHasher(self.page_size)
+        self.hasher = BlockHasher(self.block_size)
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -72,10 +72,10 @@ class KvMirror:
         return out
 
     def _stored(self, ev: kv_wire.BlockStored) -> BlocksStored | None:
-        if ev.block_size != self.page_size:
+        if ev.block_size != self.block_size:
             self.stats.size_mismatches += 1
             return None
-        if len(ev.token_ids) != len(ev.block_hashes) * self.page_size:
+        if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
             self.stats.orphan_blocks += len(ev.block_hashes)
             return None
         parent_engine = ev.parent_block_hash

@@ -5,7 +5,15 @@ variable is set (the standard OTLP/HTTP exporter reads the rest of the ``OTEL_*`
 itself). Metrics are served on a Prometheus endpoint when a port is given.
 """
 
+from thunderagent.telemetry.logs import configure_logging
 from thunderagent.telemetry.propagation import extract_context, inject_headers
 from thunderagent.telemetry.setup import Telemetry, setup_telemetry, tracer
 
-__all__ = ["Telemetry", "extract_context", "inject_headers", "setup_telemetry", "tracer"]
+__all__ = [
+    "Telemetry",
+    "configure_logging",
+    "extract_context",
+    "inject_headers",
+    "setup_telemetry",
+    "tracer",
+]

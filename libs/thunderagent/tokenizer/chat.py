@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
-from thunderagent.schemas import ChatMessage
+
+class Turn(Protocol):
+    """Anything with a role and a content: the wire's ``ChatMessage`` or the engine's own."""
+
+    role: str
+    content: str
 
 
-def render_chat(messages: Iterable[ChatMessage]) -> str:
+def render_chat(messages: Iterable[Turn]) -> str:
     """``<|role|>\\ncontent\\n`` per turn, then the assistant header.
 
     Stable across turns: the rendering of turns 1..k is a prefix of the rendering of turns

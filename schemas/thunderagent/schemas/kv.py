@@ -21,7 +21,7 @@ class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="t
     """Blocks that became reusable on the worker, in prefix order."""
 
     hashes: list[int]
-    """Chained primary block hashes, one per full page, parent first."""
+    """Chained primary block hashes, one per full block, parent first."""
     check_hashes: list[int]
     """Independent second hash per block, compared on a hit (a collision becomes a miss)."""
     parent_hash: int | None = None

@@ -55,7 +55,7 @@ class ScheduleRequest(Struct, frozen=True, kw_only=True):
     """Client inbox that receives ``TokenChunk`` / ``FinalReply`` / ``ErrorReply``."""
     decision: RouteDecision
     """The router's ranking."""
-    page_size: int = 16
+    block_size: int = 16
     """Block size the decision was computed with."""
     block_hashes: list[int] = field(default_factory=list)
     """Primary hashes of the prompt's full blocks (for prefix grouping)."""
@@ -120,13 +120,13 @@ class ProgramRelease(Struct, frozen=True, kw_only=True):
 
 
 class KvTransfer(Struct, frozen=True, kw_only=True):
-    """Prefill adapter -> decode adapter (request/reply, answered with an ``Ack`` once the pages
+    """Prefill adapter -> decode adapter (request/reply, answered with an ``Ack`` once the blocks
     are in the decode engine's cache): the prompt whose KV moves over."""
 
     request_id: str
     """The request being disaggregated."""
     token_ids: list[int]
-    """The prompt (and first token) whose full pages the decode engine imports."""
+    """The prompt (and first token) whose full blocks the decode engine imports."""
     source_worker: str
     """Prefill worker the KV comes from."""
 

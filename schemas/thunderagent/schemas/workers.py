@@ -22,10 +22,10 @@ class WorkerRegistration(Struct, frozen=True, kw_only=True):
     """Model the engine serves."""
     engine_url: str
     """Engine HTTP base URL (SGLang or the simulated engine)."""
-    page_size: int
-    """Tokens per KV page in the engine; the router hashes blocks of this size."""
+    block_size: int
+    """Tokens per KV block in the engine; the router hashes blocks of this size."""
     kv_capacity_blocks: int
-    """Engine KV capacity in pages (0 when unknown)."""
+    """Engine KV capacity in blocks (0 when unknown)."""
     lease_s: float
     """The registration is void this long after the last renewal or load report."""
     registered_at: float
@@ -50,9 +50,9 @@ class LoadReport(Struct, frozen=True, kw_only=True):
     queued: int
     """Requests waiting inside the engine."""
     kv_used_blocks: int
-    """KV pages in use (running requests and cache)."""
+    """KV blocks in use (running requests and cache)."""
     kv_total_blocks: int
-    """KV capacity in pages."""
+    """KV capacity in blocks."""
     num_tokens: int = 0
     """Tokens held by running requests (SGLang's ``/get_load`` ``num_tokens``)."""
     inflight: int = 0

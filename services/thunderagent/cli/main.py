@@ -29,15 +29,15 @@ def _metrics_arg(p: argparse.ArgumentParser) -> None:
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.router.service import RouterConfig, main
-    from thunderagent.runtime import run_service
+    from thunderagent.shell import run_service
 
     config = RouterConfig(policy=args.policy, seed=args.seed, redis_url=args.redis)
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> None:
-    from thunderagent.runtime import run_service
     from thunderagent.scheduler.service import SchedulerConfig, main
+    from thunderagent.shell import run_service
 
     config = SchedulerConfig(scheduler=args.policy)
     run_service(
@@ -47,15 +47,15 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
 
 def _cmd_index(args: argparse.Namespace) -> None:
     from thunderagent.index.service import IndexConfig, main
-    from thunderagent.runtime import run_service
+    from thunderagent.shell import run_service
 
     config = IndexConfig(redis_url=args.redis)
     run_service("index", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
 def _cmd_worker(args: argparse.Namespace) -> None:
-    from thunderagent.runtime import run_service
     from thunderagent.schemas import WorkerRole
+    from thunderagent.shell import run_service
     from thunderagent.worker.adapter import AdapterConfig, main
 
     config = AdapterConfig(
@@ -82,7 +82,7 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             port=args.port,
             model=args.model,
             profile=args.profile,
-            page_size=args.page_size,
+            block_size=args.block_size,
             kv_events_config=args.kv_events_config,
             speedup=args.speedup,
             host_blocks=args.host_blocks,
@@ -104,7 +104,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _cmd_request(args: argparse.Namespace) -> None:
-    from thunderagent.client.cli import run_request
+    from thunderagent.cli.request import run_request
 
     sys.exit(run_request(args))
 
@@ -198,7 +198,10 @@ def _worker_commands(add) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--page-size", dest="block_size", type=int, default=16,
+        help="tokens per KV block (SGLang's flag name)",
+    )  # fmt: skip
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
     p.add_argument(
         "--speedup", type=float, default=1.0, help="run the engine's clock this much faster"
@@ -207,7 +210,7 @@ def _worker_commands(add) -> None:
         "--host-blocks",
         type=int,
         default=0,
-        help="host-memory KV tier in pages (SGLang's hierarchical cache); 0: off",
+        help="host-memory KV tier in blocks (SGLang's hierarchical cache); 0: off",
     )
     p.add_argument(
         "--link-gbps",

@@ -17,12 +17,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.fleet import WorkerRegistry
 from thunderagent.hotness import HotPrefixCounter
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome
-from thunderagent.registry import WorkerRegistry
-from thunderagent.runtime import FleetWatcher, ServiceContext
-from thunderagent.runtime.index_follower import IndexFollower
 from thunderagent.schemas import (
     Ack,
     KvEventBatch,
@@ -32,6 +30,8 @@ from thunderagent.schemas import (
     RouteDecision,
     subjects,
 )
+from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell.index_follower import IndexFollower
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)

@@ -18,15 +18,13 @@ from msgspec import structs
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.fleet import WorkerRegistry, WorkerState
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.inflight import InflightPrefixes
-from thunderagent.registry import WorkerRegistry, WorkerState
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router.verification import Routed, Verifier
 from thunderagent.routing import RouteQuery, get_policy
-from thunderagent.runtime import FleetWatcher, ServiceContext
-from thunderagent.runtime.index_follower import IndexFollower
 from thunderagent.schemas import (
     Ack,
     ErrorCode,
@@ -37,6 +35,8 @@ from thunderagent.schemas import (
     ScheduleRequest,
     subjects,
 )
+from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell.index_follower import IndexFollower
 from thunderagent.tokenizer import load_tokenizer, render_chat
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,10 @@ class Router:
         self.metrics = RouterMetrics()
         self._hashers: dict[int, BlockHasher] = {}
 
-    def hasher(self, page_size: int) -> BlockHasher:
-        hasher = self._hashers.get(page_size)
+    def hasher(self, block_size: int) -> BlockHasher:
+        hasher = self._hashers.get(block_size)
         if hasher is None:
-            hasher = self._hashers[page_size] = BlockHasher(page_size)
+            hasher = self._hashers[block_size] = BlockHasher(block_size)
         return hasher
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
@@ -107,9 +107,9 @@ class Router:
     ) -> ScheduleRequest:
         """The pure part of a routing decision (hash, overlap, rank), timed."""
         started = time.perf_counter()
-        page_size = workers[0].registration.page_size
-        hashes = self.hasher(page_size).hash_tokens(req.token_ids or [])
-        query = self._query(req, page_size, hashes, {w.worker_id for w in workers})
+        block_size = workers[0].registration.block_size
+        hashes = self.hasher(block_size).hash_tokens(req.token_ids or [])
+        query = self._query(req, block_size, hashes, {w.worker_id for w in workers})
         ranked = self.policy.rank(query, [w.view() for w in workers], self.rng)
         best = ranked[0].worker_id
         self._remember(query, best, hashes, req.model)
@@ -132,16 +132,16 @@ class Router:
             request=req,
             reply_subject=reply,
             decision=decision,
-            page_size=page_size,
+            block_size=block_size,
             block_hashes=hashes.primary,
         )
 
-    def _query(self, req: GenerateRequest, page_size: int, hashes, serving: set) -> RouteQuery:
+    def _query(self, req: GenerateRequest, block_size: int, hashes, serving: set) -> RouteQuery:
         overlaps, any_tier = self._overlaps(hashes.primary, hashes.check)
         return RouteQuery(
             request_id=req.request_id,
             prompt_tokens=len(req.token_ids or []),
-            block_size=page_size,
+            block_size=block_size,
             block_hashes=hashes.primary,
             overlaps={w: n for w, n in overlaps.items() if w in serving},
             host_overlaps={w: n for w, n in any_tier.items() if w in serving},

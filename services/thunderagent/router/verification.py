@@ -18,7 +18,7 @@ class Routed:
     worker_id: str
     hashes: list[int]
     predicted_blocks: int
-    page_size: int
+    block_size: int
     best_blocks: int = 0
     """Longest prefix any worker held when the request was routed."""
     model: str = ""
@@ -54,7 +54,7 @@ class Verifier:
         routed = self._routed.pop(request_id, None)
         if routed is None or routed.worker_id != worker_id:
             return None  # another replica routed it, or the scheduler spilled it elsewhere
-        actual_blocks = cached_tokens // routed.page_size
+        actual_blocks = cached_tokens // routed.block_size
         predicted = routed.predicted_blocks
         stale = routed.hashes[actual_blocks:predicted] if actual_blocks < predicted else []
         return Verdict(
@@ -62,8 +62,8 @@ class Verifier:
             missed_hit=actual_blocks > predicted,
             stale_hashes=stale,
             worker_id=worker_id,
-            predicted_tokens=predicted * routed.page_size,
+            predicted_tokens=predicted * routed.block_size,
             actual_tokens=cached_tokens,
-            recomputed_tokens=max(0, routed.best_blocks * routed.page_size - cached_tokens),
+            recomputed_tokens=max(0, routed.best_blocks * routed.block_size - cached_tokens),
             model=routed.model,
         )

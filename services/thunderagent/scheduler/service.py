@@ -20,8 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.registry import WorkerRegistry
-from thunderagent.runtime import FleetWatcher, ServiceContext
+from thunderagent.fleet import WorkerRegistry
 from thunderagent.scheduler.kv_watch import follow_stored_blocks
 from thunderagent.scheduling import Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
 from thunderagent.scheduling.registry import make_scheduler
@@ -38,6 +37,7 @@ from thunderagent.schemas import (
     WorkerGenerate,
     subjects,
 )
+from thunderagent.shell import FleetWatcher, ServiceContext
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class SchedulerService:
             prompt_tokens=len(req.token_ids or []) + len(output),
             expected_output_tokens=max(1, req.max_tokens - len(output)),
             candidates=[(c.worker_id, c.overlap_blocks) for c in submit.decision.candidates],
-            block_size=submit.page_size,
+            block_size=submit.block_size,
             block_hashes=submit.block_hashes,
             priority=req.priority,
             program_id=req.program_id,
@@ -127,7 +127,7 @@ class SchedulerService:
                 kv_total_blocks=load.kv_total_blocks or reg.kv_capacity_blocks,
                 max_running=reg.max_running_requests,
                 role=reg.role.value,
-                active_blocks=load.num_tokens // max(reg.page_size, 1),
+                active_blocks=load.num_tokens // max(reg.block_size, 1),
             ),
             self.clock(),
         )
@@ -223,7 +223,7 @@ class SchedulerService:
                 work = WorkerGenerate(
                     request=request,
                     reply_subject=submit.reply_subject,
-                    predicted_cached_tokens=overlap.get(wid, 0) * submit.page_size,
+                    predicted_cached_tokens=overlap.get(wid, 0) * submit.block_size,
                     attempt=attempt,
                     output_offset=len(pending.output),
                     decode_worker=decode_worker if wid == worker_id else "",

@@ -6,7 +6,7 @@ publishes the step's cache events in SGLang's wire format. Requests join the cor
 arrive, exactly as in SGLang's scheduler, so batching, chunked prefill, retraction and eviction
 come from the same code the virtual-time benchmark runs.
 
-Output tokens are deterministic filler text, known in advance, so output pages get real SGLang
+Output tokens are deterministic filler text, known in advance, so output blocks get real SGLang
 block hashes and token ids: a follow-up turn that contains the previous answer hits its cache,
 as it would on SGLang.
 """
@@ -67,21 +67,21 @@ class _Stream:
     sent: int = 0
 
 
-def to_wire(events: list[CacheEvent], page_size: int) -> list[kv_wire.AnyKvEvent]:
+def to_wire(events: list[CacheEvent], block_size: int) -> list[kv_wire.AnyKvEvent]:
     """Engine cache events -> SGLang 0.5.23 KV events."""
     out: list[kv_wire.AnyKvEvent] = []
     for ev in events:
         if isinstance(ev, AllCleared):
             out.append(kv_wire.AllBlocksCleared())
         elif isinstance(ev, Removed):
-            out.append(kv_wire.BlockRemoved(block_hashes=ev.block_keys, medium=ev.medium.value))
+            out.append(kv_wire.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium.value))
         else:
             out.append(
                 kv_wire.BlockStored(
-                    block_hashes=ev.block_keys,
+                    block_hashes=ev.block_hashes,
                     parent_block_hash=ev.parent_key,
                     token_ids=ev.token_ids or [],
-                    block_size=page_size,
+                    block_size=block_size,
                     lora_id=None,
                     medium=ev.medium.value,
                 )
@@ -100,7 +100,7 @@ class EngineDriver:
     ) -> None:
         self.profile = profile
         self.core = EngineCore(profile)
-        self.page_size = profile.engine.page_size
+        self.block_size = profile.engine.block_size
         self.publisher = publisher
         self.speedup = speedup
         self.link_bytes_per_s = link_bytes_per_s
@@ -143,13 +143,13 @@ class EngineDriver:
             raise ValueError(f"request id {req.rid!r} is already running")
         output = [output_token(i) for i in range(req.max_new_tokens)]
         token_ids = req.input_ids + output
-        keys = kv_wire.sglang_block_hashes(token_ids, self.page_size)
+        keys = kv_wire.sglang_block_hashes(token_ids, self.block_size)
         request = Request(req.rid, len(req.input_ids), keys, req.max_new_tokens, token_ids)
         rejected = self.core.add(request, self.now())
         if rejected is not None:
             raise EngineRejected(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
-                f"the KV pool ({self.core.cache.capacity * self.page_size} tokens)"
+                f"the KV pool ({self.core.cache.capacity * self.block_size} tokens)"
             )
         stream = self._streams[req.rid] = _Stream(req, output)
         self._ensure_loop()
@@ -165,14 +165,14 @@ class EngineDriver:
                 self.core.abort(req.rid, self.now())  # client went away mid-stream
 
     def import_kv(self, token_ids: list[int]) -> tuple[int, float]:
-        """PD: the full pages of ``token_ids`` arrive from a prefill engine and become cached
-        here. Returns (pages imported, modelled transfer seconds at ``link_bytes_per_s``)."""
-        full = len(token_ids) - len(token_ids) % self.page_size
-        keys = kv_wire.sglang_block_hashes(token_ids[:full], self.page_size)
-        pages = self.core.import_blocks(keys, token_ids[:full])
+        """PD: the full blocks of ``token_ids`` arrive from a prefill engine and become cached
+        here. Returns (blocks imported, modelled transfer seconds at ``link_bytes_per_s``)."""
+        full = len(token_ids) - len(token_ids) % self.block_size
+        keys = kv_wire.sglang_block_hashes(token_ids[:full], self.block_size)
+        blocks = self.core.import_blocks(keys, token_ids[:full])
         self._publish(self.core.drain_events())
-        seconds = pages * self.profile.kv_bytes_per_block / self.link_bytes_per_s
-        return pages, seconds
+        seconds = blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
+        return blocks, seconds
 
     def abort(self, rid: str) -> bool:
         """Drop a running request (SGLang's /abort_request); its stream ends with an abort."""
@@ -234,7 +234,7 @@ class EngineDriver:
 
     def _publish(self, events: list[CacheEvent]) -> None:
         if self.publisher is not None and events:
-            if not self.publisher.publish(to_wire(events, self.page_size)):
+            if not self.publisher.publish(to_wire(events, self.block_size)):
                 log.warning("KV event queue full: a batch was dropped (subscribers will resync)")
 
     async def close(self) -> None:

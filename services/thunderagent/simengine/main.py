@@ -11,11 +11,10 @@ import uvloop
 from aiohttp import web
 
 from thunderagent.engine import get_profile
-from thunderagent.runtime.runner import configure_logging
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
-from thunderagent.telemetry import setup_telemetry
+from thunderagent.telemetry import configure_logging, setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ class SimEngineConfig:
     port: int = 30000
     model: str = "sim/llama-3.1-8b"
     profile: str = "llama-3.1-8b-h100"
-    page_size: int = 16
+    block_size: int = 16
     kv_events_config: str | None = None
     speedup: float = 1.0
     host_blocks: int = 0
@@ -35,7 +34,7 @@ class SimEngineConfig:
 
 async def _serve(config: SimEngineConfig) -> None:
     profile = get_profile(config.profile).with_engine(
-        page_size=config.page_size, host_blocks=config.host_blocks
+        block_size=config.block_size, host_blocks=config.host_blocks
     )
     publisher = None
     if config.kv_events_config:
@@ -47,7 +46,7 @@ async def _serve(config: SimEngineConfig) -> None:
         link_bytes_per_s=config.link_gbps * 1e9,
     )
     info = EngineInfo(
-        model=config.model, page_size=config.page_size, kv_events_config=config.kv_events_config
+        model=config.model, block_size=config.block_size, kv_events_config=config.kv_events_config
     )
     app = SimEngineApp(engine, info).app
     runner = web.AppRunner(app, access_log=None)

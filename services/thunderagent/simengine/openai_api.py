@@ -9,15 +9,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from thunderagent.schemas import ChatMessage
 from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
 from thunderagent.tokenizer import ByteTokenizer, render_chat
 
 _ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True, frozen=True)
+class _Turn:
+    role: str
+    content: str
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -58,7 +64,7 @@ class OpenAIRoutes:
         if not isinstance(messages, list) or not messages:
             return _bad("messages must be a non-empty list")
         try:
-            turns = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+            turns = [_Turn(m["role"], m["content"]) for m in messages]
         except (KeyError, TypeError):
             return _bad("each message needs a role and a content")
         if any(t.role not in _ROLES or not isinstance(t.content, str) for t in turns):

@@ -32,7 +32,7 @@ _tracer = trace.get_tracer("thunderagent.simengine")
 @dataclass
 class EngineInfo:
     model: str
-    page_size: int
+    block_size: int
     kv_events_config: str | None = None
 
 
@@ -69,9 +69,9 @@ class SimEngineApp:
             {
                 "model_path": self.info.model,
                 "served_model_name": self.info.model,
-                "page_size": self.info.page_size,
+                "page_size": self.info.block_size,
                 "max_running_requests": self.engine.max_running,
-                "max_total_num_tokens": self.engine.capacity_blocks * self.info.page_size,
+                "max_total_num_tokens": self.engine.capacity_blocks * self.info.block_size,
                 "kv_events_config": self.info.kv_events_config,
                 "version": "thunderagent-simengine",
             }
@@ -103,7 +103,7 @@ class SimEngineApp:
 
     async def import_kv(self, request: web.Request) -> web.Response:
         """Not an SGLang endpoint: PD disaggregation for the simulated engine. SGLang moves KV
-        engine to engine (its PD bootstrap / NIXL); here the decode side imports the pages and
+        engine to engine (its PD bootstrap / NIXL); here the decode side imports the blocks and
         answers after the modelled transfer time."""
         try:
             body = await request.json()
@@ -112,9 +112,9 @@ class SimEngineApp:
         ids = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
             return _bad("input_ids must be a list of non-negative integers")
-        pages, seconds = self.engine.import_kv(ids)
+        blocks, seconds = self.engine.import_kv(ids)
         await asyncio.sleep(seconds / self.engine.speedup)
-        return web.json_response({"imported_pages": pages, "transfer_s": seconds})
+        return web.json_response({"imported_blocks": blocks, "transfer_s": seconds})
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(

@@ -36,7 +36,7 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--profile", default="llama-3.1-8b-h100", help="simulated engine profile")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--policy", default="thunder", help="routing policy")
     p.add_argument("--routers", type=int, default=1, help="router replicas")
     p.add_argument(
@@ -53,7 +53,7 @@ class StackConfig:
     redis_url: str | None = None
     model: str = DEFAULT_MODEL
     profile: str = "llama-3.1-8b-h100"
-    page_size: int = 16
+    block_size: int = 16
     policy: str = "thunder"
     routers: int = 1
     speedup: float = 1.0
@@ -68,7 +68,7 @@ class StackConfig:
             redis_url=args.redis,
             model=args.model,
             profile=args.profile,
-            page_size=args.page_size,
+            block_size=args.block_size,
             policy=args.policy,
             routers=args.routers,
             speedup=args.speedup,
@@ -158,7 +158,7 @@ class Stack:
             )
             self._service(
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,
-                "--profile", c.profile, "--page-size", str(c.page_size),
+                "--profile", c.profile, "--page-size", str(c.block_size),
                 "--kv-events-config", events, "--speedup", str(c.speedup),
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"

@@ -18,8 +18,6 @@ import msgspec
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, Delivery
-from thunderagent.runtime import ServiceContext
-from thunderagent.runtime.fleet import workers_bucket
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -33,6 +31,8 @@ from thunderagent.schemas import (
     is_valid_worker_id,
     subjects,
 )
+from thunderagent.shell import ServiceContext
+from thunderagent.shell.fleet import workers_bucket
 from thunderagent.telemetry.setup import meter
 from thunderagent.tokenizer import BYTES_SPEC
 from thunderagent.worker.engine_client import EngineClient, EngineError
@@ -90,7 +90,7 @@ class WorkerAdapter:
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")
-        page_size = int(info.get("page_size") or 1)
+        block_size = int(info.get("page_size") or 1)
         total_tokens = int(info.get("max_total_num_tokens") or 0)
         model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
         if not model:
@@ -99,8 +99,8 @@ class WorkerAdapter:
             worker_id=self.config.worker_id,
             model=model,
             engine_url=self.engine.base_url,
-            page_size=page_size,
-            kv_capacity_blocks=total_tokens // page_size,
+            block_size=block_size,
+            kv_capacity_blocks=total_tokens // block_size,
             lease_s=self.config.lease_s,
             registered_at=time.time(),
             role=self.config.role,
@@ -132,7 +132,7 @@ class WorkerAdapter:
         relay = None
         if events is not None:
             relay = self.relay = KvRelay(
-                self.bus, self.config.worker_id, self.registration.page_size
+                self.bus, self.config.worker_id, self.registration.block_size
             )
             await relay.start()
         try:
@@ -210,8 +210,8 @@ class WorkerAdapter:
         def total_of(key: str) -> int:
             return sum(int(r.get(key, 0) or 0) for r in ranks)
 
-        page = self.registration.page_size if self.registration else 1
-        used_blocks = total_of("kv_used_blocks") or total_of("num_tokens") // max(page, 1)
+        block = self.registration.block_size if self.registration else 1
+        used_blocks = total_of("kv_used_blocks") or total_of("num_tokens") // max(block, 1)
         return LoadReport(
             worker_id=self.config.worker_id,
             ts=time.time(),
@@ -252,7 +252,8 @@ class WorkerAdapter:
         try:
             result = await self.engine.import_kv(transfer.token_ids)
             answer = Ack(accepted=True)
-            log.debug("imported %s pages for %s", result.get("imported_pages"), transfer.request_id)
+            imported = result.get("imported_blocks")
+            log.debug("imported %s blocks for %s", imported, transfer.request_id)
         except (TimeoutError, EngineError, OSError) as err:
             answer = Ack(accepted=False, reason=f"KV import failed: {err}")
         if delivery.reply:

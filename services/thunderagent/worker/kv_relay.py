@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class KvRelay:
-    def __init__(self, bus: Bus, worker_id: str, page_size: int) -> None:
+    def __init__(self, bus: Bus, worker_id: str, block_size: int) -> None:
         self.bus = bus
         self.worker_id = worker_id
-        self.mirror = KvMirror(page_size)
+        self.mirror = KvMirror(block_size)
         self.epoch = int(time.time() * 1000)
         self.seq = -1
         self._subject = subjects.kv_events(worker_id)

@@ -39,7 +39,7 @@ def test_mirror_rehashes_token_ids_into_our_chain():
 def test_mirror_continues_the_chain_from_a_known_parent_and_skips_orphans():
     tokens = list(range(16))
     first, _ = stored(tokens[:8])
-    # SGLang chains the second event on the full digest of page 2; take its hashes from the
+    # SGLang chains the second event on the full digest of block 2; take its hashes from the
     # whole-prompt computation and give the event the parent SGLang would give it.
     all_hashes = kv_wire.sglang_block_hashes(tokens, PAGE)
     second = kv_wire.BlockStored(
@@ -111,10 +111,10 @@ def test_feeder_state_survives_a_snapshot_round_trip():
 
 def test_verifier_finds_false_hits_and_the_stale_blocks():
     v = Verifier(capacity=2)
-    v.remember("r1", Routed("w0", [1, 2, 3, 4], predicted_blocks=3, page_size=16))
+    v.remember("r1", Routed("w0", [1, 2, 3, 4], predicted_blocks=3, block_size=16))
     verdict = v.verify("r1", "w0", cached_tokens=16)
     assert verdict.false_hit and verdict.stale_hashes == [2, 3]
-    v.remember("r2", Routed("w0", [1, 2], predicted_blocks=0, page_size=16))
+    v.remember("r2", Routed("w0", [1, 2], predicted_blocks=0, block_size=16))
     assert v.verify("r2", "w0", cached_tokens=32).missed_hit
     assert v.verify("r2", "w0", cached_tokens=0) is None  # already verified
     v.remember("a", Routed("w0", [], 0, 16))

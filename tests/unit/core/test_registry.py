@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderagent.registry import WorkerRegistry
+from thunderagent.fleet import WorkerRegistry
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
 
@@ -11,7 +11,7 @@ def reg(worker_id: str, model: str = "m", lease_s: float = 10.0, at: float = 0.0
         worker_id=worker_id,
         model=model,
         engine_url="http://e",
-        page_size=16,
+        block_size=16,
         kv_capacity_blocks=100,
         lease_s=lease_s,
         registered_at=at,

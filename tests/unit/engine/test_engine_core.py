@@ -1,4 +1,4 @@
-"""Engine core on the tiny profile: page 4 tokens, 32 blocks, chunk 32 tokens, 8 running."""
+"""Engine core on the tiny profile: block 4 tokens, 32 blocks, chunk 32 tokens, 8 running."""
 
 import pytest
 
@@ -6,7 +6,6 @@ from thunderagent.engine.core import EngineCore, Request, StepOutcome
 from thunderagent.engine.events import Medium, Stored
 from thunderagent.engine.prefix_cache import Match
 from thunderagent.engine.profiles import get_profile
-from thunderagent.engine.vtime import Simulator, round_robin
 
 TINY = get_profile("tiny")
 
@@ -28,7 +27,7 @@ def drain(core: EngineCore, now: float = 0.0, limit: int = 10_000) -> list[StepO
 
 
 def assert_clean(core: EngineCore) -> None:
-    """No pages leak: nothing reserved, nothing pinned once every request has left."""
+    """No blocks leak: nothing reserved, nothing pinned once every request has left."""
     assert core.cache.reserved == 0
     assert all(core.cache.refcount(k) == 0 for k in core.cache.contents())
     load = core.load()
@@ -43,8 +42,8 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
     assert [o.prefill_tokens for o in outs[:4]] == [32, 32, 32, 4]
     assert [o.first_token for o in outs[:4]] == [[], [], [], ["a"]]
     assert outs[-1].finished[0].completion_tokens == 2
-    # each chunk stores its full pages as soon as it ends: 8 pages per 32-token chunk
-    stored = [sum(len(e.block_keys) for e in o.events if isinstance(e, Stored)) for o in outs]
+    # each chunk stores its full blocks as soon as it ends: 8 blocks per 32-token chunk
+    stored = [sum(len(e.block_hashes) for e in o.events if isinstance(e, Stored)) for o in outs]
     assert stored[:4] == [8, 8, 8, 1]
     assert_clean(core)
 
@@ -61,7 +60,7 @@ def test_prefill_time_follows_the_timing_model() -> None:
 
 def test_preemption_requeues_and_everyone_finishes() -> None:
     core = EngineCore(TINY)
-    for i in range(8):  # each needs up to 12 + 20 = 32 tokens = 8 pages; 64 pages > 32
+    for i in range(8):  # each needs up to 12 + 20 = 32 tokens = 8 blocks; 64 blocks > 32
         core.add(make_request(f"r{i}", 12, out=20), 0.0)
     outs = drain(core)
     finished = [f for o in outs for f in o.finished]
@@ -93,11 +92,11 @@ def test_retracted_request_goes_to_the_front() -> None:
 def test_abort_frees_blocks() -> None:
     core = EngineCore(TINY)
     core.add(make_request("a", 40, out=50), 0.0)
-    core.step(0.0)  # first chunk: 32 tokens -> 8 pages cached and pinned
-    core.step(1.0)  # rest of the prompt: 8 tokens -> 2 pages, first token
+    core.step(0.0)  # first chunk: 32 tokens -> 8 blocks cached and pinned
+    core.step(1.0)  # rest of the prompt: 8 tokens -> 2 blocks, first token
     assert core.load().kv_used_blocks == 10
     assert core.step(2.0).kind == "decode"
-    assert core.load().kv_used_blocks == 11  # 10 cached + 1 private page for output tokens
+    assert core.load().kv_used_blocks == 11  # 10 cached + 1 private block for output tokens
     fin = core.abort("a", 3.0)
     assert fin is not None and fin.finish_reason == "abort"
     assert core.abort("a", 2.0) is None
@@ -121,18 +120,18 @@ def test_cached_tokens_for_a_repeated_prompt() -> None:
     assert first.cached_tokens == 0
     core.add(make_request("b", 17, keys), 10.0)
     again = next(f for o in drain(core, 10.0) for f in o.finished)
-    assert again.cached_tokens == 16  # 4 full pages; the partial page is recomputed
+    assert again.cached_tokens == 16  # 4 full blocks; the partial block is recomputed
     core.add(make_request("c", 16, keys), 20.0)
     exact = next(f for o in drain(core, 20.0) for f in o.finished)
     assert exact.cached_tokens == 12  # at least one token is always computed
     assert_clean(core)
 
 
-def test_finished_request_caches_prompt_and_output_pages() -> None:
+def test_finished_request_caches_prompt_and_output_blocks() -> None:
     core = EngineCore(TINY)
     core.add(make_request("a", 8, [1, 2], out=9), 0.0)
     drain(core)
-    # KV of 8 + 9 - 1 = 16 tokens: 4 full pages, 2 with derived keys after [1, 2]
+    # KV of 8 + 9 - 1 = 16 tokens: 4 full blocks, 2 with derived keys after [1, 2]
     contents = core.cache.contents()
     assert len(contents) == 4 and {1, 2} <= set(contents)
     assert set(contents.values()) == {Medium.GPU}
@@ -163,35 +162,17 @@ def test_fused_decode_matches_single_steps() -> None:
         assert fused[rid] == pytest.approx(t, rel=1e-9)
 
 
-def test_simulator_records_and_routing() -> None:
-    cores = [EngineCore(TINY), EngineCore(TINY)]
-    arrivals = [(0.1 * i, make_request(f"r{i}", 12, [1, 2, 3], out=3)) for i in range(6)]
-    steps = []
-    sim = Simulator(cores, round_robin(2), on_step=lambda idx, t, out: steps.append(idx))
-    records = sim.run(arrivals)
-    assert sorted(r.request_id for r in records) == [f"r{i}" for i in range(6)]
-    by_id = {r.request_id: r for r in records}
-    assert [by_id[f"r{i}"].worker for i in range(6)] == [0, 1, 0, 1, 0, 1]
-    for r in records:
-        assert r.arrival < r.first_token_time <= r.finish_time
-        assert r.completion_tokens == 3
-    # the first request on each worker misses; later ones hit 2 pages (max (12-1)//4 = 2)
-    assert by_id["r0"].cached_tokens == 0 and by_id["r1"].cached_tokens == 0
-    assert all(by_id[f"r{i}"].cached_tokens == 8 for i in range(2, 6))
-    assert set(steps) == {0, 1}
-
-
 def test_host_tier_hits_load_back_and_cost_pcie_time() -> None:
     profile = TINY.with_engine(host_blocks=16)
     core = EngineCore(profile)
     core.add(make_request("a", 40, list(range(100, 110)), out=1), 0.0)
     drain(core)
     core.add(make_request("b", 120, list(range(200, 230)), out=1), 1.0)
-    drain(core, 1.0)  # b's 30 pages push 8 of a's 10 blocks (leaves first) to the host tier
+    drain(core, 1.0)  # b's 30 blocks push 8 of a's 10 blocks (leaves first) to the host tier
     assert core.cache.match(list(range(100, 110))) == Match(2, 8)
     core.add(make_request("c", 40, list(range(100, 110)), out=1), 2.0)
     out = core.step(2.0)
-    assert out.host_loaded_blocks == 7  # (40 - 1) // 4 = 9 pages may hit: 2 on GPU, 7 loaded
+    assert out.host_loaded_blocks == 7  # (40 - 1) // 4 = 9 blocks may hit: 2 on GPU, 7 loaded
     expected = core.timing.prefill_time([(4, 36)], host_load_blocks=7)
     assert out.duration == pytest.approx(expected)
     assert out.finished[0].cached_tokens == 36

@@ -30,7 +30,7 @@ def test_block_is_reusable_only_with_its_prefix() -> None:
 
 def test_stored_events_chain_and_skip_duplicates() -> None:
     cache = PrefixCache(capacity=8)
-    cache.insert([1, 2], None, [10, 11, 12, 13], page_size=2)
+    cache.insert([1, 2], None, [10, 11, 12, 13], block_size=2)
     cache.insert([1, 2, 3], None)
     assert cache.drain_events() == [
         Stored([1, 2], None, [10, 11, 12, 13], Medium.GPU),
@@ -84,12 +84,12 @@ def test_reserve_is_all_or_nothing_and_counts_against_capacity() -> None:
     assert cache.free == 4
 
 
-def test_insert_from_reserved_pages() -> None:
+def test_insert_from_reserved_blocks() -> None:
     cache = PrefixCache(capacity=4)
     cached(cache, [1])
     assert cache.reserve(3)
     cache.acquire([1])
-    cache.insert([1, 2, 3], None, reserved=True)  # 1 is a duplicate: its page is given back
+    cache.insert([1, 2, 3], None, reserved=True)  # 1 is a duplicate: its block is given back
     assert cache.reserved == 0
     assert cache.gpu_blocks == 3
     assert cache.refcount(1) == 2
@@ -158,11 +158,11 @@ def chain(path: list[int]) -> list[int]:
 def replay(events: list, state: dict[int, Medium]) -> None:
     for event in events:
         if isinstance(event, Stored):
-            for key in event.block_keys:
+            for key in event.block_hashes:
                 assert key not in state, "Stored for a block already present"
                 state[key] = event.medium
         elif isinstance(event, Removed):
-            for key in event.block_keys:
+            for key in event.block_hashes:
                 assert state.pop(key) is event.medium
         else:
             state.clear()

@@ -25,7 +25,7 @@ TOY = Profile(
     ),
     gpu=GpuSpec(name="toy", flops=1e12, hbm_bw=1e10, mem_bytes=10e9, pcie_bw=1e9),
     eff=Efficiency(mfu=0.5, bw_eff=0.5, step_overhead_s=0.001),
-    engine=EngineSettings(page_size=16, mem_fraction_static=0.9),
+    engine=EngineSettings(block_size=16, mem_fraction_static=0.9),
 )
 
 

@@ -31,7 +31,7 @@ ROOT_LORA_A = (10354196671070872404, 12895412265663853260)
 TOKENS_0_31_PAGE16 = BlockHashes(
     [11202330551699939721, 260652371062810314], [12390879205036097506, 8215316336571981818]
 )
-"""page_size 16, tokens 0..31, namespace 0: block i bytes = struct.pack("<16I", 16i..16i+15);
+"""block_size 16, tokens 0..31, namespace 0: block i bytes = struct.pack("<16I", 16i..16i+15);
 primary_i = xxh3_64(bytes, seed=primary_{i-1}); check_i = xxh64(bytes, seed=check_{i-1});
 the chains start at ROOT_NS0."""
 
@@ -41,12 +41,12 @@ BLOCK_IDS_PAGE16 = BlockHashes(
 """Block ids [42, 2**64-1], namespace 0: each id is struct.pack("<Q", id), chained as above."""
 
 
-def _derive_tokens(tokens: list[int], page: int, root: tuple[int, int]) -> BlockHashes:
+def _derive_tokens(tokens: list[int], block: int, root: tuple[int, int]) -> BlockHashes:
     """The scheme written out independently of the implementation."""
     p, c = root
     out = BlockHashes([], [])
-    for i in range(len(tokens) // page):
-        data = struct.pack(f"<{page}I", *tokens[i * page : (i + 1) * page])
+    for i in range(len(tokens) // block):
+        data = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
         p = xxhash.xxh3_64_intdigest(data, seed=p)
         c = xxhash.xxh64_intdigest(data, seed=c)
         out.primary.append(p)
@@ -92,13 +92,13 @@ def test_block_ids_known_answer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "page", "blocks"),
+    ("num_tokens", "block", "blocks"),
     [(0, 16, 0), (15, 16, 0), (16, 16, 1), (31, 16, 1), (32, 16, 2), (8192, 16, 512), (7, 1, 7)],
 )
-def test_partial_last_block_is_not_hashed(num_tokens: int, page: int, blocks: int) -> None:
-    out = BlockHasher(page).hash_tokens(list(range(num_tokens)))
+def test_partial_last_block_is_not_hashed(num_tokens: int, block: int, blocks: int) -> None:
+    out = BlockHasher(block).hash_tokens(list(range(num_tokens)))
     assert len(out.primary) == len(out.check) == blocks
-    assert BlockHasher(page).num_blocks(num_tokens) == blocks
+    assert BlockHasher(block).num_blocks(num_tokens) == blocks
 
 
 def _token_inputs(tokens: list[int]) -> list[object]:
@@ -129,9 +129,9 @@ def test_bad_tokens_are_rejected(tokens: object, error: type[Exception]) -> None
         BlockHasher(1).hash_tokens(tokens)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kwargs", [{"page_size": 0}, {"page_size": -4}, {"page_size": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"block_size": 0}, {"block_size": -4}, {"block_size": 1.5}])
 def test_bad_page_size(kwargs: dict) -> None:
-    with pytest.raises(ValueError, match="page_size"):
+    with pytest.raises(ValueError, match="block_size"):
         BlockHasher(**kwargs)
 
 
@@ -159,17 +159,17 @@ def test_last_is_the_parent_to_continue_from() -> None:
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 
 
-@given(tokens=token_lists, page=st.integers(1, 9), cut=st.integers(0, 10))
-def test_chain_continues_from_any_block_boundary(tokens: list[int], page: int, cut: int) -> None:
+@given(tokens=token_lists, block=st.integers(1, 9), cut=st.integers(0, 10))
+def test_chain_continues_from_any_block_boundary(tokens: list[int], block: int, cut: int) -> None:
     """hash(a + b) == hash(a) + hash(b, parent=last of a): the adapter's re-hashing property."""
-    hasher = BlockHasher(page)
-    split = min(cut, len(tokens) // page) * page
+    hasher = BlockHasher(block)
+    split = min(cut, len(tokens) // block) * block
     whole = hasher.hash_tokens(tokens)
     head = hasher.hash_tokens(tokens[:split])
     tail = hasher.hash_tokens(tokens[split:], head.last)
     assert head.primary + tail.primary == whole.primary
     assert head.check + tail.check == whole.check
-    assert whole == _derive_tokens(tokens, page, ROOT_NS0)
+    assert whole == _derive_tokens(tokens, block, ROOT_NS0)
 
 
 @given(a=token_lists, b=token_lists)

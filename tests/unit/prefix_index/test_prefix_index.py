@@ -17,7 +17,7 @@ from thunderagent.prefix_index import (
     encode,
 )
 
-H = BlockHasher(page_size=1)
+H = BlockHasher(block_size=1)
 
 
 def chain(*ids: int) -> BlockHashes:

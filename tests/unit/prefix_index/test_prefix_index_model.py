@@ -22,7 +22,7 @@ TTL_S = 10.0
 BUCKETS = 4
 WIDTH = TTL_S / BUCKETS
 WORKERS = ["w0", "w1", "w2", "w3"]
-HASHER = BlockHasher(page_size=1)
+HASHER = BlockHasher(block_size=1)
 
 # Prompts are paths over a tiny alphabet, so they share prefixes all the time.
 paths = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple)

@@ -14,8 +14,8 @@ from thunderagent.routing import policy_names
 from thunderagent.scheduling import Dispatch, Reject
 from thunderagent.scheduling.api import _Base
 
-TINY = get_profile("tiny")  # page 4 tokens, 32 blocks, chunk 32 tokens, 8 running
-BS = TINY.engine.page_size
+TINY = get_profile("tiny")  # block 4 tokens, 32 blocks, chunk 32 tokens, 8 running
+BS = TINY.engine.block_size
 
 
 def make_trace(n: int = 48, seed: int = 1, conversations: int = 4) -> list[TraceRequest]:

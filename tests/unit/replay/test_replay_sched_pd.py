@@ -7,8 +7,8 @@ from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import Replay, ReplayConfig, TraceRequest
 from thunderagent.replay.pd import transfer_s
 
-TINY = get_profile("tiny")  # page 4 tokens, 32 blocks, chunk 32 tokens, 8 running
-BS = TINY.engine.page_size
+TINY = get_profile("tiny")  # block 4 tokens, 32 blocks, chunk 32 tokens, 8 running
+BS = TINY.engine.block_size
 LINK = 1e6  # bytes/s: slow enough that the transfer is visible
 
 
@@ -41,7 +41,7 @@ def test_one_request_prefills_transfers_and_decodes_on_time() -> None:
     assert rec.first_token == pytest.approx(t1)
     assert result.transfers_s == [pytest.approx(40 * 4096 / LINK)]
     t2 = t1 + 40 * 4096 / LINK
-    # decode worker: all 10 pages arrived, so only the first token's KV is computed, then
+    # decode worker: all 10 blocks arrived, so only the first token's KV is computed, then
     # the remaining 3 tokens decode in one fused run (batch 1, context 41 + 1)
     t3 = t2 + timing.prefill_time([(1, 40)]) + timing.decode_run_time(1, 42, 3)
     assert rec.finish == pytest.approx(t3)

@@ -81,7 +81,7 @@ def test_decode_rejects_bad_payloads(payload: bytes) -> None:
 # Golden values computed with SGLang 0.5.23's own native hash (`get_hash_str` over
 # `mem_cache/cpp_utils/hash_binding.cpp`); the contract test re-derives them live.
 @pytest.mark.parametrize(
-    ("tokens", "page_size", "parent", "expected"),
+    ("tokens", "block_size", "parent", "expected"),
     [
         (
             [1, 2, 3, 4, 5, 6, 7, 8, 9],
@@ -100,28 +100,28 @@ def test_decode_rejects_bad_payloads(payload: bytes) -> None:
     ],
 )
 def test_block_hashes_golden(
-    tokens: list[int], page_size: int, parent: bytes | None, expected: list[int]
+    tokens: list[int], block_size: int, parent: bytes | None, expected: list[int]
 ) -> None:
-    assert w.sglang_block_hashes(tokens, page_size, parent) == expected
+    assert w.sglang_block_hashes(tokens, block_size, parent) == expected
 
 
 def test_block_hash_chain_splits_anywhere() -> None:
     """Hashing a prefix then continuing from its last digest equals hashing it all at once."""
     tokens = list(range(1000, 1037))
-    whole = w.sglang_page_digests(tokens, 4)
-    head = w.sglang_page_digests(tokens[:16], 4)
-    tail = w.sglang_page_digests(tokens[16:], 4, parent=head[-1])
+    whole = w.sglang_block_digests(tokens, 4)
+    head = w.sglang_block_digests(tokens[:16], 4)
+    tail = w.sglang_block_digests(tokens[16:], 4, parent=head[-1])
     assert head + tail == whole
     assert [w.digest_to_int64(d) for d in whole] == w.sglang_block_hashes(tokens, 4)
 
 
 @pytest.mark.parametrize(
-    ("tokens", "page_size", "parent"),
+    ("tokens", "block_size", "parent"),
     [([-1], 1, None), ([2**63], 1, None), ([1], 0, None), ([1], 1, b"short")],
 )
-def test_block_hash_bad_input(tokens: list[int], page_size: int, parent: bytes | None) -> None:
+def test_block_hash_bad_input(tokens: list[int], block_size: int, parent: bytes | None) -> None:
     with pytest.raises(ValueError):
-        w.sglang_block_hashes(tokens, page_size, parent)
+        w.sglang_block_hashes(tokens, block_size, parent)
 
 
 def test_seq_frames() -> None:

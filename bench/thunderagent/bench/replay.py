@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")
     p.add_argument("--scheduler", default="direct", choices=sorted(SCHEDULERS))
     p.add_argument("--load-interval", type=float, default=0.1, help="virtual s between reports")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per trace block / page")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=float, default=None, help="prefix index TTL s (off)")
     p.add_argument(
         "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
@@ -120,12 +120,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> tuple[dict, dict]:
     """All runs; returns (JSON document, {(policy, speed): ReplayResult})."""
-    profile = get_profile(args.profile).with_engine(page_size=args.block_size)
+    profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     trace = load_trace(args.trace, args.limit, args.block_size)
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
     bs = args.block_size
-    hasher = BlockHasher(page_size=1)
+    hasher = BlockHasher(block_size=1)
     keyed = [
         (hasher.hash_block_ids(r.block_ids[: r.prompt_len // bs]).primary, r.prompt_len)
         for r in trace

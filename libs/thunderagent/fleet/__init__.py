@@ -1,5 +1,5 @@
 """Live view of the fleet: registered workers, leases and latest load (pure, clock injected)."""
 
-from thunderagent.registry.workers import WorkerRegistry, WorkerState
+from thunderagent.fleet.workers import WorkerRegistry, WorkerState
 
 __all__ = ["WorkerRegistry", "WorkerState"]

@@ -47,7 +47,7 @@ EXPIRE_EVERY = 1_000
 HOT_QUERIES = 500
 HOT_REPEATS = 20
 HASH_TOKENS = 8192
-HASH_PAGE_SIZE = 16
+HASH_BLOCK_SIZE = 16
 EVENT_DT_S = 0.001
 """Simulated clock step per event: 200k events span 200 s, inside the default TTL."""
 
@@ -81,7 +81,7 @@ def _extend(hasher: BlockHasher, conv: _Conversation, ids: list[int]) -> tuple[l
 def build_workload(events: int, queries: int, seed: int) -> Workload:
     """Deterministic events and queries (see the module docstring)."""
     rng = random.Random(seed)
-    hasher = BlockHasher(page_size=1)  # block ids given directly, as in Mooncake traces
+    hasher = BlockHasher(block_size=1)  # block ids given directly, as in Mooncake traces
     fresh = lambda n: [rng.getrandbits(63) for _ in range(n)]  # noqa: E731
     systems = [_Conversation(-1) for _ in range(SYSTEM_PROMPTS)]
     for sp in systems:
@@ -261,8 +261,8 @@ def bench_hashing(seed: int, repeats: int = 300) -> dict:
     """Time ``BlockHasher.hash_tokens`` on an 8k-token prompt (list of ints and array('I'))."""
     rng = random.Random(seed)
     tokens = [rng.randrange(200_000) for _ in range(HASH_TOKENS)]
-    hasher = BlockHasher(HASH_PAGE_SIZE)
-    out = {"tokens": HASH_TOKENS, "page_size": HASH_PAGE_SIZE}
+    hasher = BlockHasher(HASH_BLOCK_SIZE)
+    out = {"tokens": HASH_TOKENS, "block_size": HASH_BLOCK_SIZE}
     for name, inp in (("list", tokens), ("array", array("I", tokens))):
         runs = []
         for _ in range(repeats):
@@ -271,7 +271,7 @@ def bench_hashing(seed: int, repeats: int = 300) -> dict:
             runs.append(time.perf_counter_ns() - t)
         runs.sort()
         out[f"{name}_p50_us"] = _percentile(runs, 0.5)
-    out["blocks_per_s"] = (HASH_TOKENS // HASH_PAGE_SIZE) / (out["array_p50_us"] / 1e6)
+    out["blocks_per_s"] = (HASH_TOKENS // HASH_BLOCK_SIZE) / (out["array_p50_us"] / 1e6)
     return out
 
 
@@ -338,7 +338,7 @@ def _print(r: dict) -> None:
     )
     hs = r["hashing"]
     print(
-        f"hashing {hs['tokens']} tokens (page {hs['page_size']}): {hs['list_p50_us']:.0f} us "
+        f"hashing {hs['tokens']} tokens (block {hs['block_size']}): {hs['list_p50_us']:.0f} us "
         f"from a list, {hs['array_p50_us']:.0f} us from array('I') "
         f"({hs['blocks_per_s'] / 1e6:.1f} M blocks/s, primary + check)"
     )

@@ -15,7 +15,7 @@ import uvloop
 from thunderagent.bus import Bus, connect
 from thunderagent.bus.bus import encode
 from thunderagent.schemas import Health, subjects
-from thunderagent.telemetry import Telemetry, setup_telemetry
+from thunderagent.telemetry import Telemetry, configure_logging, setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,6 @@ async def _answer_health(bus: Bus, name: str) -> None:
         await msg.respond(encode(health))
 
     await bus.nc.subscribe(subjects.health(name), cb=on_probe)
-
-
-def configure_logging(name: str) -> None:
-    level = os.environ.get("THUNDERAGENT_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def run_service(

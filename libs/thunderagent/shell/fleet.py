@@ -13,7 +13,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from thunderagent.bus import Bus, Delivery
-from thunderagent.registry import WorkerRegistry
+from thunderagent.fleet import WorkerRegistry
 from thunderagent.schemas import LoadReport, WorkerRegistration, subjects
 
 log = logging.getLogger(__name__)
