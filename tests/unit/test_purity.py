@@ -16,6 +16,7 @@ PURE_PACKAGES = [
     "thunderagent.hashing",
     "thunderagent.tokenizer",
     "thunderagent.hotness",
+    "thunderagent.plugins",
     "thunderagent.prefix_index",
     "thunderagent.fleet",
     "thunderagent.replay",

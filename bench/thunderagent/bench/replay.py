@@ -33,7 +33,7 @@ from thunderagent.replay import (
     pooled_hit_ratio,
 )
 from thunderagent.replay.summary import summarize
-from thunderagent.routing import policy_names
+from thunderagent.routing import POLICIES
 
 
 def code_version() -> str:
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    names = policy_names()
+    names = POLICIES.names()
     args.policy_list = names if args.policies == "all" else args.policies.split(",")
     unknown = [x for x in args.policy_list if x not in names]
     if unknown:

@@ -43,17 +43,12 @@ from thunderagent.prefix_index import PrefixIndex
 from thunderagent.replay.actions import SchedulerActions
 from thunderagent.replay.pd import TransferLinks
 from thunderagent.replay.traces import TraceRequest
-from thunderagent.routing import RouteQuery, WorkerView, get_policy
-from thunderagent.routing.cost import RoutingFeedback
+from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.scheduling import (
+    SCHEDULERS,
     SchedRequest,
-    Scheduler,
     WorkerRoom,
 )
-from thunderagent.scheduling.registry import SCHEDULERS as _REGISTRY
-
-SCHEDULERS: dict[str, Callable[..., Scheduler]] = _REGISTRY
-"""Scheduler name -> factory(**knobs): the scheduling registry itself (one registration path)."""
 
 INF = math.inf
 
@@ -142,14 +137,8 @@ class Replay(SchedulerActions):
             raise ValueError(
                 f"profile block_size {config.profile.engine.block_size} != block size {block_size}"
             )
-        try:
-            factory = SCHEDULERS[config.scheduler]
-        except KeyError:
-            known = sorted(SCHEDULERS)
-            raise ValueError(f"unknown scheduler {config.scheduler!r}; known: {known}") from None
-        knobs = config.scheduler_params
-        self.scheduler = factory(**knobs) if knobs else factory()
-        self.policy = get_policy(config.policy, **config.policy_params)
+        self.scheduler = SCHEDULERS.create(config.scheduler, **config.scheduler_params)
+        self.policy = POLICIES.create(config.policy, **config.policy_params)
         self.rng = random.Random(config.seed)
         n = config.workers
         self.ids = [f"w{i:02d}" for i in range(n)]
@@ -362,7 +351,7 @@ class Replay(SchedulerActions):
         )
         views = [self._view(w) for w in range(len(self.cores))]
         ranked = self.policy.rank(query, views, self.rng)
-        self.policy.on_routed(query, ranked[0].worker_id)
+        self.policy.on_dispatched(query, ranked[0].worker_id)
         meta = self.meta[rid]
         return SchedRequest(
             request_id=rid,

@@ -1,21 +1,29 @@
-"""Routing policies (pure): given a request and the candidate workers, a ranked candidate list."""
+"""Routing policies (pure): given a request and the candidate workers, a ranked candidate list.
 
+Importing the package registers every built-in policy in ``POLICIES``.
+"""
+
+from thunderagent.routing import (  # noqa: F401  (each module registers its policy)
+    dynamo_kv,
+    least_loaded,
+    round_robin,
+    sglang_cache_aware,
+    thunder,
+)
 from thunderagent.routing.policy import (
-    REGISTRY,
+    POLICIES,
+    PolicyHooks,
     RouteQuery,
+    RoutingFeedback,
     RoutingPolicy,
     WorkerView,
-    get_policy,
-    policy_names,
-    register,
 )
 
 __all__ = [
-    "REGISTRY",
+    "POLICIES",
+    "PolicyHooks",
     "RouteQuery",
+    "RoutingFeedback",
     "RoutingPolicy",
     "WorkerView",
-    "get_policy",
-    "policy_names",
-    "register",
 ]

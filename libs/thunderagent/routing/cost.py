@@ -10,7 +10,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from thunderagent.routing.policy import RouteQuery, WorkerView
+from thunderagent.routing.policy import RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.schemas import Candidate
 
 T = TypeVar("T")
@@ -126,18 +126,6 @@ class RunningMean:
 
     def get(self) -> float:
         return self.prior if self.value is None else self.value
-
-
-@dataclass(slots=True, frozen=True)
-class RoutingFeedback:
-    """What the fleet measured over the last window, fed to ``observe``."""
-
-    queue_depths: Mapping[str, int]
-    """worker id -> outstanding requests (running + waiting): engines admit requests into their
-    running batch at once, so waiting queues alone stay near zero and say nothing."""
-    false_hit_rate: float = 0.0
-    """Share of the blocks the router predicted as cached that the engine had to prefill anyway
-    (1 - measured hit / predicted hit), in [0, 1]."""
 
 
 @dataclass(kw_only=True)

@@ -26,15 +26,15 @@ from thunderagent.routing.cost import (
     rank_by_cost,
     require,
 )
-from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.routing.policy import POLICIES, PolicyHooks, RouteQuery, WorkerView
 from thunderagent.schemas import Candidate
 
 _P = "dynamo_kv"
 
 
-@register("dynamo_kv")
+@POLICIES.register("dynamo_kv")
 @dataclass
-class DynamoKv:
+class DynamoKv(PolicyHooks):
     name: ClassVar[str] = _P
 
     overlap_score_weight: float = 1.0
@@ -82,7 +82,7 @@ class DynamoKv:
         ordered = rank_by_cost(workers, cost, lambda w: w.worker_id, self.temperature, rng)
         return candidates(ordered, cost, query)
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size
         self._prompt.add(query.prompt_tokens)
         self._uncached.add(max(0, query.prompt_tokens - cached))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.routing.policy import POLICIES, PolicyHooks, RouteQuery, WorkerView
 from thunderagent.schemas import Candidate
 
 
@@ -16,9 +16,9 @@ def by_load(workers: Sequence[WorkerView], rng: random.Random) -> list[WorkerVie
     return sorted(workers, key=lambda w: (w.outstanding, -w.free_blocks, rng.random()))
 
 
-@register("least_loaded")
+@POLICIES.register("least_loaded")
 @dataclass
-class LeastLoaded:
+class LeastLoaded(PolicyHooks):
     name: ClassVar[str] = "least_loaded"
 
     def rank(
@@ -33,5 +33,5 @@ class LeastLoaded:
             for w in by_load(workers, rng)
         ]
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
         pass

@@ -2,8 +2,9 @@
 
 A policy sees one request (``RouteQuery``: its block hashes, length and the prefix each worker is
 believed to hold) and a snapshot of every candidate worker (``WorkerView``), and returns the
-workers ranked best first with scores. It may keep state of its own (``on_routed`` is called with
-the final choice), which is how SGLang's cache-aware policy tracks what it sent where. Policies
+workers ranked best first with scores. It may keep state of its own (``on_dispatched`` names the
+worker that got the request), which is how SGLang's cache-aware policy tracks what it sent where.
+Policies
 are pure: no I/O, no clock; randomness only through the ``rng`` they are given. The same policy
 objects run in the router service and in the virtual-time replay benchmark.
 """
@@ -11,10 +12,11 @@ objects run in the router service and in the virtual-time replay benchmark.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
+from thunderagent.plugins import Registry
 from thunderagent.schemas import Candidate
 
 
@@ -33,6 +35,8 @@ class RouteQuery:
     """worker id -> leading blocks cached including its host-memory tier (>= ``overlaps``)."""
     expected_output_tokens: int = 128
     priority: int = 0
+    now: float = 0.0
+    """The caller's clock (seconds) when the request is routed."""
 
     @property
     def prompt_blocks(self) -> int:
@@ -66,55 +70,57 @@ class WorkerView:
 
 
 class RoutingPolicy(Protocol):
+    """What the router core calls; every hook is called by the live router and by the replay
+    alike (``thunderagent.router_core``), so a policy learns the same way in both."""
+
     name: ClassVar[str]
 
     def rank(
         self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
     ) -> list[Candidate]:
-        """All ``workers``, best first. ``workers`` is non-empty."""
+        """All ``workers``, best first. ``workers`` is non-empty. Does not change state."""
         ...
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
-        """The request went to ``worker_id`` (stateful policies learn from it)."""
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
+        """The request was handed to ``worker_id`` (the scheduler's choice, which may not be
+        the first candidate): stateful policies book it there."""
+        ...
+
+    def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
+        """The request left ``worker_id`` (completed, failed, aborted or preempted)."""
+        ...
+
+    def observe(self, feedback: RoutingFeedback) -> None:
+        """Once per feedback window: what the fleet measured (online tuning)."""
         ...
 
 
-REGISTRY: dict[str, Callable[..., RoutingPolicy]] = {}
+@dataclass
+class PolicyHooks:
+    """No-op hooks for policies that learn nothing from them (subclass and override)."""
+
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
+        pass
+
+    def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
+        pass
+
+    def observe(self, feedback: RoutingFeedback) -> None:
+        pass
 
 
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: one line per policy; registering a name twice is a bug."""
+@dataclass(slots=True, frozen=True)
+class RoutingFeedback:
+    """What the fleet measured over the last window, fed to ``observe``."""
 
-    def add(cls: type) -> type:
-        if name in REGISTRY:
-            raise ValueError(f"routing policy {name!r} registered twice")
-        REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def _load_builtin_policies() -> None:
-    import importlib
-
-    for module in ("least_loaded", "round_robin", "sglang_cache_aware", "dynamo_kv", "thunder"):
-        try:
-            importlib.import_module(f"thunderagent.routing.{module}")
-        except ModuleNotFoundError as err:
-            if err.name != f"thunderagent.routing.{module}":
-                raise
+    queue_depths: Mapping[str, int]
+    """worker id -> outstanding requests (running + waiting): engines admit requests into their
+    running batch at once, so waiting queues alone stay near zero and say nothing."""
+    false_hit_rate: float = 0.0
+    """Share of the blocks the router predicted as cached that the engine had to prefill anyway
+    (1 - measured hit / predicted hit), in [0, 1]."""
 
 
-def get_policy(name: str, **params: Any) -> RoutingPolicy:
-    """A new policy instance; ``params`` override its documented defaults."""
-    _load_builtin_policies()
-    try:
-        factory = REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(REGISTRY)}") from None
-    return factory(**params)
-
-
-def policy_names() -> list[str]:
-    _load_builtin_policies()
-    return sorted(REGISTRY)
+POLICIES: Registry[RoutingPolicy] = Registry("routing policy")
+"""Every routing policy, registered with ``@POLICIES.register(name)`` in its module; the
+package imports them all, so the registry is complete once ``thunderagent.routing`` is."""

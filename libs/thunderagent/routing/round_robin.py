@@ -7,17 +7,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.routing.policy import POLICIES, PolicyHooks, RouteQuery, WorkerView
 from thunderagent.schemas import Candidate
 
 
-@register("round_robin")
+@POLICIES.register("round_robin")
 @dataclass
-class RoundRobin:
+class RoundRobin(PolicyHooks):
     """The i-th routed request goes to worker ``i mod n`` of the id-sorted worker list.
 
     Sorting by id makes the cycle independent of the order the registry lists workers in. The
-    counter advances in ``on_routed`` (once per routed request), so ``rank`` is a pure query. No
+    counter advances in ``on_dispatched`` (once per routed request), so ``rank`` is a pure query. No
     parameters.
     """
 
@@ -39,5 +39,5 @@ class RoundRobin:
             for i, w in enumerate(turn)
         ]
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
         self._next += 1

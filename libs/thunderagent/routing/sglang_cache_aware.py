@@ -22,15 +22,15 @@ from thunderagent.routing.cost import (
     pick_among_best,
     require,
 )
-from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.routing.policy import POLICIES, PolicyHooks, RouteQuery, WorkerView
 from thunderagent.schemas import Candidate
 
 _P = "sglang_cache_aware"
 
 
-@register("sglang_cache_aware")
+@POLICIES.register("sglang_cache_aware")
 @dataclass
-class SglangCacheAware:
+class SglangCacheAware(PolicyHooks):
     name: ClassVar[str] = _P
 
     cache_threshold: float = 0.3
@@ -110,7 +110,7 @@ class SglangCacheAware:
             for w in [first, *ordered]
         ]
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
         """Insert the prompt's blocks into the chosen worker's tree (both modes, as SGLang does)."""
         tree = self._trees.setdefault(worker_id, OrderedDict())
         # Deepest block first, so the prompt's root ends most recent: LRU then evicts from the

@@ -24,7 +24,6 @@ from thunderagent.routing.cost import (
     DECODE_S_PER_KV_TOKEN,
     PREFILL_S_PER_TOKEN,
     OnlineTuner,
-    RoutingFeedback,
     RunningMean,
     by_key,
     cached_blocks,
@@ -36,16 +35,22 @@ from thunderagent.routing.cost import (
     rank_by_cost,
     require,
 )
-from thunderagent.routing.policy import RouteQuery, WorkerView, register
+from thunderagent.routing.policy import (
+    POLICIES,
+    PolicyHooks,
+    RouteQuery,
+    RoutingFeedback,
+    WorkerView,
+)
 from thunderagent.schemas import Candidate
 
 _P = "thunder"
 _ID = operator.attrgetter("worker_id")
 
 
-@register("thunder")
+@POLICIES.register("thunder")
 @dataclass
-class Thunder:
+class Thunder(PolicyHooks):
     name: ClassVar[str] = _P
 
     temperature: float = 0.0
@@ -137,7 +142,7 @@ class Thunder:
             ordered = [first, *by_key(rest, key, rng)]
         return candidates(ordered, cost, query)
 
-    def on_routed(self, query: RouteQuery, worker_id: str) -> None:
+    def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size
         self._uncached.add(max(0, query.prompt_tokens - cached))
 

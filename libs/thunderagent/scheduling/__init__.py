@@ -15,7 +15,7 @@ from thunderagent.scheduling.api import (
 )
 from thunderagent.scheduling.direct import DirectScheduler
 from thunderagent.scheduling.params import ParamError, SchedParams
-from thunderagent.scheduling.registry import SCHEDULERS, make_scheduler
+from thunderagent.scheduling.registry import SCHEDULERS
 from thunderagent.scheduling.thunder import ThunderScheduler
 
 __all__ = [
@@ -31,5 +31,4 @@ __all__ = [
     "Scheduler",
     "ThunderScheduler",
     "WorkerRoom",
-    "make_scheduler",
 ]

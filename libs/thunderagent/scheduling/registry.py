@@ -1,7 +1,7 @@
-"""Scheduler registry: name -> factory(**params) -> Scheduler. One registration path.
+"""Scheduler registry: name -> factory(**knobs) -> Scheduler (``thunderagent.plugins``).
 
 Presets are ``ThunderScheduler`` with knobs set; any knob can still be overridden by keyword
-(``make_scheduler("preempt", preempt_gain_ratio=3.0)``). ``direct`` is the engine-queue
+(``SCHEDULERS.create("preempt", preempt_gain_ratio=3.0)``). ``direct`` is the engine-queue
 baseline and takes no knobs.
 """
 
@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from thunderagent.plugins import Registry
 from thunderagent.scheduling.api import Scheduler
 from thunderagent.scheduling.direct import DirectScheduler
 from thunderagent.scheduling.params import SchedParams
 from thunderagent.scheduling.thunder import ThunderScheduler
 
-SCHEDULERS: dict[str, Callable[..., Scheduler]] = {}
+SCHEDULERS: Registry[Scheduler] = Registry("scheduler")
 
 _BASE: dict[str, Any] = {"window": "none", "grouping": False, "deadlines": False}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -34,10 +35,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 deadlines (PD follows ``pd_mode``). The others isolate one feature for the benchmark."""
 
 
-def register(name: str, factory: Callable[..., Scheduler]) -> None:
-    if name in SCHEDULERS:
-        raise ValueError(f"scheduler {name!r} registered twice")
-    SCHEDULERS[name] = factory
+@SCHEDULERS.register("direct")
+def _direct(**params: Any) -> Scheduler:
+    if params:
+        raise ValueError(f"scheduler 'direct' takes no params, got {sorted(params)}")
+    return DirectScheduler()
 
 
 def _preset(name: str, knobs: dict[str, Any]) -> Callable[..., Scheduler]:
@@ -47,20 +49,5 @@ def _preset(name: str, knobs: dict[str, Any]) -> Callable[..., Scheduler]:
     return factory
 
 
-def _direct(**params: Any) -> Scheduler:
-    if params:
-        raise ValueError(f"scheduler 'direct' takes no params, got {sorted(params)}")
-    return DirectScheduler()
-
-
-register("direct", _direct)
 for _name, _knobs in PRESETS.items():
-    register(_name, _preset(_name, _knobs))
-
-
-def make_scheduler(name: str, **params: Any) -> Scheduler:
-    try:
-        factory = SCHEDULERS[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduler {name!r}; known: {sorted(SCHEDULERS)}") from None
-    return factory(**params)
+    SCHEDULERS.register(_name)(_preset(_name, _knobs))

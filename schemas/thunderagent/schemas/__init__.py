@@ -34,6 +34,7 @@ from thunderagent.schemas.kv import (
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
+    CancelRequest,
     Candidate,
     KvTransfer,
     Preempted,
@@ -53,6 +54,7 @@ __all__ = [
     "AllCleared",
     "BlocksRemoved",
     "BlocksStored",
+    "CancelRequest",
     "Candidate",
     "ChatMessage",
     "DeadLetter",

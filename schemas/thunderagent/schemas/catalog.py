@@ -25,6 +25,7 @@ from thunderagent.schemas.kv import KvEventBatch, OverlapQuery, OverlapReply, Re
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
+    CancelRequest,
     KvTransfer,
     Preempted,
     ProgramRelease,
@@ -52,6 +53,7 @@ MESSAGES: Final[dict[str, Any]] = {
     "WorkerGenerate": WorkerGenerate,
     "Ack": Ack,
     "AbortRequest": AbortRequest,
+    "CancelRequest": CancelRequest,
     "KvTransfer": KvTransfer,
     "Preempted": Preempted,
     "ProgramRelease": ProgramRelease,

@@ -64,6 +64,10 @@ class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Absolute deadline (Unix ms); a request that cannot meet it gets an early error."""
     stream: bool = True
     """Stream ``TokenChunk`` messages before the ``FinalReply``; when false only the final reply."""
+    cache_salt: str | None = None
+    """Tenant namespace of the prompt's KV cache (as Dynamo's and vLLM's ``cache_salt``): mixed
+    into every block hash, so requests with different salts never share cached prefixes and
+    cannot time-probe each other's. None: the shared namespace."""
 
     def __post_init__(self) -> None:
         given = [x for x in (self.token_ids, self.text, self.messages) if x is not None]
@@ -139,6 +143,15 @@ class ErrorCode(enum.StrEnum):
     """The engine failed the request."""
     DEADLINE = "deadline"
     """The deadline passed or cannot be met."""
+    CONTEXT_LENGTH = "context_length"
+    """Prompt tokens + ``max_tokens`` exceed the model's context, or a token id is outside
+    its vocabulary."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    """The message is larger than the bus accepts (the reason names the limit)."""
+    OVERLOADED = "overloaded"
+    """The model's waiting queue is full; retry after ``ErrorReply.retry_after_s``."""
+    CANCELLED = "cancelled"
+    """The client cancelled the request (or timed out waiting for it)."""
     INTERNAL = "internal"
     """A bug: the service logged it with a traceback."""
 
@@ -154,6 +167,8 @@ class ErrorReply(Struct, frozen=True, kw_only=True, tag="error", tag_field="type
     """The request, when it could be decoded."""
     service: str = ""
     """Service that gave up on the request."""
+    retry_after_s: float | None = None
+    """With ``overloaded``: when a retry is likely to be admitted (seconds from now)."""
 
 
 ReplyMessage = TokenChunk | FinalReply | ErrorReply

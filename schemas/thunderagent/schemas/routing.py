@@ -112,6 +112,18 @@ class Preempted(Struct, frozen=True, kw_only=True):
     """Every output token the client has received, including earlier runs."""
 
 
+class CancelRequest(Struct, frozen=True, kw_only=True):
+    """Client (or gateway) -> scheduler: stop a request; the client no longer wants it.
+
+    A waiting request leaves the queue; a running one is aborted at its engine, freeing the slot.
+    Nothing more is sent to the client's reply subject. Unknown ids are ignored (it ended)."""
+
+    request_id: str
+    """The request to stop."""
+    reason: str = ""
+    """Why (client disconnected, timeout)."""
+
+
 class ProgramRelease(Struct, frozen=True, kw_only=True):
     """Client -> scheduler: an agent program (session) is over; its KV need not be kept."""
 

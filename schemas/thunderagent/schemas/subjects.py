@@ -22,6 +22,9 @@ SCHEDULER_QUEUE: Final = "scheduler"
 # adapters -> scheduler: request lifecycle (started, finished, ...).
 SCHED_PROGRESS: Final = f"{PREFIX}.sched.progress"
 
+# clients / gateways -> scheduler: stop a request (client gone, timeout).
+SCHED_CANCEL: Final = f"{PREFIX}.sched.cancel"
+
 # clients -> scheduler: an agent program ended.
 PROGRAM_RELEASE: Final = f"{PREFIX}.programs.release"
 

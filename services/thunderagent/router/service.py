@@ -24,7 +24,7 @@ from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.inflight import InflightPrefixes
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router.verification import Routed, Verifier
-from thunderagent.routing import RouteQuery, get_policy
+from thunderagent.routing import POLICIES, RouteQuery
 from thunderagent.schemas import (
     Ack,
     ErrorCode,
@@ -61,7 +61,7 @@ class Router:
         self.bus = bus
         self.registry = registry
         self.follower = follower
-        self.policy = get_policy(config.policy)
+        self.policy = POLICIES.create(config.policy)
         self.rng = random.Random(config.seed)
         self.verifier = Verifier()
         self.inflight = InflightPrefixes()
@@ -152,7 +152,7 @@ class Router:
     def _remember(self, query: RouteQuery, worker_id: str, hashes, model: str) -> None:
         """Everything that learns from the choice: the policy, the in-flight overlay, the
         pending count until the next load report, and lazy verification."""
-        self.policy.on_routed(query, worker_id)
+        self.policy.on_dispatched(query, worker_id)
         if hashes.primary:
             self.inflight.record(worker_id, hashes.primary, hashes.check, time.time())
         chosen = self.registry.get(worker_id)

@@ -23,7 +23,7 @@ from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.fleet import WorkerRegistry
 from thunderagent.scheduler.kv_watch import follow_stored_blocks
 from thunderagent.scheduling import Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
-from thunderagent.scheduling.registry import make_scheduler
+from thunderagent.scheduling.registry import SCHEDULERS
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -71,7 +71,7 @@ class SchedulerService:
         self.config = config
         self.bus = bus
         self.clock = clock
-        self.core = make_scheduler(config.scheduler, **config.params)
+        self.core = SCHEDULERS.create(config.scheduler, **config.params)
         self.pending: dict[str, Pending] = {}
         self.registry = WorkerRegistry()
         self.wake = asyncio.Event()

@@ -10,7 +10,7 @@ import pytest
 from thunderagent.engine import get_profile
 from thunderagent.replay import SCHEDULERS, Replay, ReplayConfig, TraceRequest
 from thunderagent.replay.summary import summarize
-from thunderagent.routing import policy_names
+from thunderagent.routing import POLICIES
 from thunderagent.scheduling import Dispatch, Reject
 from thunderagent.scheduling.api import _Base
 
@@ -51,7 +51,7 @@ def run(policy: str, trace: list[TraceRequest], scheduler: str = "direct", seed:
     return entry
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", POLICIES.names())
 def test_every_policy_completes_the_trace_with_sane_records(policy: str) -> None:
     trace = make_trace()
     entry = run(policy, trace)
@@ -115,7 +115,7 @@ class _RejectOdd(_Base):
 
 
 def test_scheduler_is_pluggable_and_rejects_are_counted(monkeypatch) -> None:
-    monkeypatch.setitem(SCHEDULERS, "reject_odd", _RejectOdd)
+    monkeypatch.setitem(SCHEDULERS._factories, "reject_odd", _RejectOdd)
     entry = run("round_robin", make_trace(10), scheduler="reject_odd")
     assert (entry["completed"], entry["rejected"]) == (5, 5)
 

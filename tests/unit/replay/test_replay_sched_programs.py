@@ -39,7 +39,7 @@ class _Spy(ThunderScheduler):
 def test_every_step_of_every_program_completes_in_order(monkeypatch, programs_on: bool) -> None:
     _Spy.released = []
     monkeypatch.setitem(
-        SCHEDULERS, "spy", lambda: _Spy(SchedParams(programs=programs_on), name="spy")
+        SCHEDULERS._factories, "spy", lambda: _Spy(SchedParams(programs=programs_on), name="spy")
     )
     expected = AgentWorkload(PARAMS, seed=4)
     steps = {r.program_id: r for r in expected.start()}  # first steps; counts come from rng

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from thunderagent.routing import RouteQuery, WorkerView, get_policy
+from thunderagent.routing import POLICIES, RouteQuery, WorkerView
 from thunderagent.routing.cost import ParamError
 from thunderagent.routing.dynamo_kv import DynamoKv
 
@@ -21,7 +21,7 @@ def q(tokens: int = 16, **kw) -> RouteQuery:
 
 
 def policy(**params) -> DynamoKv:
-    p = get_policy("dynamo_kv", **params)
+    p = POLICIES.create("dynamo_kv", **params)
     assert isinstance(p, DynamoKv)
     return p
 
@@ -55,7 +55,7 @@ def test_costs_hand_computed(weight: float, costs: dict, order: list[str]) -> No
 
 def test_queued_and_pending_work_is_estimated_from_routed_prompts() -> None:
     p = policy()
-    p.on_routed(q(32, overlaps={"x": 2}), "x")  # first sample: prompt 32, uncached 24 tokens
+    p.on_dispatched(q(32, overlaps={"x": 2}), "x")  # first sample: prompt 32, uncached 24 tokens
     busy = WorkerView("w", queued=2, pending=1, active_tokens=4)
     # prefill = 3 waiting * 24/4 + 4 = 22; decode = (4 + 1 pending * 32)/4 + 4 = 13
     assert p.costs(q(16), [busy]) == {"w": 35.0}

@@ -9,15 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thunderagent.routing import RouteQuery, WorkerView, get_policy, policy_names
+from thunderagent.routing import POLICIES, RouteQuery, WorkerView
 from thunderagent.routing import cost as cost_module
 
-POLICIES = ["round_robin", "sglang_cache_aware", "dynamo_kv", "thunder"]
+NAMES = ["round_robin", "sglang_cache_aware", "dynamo_kv", "thunder", "least_loaded"]
 PARAMS = {
     "round_robin": [{}],
     "sglang_cache_aware": [{}, {"max_tree_tokens": 64, "balance_abs_threshold": 2}],
     "dynamo_kv": [{}, {"temperature": 0.7}],
     "thunder": [{}, {"temperature": 0.3}],
+    "least_loaded": [{}],
 }
 
 worker = st.builds(
@@ -55,31 +56,31 @@ def query(draw: st.DrawFn) -> RouteQuery:
     )
 
 
-@pytest.mark.parametrize(("name", "params"), [(n, p) for n in POLICIES for p in PARAMS[n]], ids=str)
+@pytest.mark.parametrize(("name", "params"), [(n, p) for n in NAMES for p in PARAMS[n]], ids=str)
 @settings(max_examples=60, deadline=None)
 @given(rounds=st.lists(st.tuples(query(), fleet), min_size=1, max_size=6), seed=st.integers(0, 99))
 def test_ranks_every_worker_once_with_finite_scores(
     name: str, params: dict, rounds: list, seed: int
 ) -> None:
-    policy = get_policy(name, **params)
-    twin = get_policy(name, **params)
+    policy = POLICIES.create(name, **params)
+    twin = POLICIES.create(name, **params)
     for q, workers in rounds:
         ranked = policy.rank(q, workers, random.Random(seed))
         assert sorted(c.worker_id for c in ranked) == sorted(w.worker_id for w in workers)
         assert all(math.isfinite(c.score) for c in ranked)
         assert all(c.overlap_blocks >= 0 for c in ranked)
         assert twin.rank(q, workers, random.Random(seed)) == ranked  # same state + seed: same
-        policy.on_routed(q, ranked[0].worker_id)
-        twin.on_routed(q, ranked[0].worker_id)
+        policy.on_dispatched(q, ranked[0].worker_id)
+        twin.on_dispatched(q, ranked[0].worker_id)
 
 
 def test_registry_knows_every_policy_with_defaults() -> None:
-    assert set(POLICIES) <= set(policy_names())
-    for name in POLICIES:
-        assert get_policy(name).name == name
+    assert set(NAMES) == set(POLICIES.names())
+    for name in NAMES:
+        assert POLICIES.create(name).name == name
 
 
-@pytest.mark.parametrize("name", ["cost", *POLICIES])
+@pytest.mark.parametrize("name", ["cost", *NAMES])
 def test_modules_are_pure(name: str) -> None:
     """No I/O, clock or global randomness: only the rng handed in."""
     module = (

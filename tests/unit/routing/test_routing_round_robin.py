@@ -2,7 +2,7 @@
 
 import random
 
-from thunderagent.routing import RouteQuery, WorkerView, get_policy
+from thunderagent.routing import POLICIES, RouteQuery, WorkerView
 
 
 def q(**kw) -> RouteQuery:
@@ -10,21 +10,21 @@ def q(**kw) -> RouteQuery:
 
 
 def test_cycles_in_id_order_regardless_of_input_order() -> None:
-    policy = get_policy("round_robin")
+    policy = POLICIES.create("round_robin")
     workers = [WorkerView("c"), WorkerView("a"), WorkerView("b")]
     firsts = []
     for _ in range(5):
         ranked = policy.rank(q(overlaps={"c": 2}), workers, random.Random(0))
         assert [c.score for c in ranked] == [0.0, -1.0, -2.0]
         firsts.append(ranked[0].worker_id)
-        policy.on_routed(q(), ranked[0].worker_id)
+        policy.on_dispatched(q(), ranked[0].worker_id)
     assert firsts == ["a", "b", "c", "a", "b"]
 
 
 def test_rank_is_a_query_and_rotation_keeps_the_cycle() -> None:
-    policy = get_policy("round_robin")
+    policy = POLICIES.create("round_robin")
     workers = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
-    policy.on_routed(q(), "a")
+    policy.on_dispatched(q(), "a")
     first = policy.rank(q(), workers, random.Random(0))
     again = policy.rank(q(), workers, random.Random(1))
     assert [c.worker_id for c in first] == [c.worker_id for c in again] == ["b", "c", "a"]

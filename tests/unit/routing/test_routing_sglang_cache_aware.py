@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from thunderagent.routing import RouteQuery, WorkerView, get_policy
+from thunderagent.routing import POLICIES, RouteQuery, WorkerView
 from thunderagent.routing.cost import ParamError
 from thunderagent.routing.sglang_cache_aware import SglangCacheAware
 
@@ -22,7 +22,7 @@ def ids(ranked) -> list[str]:
 
 
 def policy(**params) -> SglangCacheAware:
-    p = get_policy("sglang_cache_aware", **params)
+    p = POLICIES.create("sglang_cache_aware", **params)
     assert isinstance(p, SglangCacheAware)
     return p
 
@@ -40,16 +40,16 @@ def policy(**params) -> SglangCacheAware:
 )
 def test_imbalance_rule_overrides_cache(loads: dict[str, int], expected: list[str]) -> None:
     p = policy()
-    p.on_routed(q([1, 2, 3, 4]), "a")
-    p.on_routed(q([9]), "c")  # c's tree (1 block) is bigger than b's (0)
+    p.on_dispatched(q([1, 2, 3, 4]), "a")
+    p.on_dispatched(q([9]), "c")  # c's tree (1 block) is bigger than b's (0)
     workers = [WorkerView(w, queued=n) for w, n in loads.items()]
     assert ids(p.rank(q([1, 2, 3, 4]), workers, random.Random(0))) == expected
 
 
 def test_threshold_rule_match_rate_must_exceed() -> None:
     p = policy()
-    p.on_routed(q(list(range(1, 11))), "a")  # a: 10 blocks
-    p.on_routed(q([50]), "b")  # b: 1 block; c: empty
+    p.on_dispatched(q(list(range(1, 11))), "a")  # a: 10 blocks
+    p.on_dispatched(q([50]), "b")  # b: 1 block; c: empty
     workers = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
     hit = p.rank(q([1, 2, 3, 4, 91, 92, 93, 94, 95, 96]), workers, random.Random(0))
     assert ids(hit) == ["a", "c", "b"]  # 4/10 > 0.3: longest match; rest by smaller tree
@@ -62,13 +62,13 @@ def test_threshold_rule_match_rate_must_exceed() -> None:
 
 def test_smallest_tree_fallback_and_seeded_ties() -> None:
     p = policy()
-    p.on_routed(q([1, 2, 3, 4, 5]), "a")
-    p.on_routed(q([6, 7]), "b")
-    p.on_routed(q([8, 9, 10]), "c")
+    p.on_dispatched(q([1, 2, 3, 4, 5]), "a")
+    p.on_dispatched(q([6, 7]), "b")
+    p.on_dispatched(q([8, 9, 10]), "c")
     workers = [WorkerView("a"), WorkerView("b"), WorkerView("c"), WorkerView("d", running=3)]
     fresh = q([100, 101])
     assert ids(p.rank(fresh, workers, random.Random(0))) == ["d", "b", "c", "a"]
-    p.on_routed(q([11, 12]), "d")  # b and d tie at 2 blocks: seeded pick, b/d both reachable
+    p.on_dispatched(q([11, 12]), "d")  # b and d tie at 2 blocks: seeded pick, b/d both reachable
     picks = {ids(p.rank(fresh, workers, random.Random(s)))[0] for s in range(20)}
     assert picks == {"b", "d"}
     for s in range(5):
@@ -77,13 +77,13 @@ def test_smallest_tree_fallback_and_seeded_ties() -> None:
 
 def test_trees_evict_lru_from_the_leaves() -> None:
     p = policy(max_tree_tokens=4 * BS)  # 4 blocks per worker
-    p.on_routed(q([1, 2, 3]), "a")
-    p.on_routed(q([7, 8]), "a")  # 5 > 4: the oldest leaf, block 3, goes
+    p.on_dispatched(q([1, 2, 3]), "a")
+    p.on_dispatched(q([7, 8]), "a")  # 5 > 4: the oldest leaf, block 3, goes
     assert p.tree_blocks("a") == 4
     assert p.matched_blocks("a", [1, 2, 3]) == 2
     assert p.matched_blocks("a", [7, 8]) == 2
-    p.on_routed(q([1, 2]), "a")  # touch 1, 2: now 8 is the oldest leaf
-    p.on_routed(q([20]), "a")
+    p.on_dispatched(q([1, 2]), "a")  # touch 1, 2: now 8 is the oldest leaf
+    p.on_dispatched(q([20]), "a")
     assert p.matched_blocks("a", [7, 8]) == 1
     assert p.matched_blocks("a", [1, 2]) == 2
     assert p.tree_blocks("b") == 0

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thunderagent.routing import RouteQuery, WorkerView, get_policy
-from thunderagent.routing.cost import OnlineTuner, ParamError, RoutingFeedback
+from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
+from thunderagent.routing.cost import OnlineTuner, ParamError
 from thunderagent.routing.thunder import Thunder
 
 BS = 10
@@ -34,7 +34,7 @@ def unit(**params) -> Thunder:
         load_scale=1.0,
         host_credit=0.5,
     )
-    p = get_policy("thunder", **(base | params))
+    p = POLICIES.create("thunder", **(base | params))
     assert isinstance(p, Thunder)
     return p
 
@@ -68,7 +68,7 @@ def test_queue_decode_and_pressure_terms() -> None:
     p = unit(
         decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, decode_weight=0.1, pressure_penalty_s=2.0
     )
-    p.on_routed(q(3), "x")  # uncached mean: 30 tokens
+    p.on_dispatched(q(3), "x")  # uncached mean: 30 tokens
     w = WorkerView(
         "w", running=1, queued=2, active_tokens=910, kv_used_blocks=100, kv_total_blocks=100
     )
@@ -125,7 +125,7 @@ def test_temperature_puts_the_sampled_worker_first() -> None:
 def test_cost_is_monotone_in_overlap_and_host_credit_is_between(
     blocks: int, load: int, k: int, bs: int
 ) -> None:
-    p = get_policy("thunder")
+    p = POLICIES.create("thunder")
     k = min(k, blocks - 1)
 
     def cost(gpu: int, host: int) -> float:
@@ -147,7 +147,7 @@ def test_cost_is_monotone_in_overlap_and_host_credit_is_between(
 @settings(max_examples=200, deadline=None)
 @given(blocks=st.integers(1, 64), k=st.integers(1, 64), bs=st.sampled_from([16, 512]))
 def test_loaded_hit_eventually_loses_to_idle_miss(blocks: int, k: int, bs: int) -> None:
-    p = get_policy("thunder")
+    p = POLICIES.create("thunder")
     query = RouteQuery(
         request_id="r",
         prompt_tokens=blocks * bs,
@@ -177,13 +177,13 @@ def test_loaded_hit_eventually_loses_to_idle_miss(blocks: int, k: int, bs: int) 
     ],
 )
 def test_online_tuner_steps(depths: dict, false_hits: float, expected: float) -> None:
-    p = get_policy("thunder")
+    p = POLICIES.create("thunder")
     p.observe(RoutingFeedback(queue_depths=depths, false_hit_rate=false_hits))
     assert p.load_scale == pytest.approx(expected)
 
 
 def test_online_tuner_is_bounded() -> None:
-    p = get_policy("thunder", tuner={"min_scale": 2.0, "max_scale": 10.0})
+    p = POLICIES.create("thunder", tuner={"min_scale": 2.0, "max_scale": 10.0})
     hot = RoutingFeedback(queue_depths={"a": 0, "b": 50})
     for _ in range(100):
         p.observe(hot)
@@ -209,7 +209,7 @@ def test_online_tuner_is_bounded() -> None:
 )
 def test_params_are_validated(params: dict, field: str) -> None:
     with pytest.raises(ParamError, match=f"thunder.{field}=") as err:
-        get_policy("thunder", **params)
+        POLICIES.create("thunder", **params)
     assert err.value.field == field
 
 
@@ -230,7 +230,7 @@ def test_tuner_params_are_validated(params: dict, field: str) -> None:
 
 def test_reported_prefill_backlog_replaces_the_queue_estimate() -> None:
     p = unit()
-    p.on_routed(q(3), "x")  # uncached mean: 30 tokens
+    p.on_dispatched(q(3), "x")  # uncached mean: 30 tokens
     query = q(4)
     # no report: 2 queued requests at the mean; reported: the backlog itself (a long prompt)
     estimated = WorkerView("a", queued=2)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from thunderagent.scheduling import (
+    SCHEDULERS,
     Dispatch,
     Preempt,
     SchedParams,
     SchedRequest,
     ThunderScheduler,
     WorkerRoom,
-    make_scheduler,
 )
 from thunderagent.scheduling.preemption import Preemptor, Running
 
@@ -68,7 +68,7 @@ def test_grouping_needs_enough_shared_blocks() -> None:
 
 
 def preempt_setup(**knobs) -> ThunderScheduler:
-    s = make_scheduler("preempt", **knobs)
+    s = SCHEDULERS.create("preempt", **knobs)
     s.update_worker(room(max_running=2), 0.0)
     s.submit(req("long1", prompt=1000, out=2000, prio=1), 0.0)
     s.submit(req("long2", prompt=1000, out=4000, prio=1), 0.0)
@@ -98,7 +98,7 @@ def test_preemption_respects_the_threshold(knobs) -> None:
 
 
 def test_preemption_needs_a_less_urgent_victim() -> None:
-    s = make_scheduler("preempt")
+    s = SCHEDULERS.create("preempt")
     s.update_worker(room(max_running=1), 0.0)
     s.submit(req("long", prompt=1000, out=4000, prio=0), 0.0)
     assert sent(s.poll(0.0)) == ["long"]
@@ -120,7 +120,7 @@ def test_preemption_rate_limit() -> None:
 
 
 def pd_scheduler(cap: int) -> ThunderScheduler:
-    s = make_scheduler("pd_capped", pd_max_inflight=cap, window="none")
+    s = SCHEDULERS.create("pd_capped", pd_max_inflight=cap, window="none")
     s.update_worker(room("p0", role="prefill"), 0.0)
     s.update_worker(room("d0", role="decode"), 0.0)
     s.update_worker(room("d1", role="decode", max_running=1), 0.0)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from thunderagent.scheduling import (
+    SCHEDULERS,
     Dispatch,
     Reject,
     SchedParams,
     SchedRequest,
     ThunderScheduler,
     WorkerRoom,
-    make_scheduler,
 )
 from thunderagent.scheduling.window import Window
 
@@ -47,7 +47,7 @@ def serve_one_at_a_time(s, now: float) -> list[str]:
     ],
 )
 def test_fcfs_vs_priority_srpt(name: str, expected: list[str]) -> None:
-    s = make_scheduler(name)
+    s = SCHEDULERS.create(name)
     s.update_worker(room(), 0.0)
     s.submit(req("busy"), 0.0)
     assert sent(s.poll(0.0)) == ["busy"]
@@ -61,7 +61,7 @@ def test_fcfs_vs_priority_srpt(name: str, expected: list[str]) -> None:
 
 
 def test_aging_serves_low_priority_under_a_high_priority_stream() -> None:
-    s = make_scheduler("priority_srpt", class_step_s=5.0)
+    s = SCHEDULERS.create("priority_srpt", class_step_s=5.0)
     s.update_worker(room(), 0.0)
     s.submit(req("low", 0.0, prio=1), 0.0)
     order: list[str] = []
@@ -76,7 +76,7 @@ def test_aging_serves_low_priority_under_a_high_priority_stream() -> None:
 
 
 def test_running_cap_and_reports() -> None:
-    s = make_scheduler("fcfs")
+    s = SCHEDULERS.create("fcfs")
     s.update_worker(room(max_running=2), 0.0)
     for i in range(3):
         s.submit(req(f"r{i}"), 0.0)
@@ -88,7 +88,7 @@ def test_running_cap_and_reports() -> None:
 
 
 def test_kv_watermark_counts_own_dispatches() -> None:
-    s = make_scheduler("fcfs")  # kv_watermark 0.9 of 100 blocks: 90
+    s = SCHEDULERS.create("fcfs")  # kv_watermark 0.9 of 100 blocks: 90
     s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
     for i in range(3):
         s.submit(req(f"r{i}", prompt=640, out=1), 0.0)  # 40 + 1 blocks each
@@ -100,14 +100,14 @@ def test_kv_watermark_counts_own_dispatches() -> None:
 
 
 def test_a_big_request_on_an_idle_worker_always_goes() -> None:
-    s = make_scheduler("fcfs")
+    s = SCHEDULERS.create("fcfs")
     s.update_worker(room(total=10, max_running=4), 0.0)
     s.submit(req("huge", prompt=16000), 0.0)
     assert sent(s.poll(0.0)) == ["huge"]
 
 
 def test_spill_to_next_candidate_after_the_bound() -> None:
-    s = make_scheduler("fcfs", spill_after_s=0.5)
+    s = SCHEDULERS.create("fcfs", spill_after_s=0.5)
     s.update_worker(room("w0"), 0.0)
     s.update_worker(room("w1"), 0.0)
     s.submit(req("busy"), 0.0)
@@ -154,7 +154,7 @@ def test_adaptive_window_length(prio: int, waiting: int, expected: float) -> Non
 
 
 def test_adaptive_window_is_zero_when_idle() -> None:
-    s = make_scheduler("thunder")
+    s = SCHEDULERS.create("thunder")
     s.update_worker(room(), 0.0)
     s.submit(req("r"), 0.0)
     assert sent(s.poll(0.0)) == ["r"]
@@ -165,7 +165,7 @@ def test_adaptive_window_is_zero_when_idle() -> None:
     [(1.0, 2.0, "deadline passed"), (2.1, 2.0, "deadline cannot be met")],
 )
 def test_deadline_rejects_at_submit(deadline: float, now: float, reason: str) -> None:
-    s = make_scheduler("thunder")
+    s = SCHEDULERS.create("thunder")
     s.update_worker(room(), now)
     s.submit(req("r", now, deadline=deadline), now)  # service ~0.42 s
     assert s.poll(now) == [Reject("r", reason)]
@@ -173,7 +173,7 @@ def test_deadline_rejects_at_submit(deadline: float, now: float, reason: str) ->
 
 
 def test_deadline_rejects_a_waiting_request_when_it_passes() -> None:
-    s = make_scheduler("thunder", window="none")
+    s = SCHEDULERS.create("thunder", window="none")
     s.update_worker(room(), 0.0)
     s.submit(req("busy"), 0.0)
     s.submit(req("r", deadline=3.0), 0.0)

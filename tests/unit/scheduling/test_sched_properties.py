@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunderagent.scheduling import (
+    SCHEDULERS,
     Dispatch,
     Preempt,
     Reject,
     SchedRequest,
     WorkerRoom,
-    make_scheduler,
 )
 
 WORKERS = ("w0", "w1", "w2")
@@ -28,7 +28,7 @@ ops = st.lists(
 
 class Driver:
     def __init__(self, name: str, pd: bool) -> None:
-        self.s = make_scheduler(name, preempt_min_remaining_tokens=1, program_watermark=0.5)
+        self.s = SCHEDULERS.create(name, preempt_min_remaining_tokens=1, program_watermark=0.5)
         self.pd, self.now, self.n = pd, 0.0, 0
         self.submits: Counter[str] = Counter()
         self.exits: Counter[str] = Counter()
