@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -30,12 +31,8 @@ class RunningService:
     bus: Bus
     stop: asyncio.Event
     task: asyncio.Task
-    hold: dict = field(default_factory=dict)
-    """Services that accept a ``hold`` dict put their runtime object under ``runtime``."""
-
-    @property
-    def runtime(self):
-        return self.hold.get("runtime")
+    runtime: Any = None
+    """The service object, when it was started from one (for the test to inspect)."""
 
 
 @dataclass
@@ -48,17 +45,22 @@ class InprocStack:
     _engine_setup: dict[str, tuple] = field(default_factory=dict)
 
     async def start_service(
-        self, name: str, main: Callable[..., Awaitable[None]], *, hold: bool = False
+        self,
+        name: str,
+        main: Callable[..., Awaitable[None]],
+        *,
+        build: Callable[[ServiceContext], Any] | None = None,
     ) -> RunningService:
-        """``hold=True``: ``main(ctx, hold)`` stores its runtime object for the test to inspect."""
+        """Run ``main(ctx)``; with ``build``, run ``main(ctx, build(ctx))`` and keep the built
+        object as the service's ``runtime``."""
         nc = await connect(self.nats_url, name=name)
         bus = Bus(nc, service=name)
         stop = asyncio.Event()
         ctx = ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
-        held: dict = {}
-        coro = main(ctx, held) if hold else main(ctx)
+        runtime = build(ctx) if build is not None else None
+        coro = main(ctx, runtime) if build is not None else main(ctx)
         task = asyncio.create_task(coro, name=name)
-        svc = RunningService(name, bus, stop, task, held)
+        svc = RunningService(name, bus, stop, task, runtime)
         self.services[name] = svc
         return svc
 
@@ -142,14 +144,11 @@ class InprocStack:
     async def wait_for_workers(self, count: int, timeout_s: float = 10.0) -> None:
         nc = await connect(self.nats_url, name="wait")
         try:
-            kv = await workers_bucket(Bus(nc, service="wait"))
+            bucket = await workers_bucket(Bus(nc, service="wait"))
             loop = asyncio.get_running_loop()
             give_up_at = loop.time() + timeout_s
             while True:
-                try:
-                    keys = await kv.keys()
-                except Exception:
-                    keys = []
+                keys = await bucket.keys()
                 if len(keys) >= count:
                     return
                 if loop.time() > give_up_at:
@@ -193,17 +192,22 @@ async def start_full_stack(
     scheduler: str = "thunder",
     scheduler_params: dict | None = None,
     roles: list[str] | None = None,
+    adapter: dict | None = None,
+    scheduler_config: dict | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
     Redis URL is given); returns when the workers are registered."""
-    from thunderagent.router.service import RouterConfig
-    from thunderagent.router.service import main as router_main
-    from thunderagent.scheduler.service import SchedulerConfig
-    from thunderagent.scheduler.service import main as scheduler_main
+    from thunderagent.router.service import RouterConfig, RouterService
+    from thunderagent.router_core import RouterParams
+    from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
     from thunderagent.schemas import WorkerRole
-    from thunderagent.worker.adapter import AdapterConfig
-    from thunderagent.worker.adapter import main as worker_main
+    from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
+    from thunderagent.worker.engine_client import EngineClient
+
+    async def run_worker(ctx, adapter: WorkerAdapter) -> None:
+        async with adapter.engine:
+            await adapter.run(ctx.stop)
 
     for i in range(workers):
         wid = f"w{i}"
@@ -211,25 +215,47 @@ async def start_full_stack(
         config = AdapterConfig(
             worker_id=wid,
             engine_url=url,
-            lease_s=2.0,
+            **{"lease_s": 2.0, **(adapter or {})},
             load_interval_s=0.05,
             role=WorkerRole(roles[i]) if roles else WorkerRole.BOTH,
         )
         await stack.start_service(
-            f"worker-{wid}", lambda ctx, hold, c=config: worker_main(ctx, c, hold), hold=True
+            f"worker-{wid}",
+            run_worker,
+            build=lambda ctx, c=config: WorkerAdapter(c, ctx.bus, EngineClient(c.engine_url)),
         )
     if redis_url:
-        from thunderagent.index.service import IndexConfig
-        from thunderagent.index.service import main as index_main
+        import redis.asyncio as aioredis
+
+        from thunderagent.index.service import IndexConfig, IndexService
 
         index_config = IndexConfig(redis_url=redis_url, snapshot_interval_s=0.5)
+
+        async def run_index(ctx, service: IndexService) -> None:
+            try:
+                await service.run(ctx)
+            finally:
+                await service.redis.aclose()
+
         await stack.start_service(
-            "index", lambda ctx, hold: index_main(ctx, index_config, hold), hold=True
+            "index",
+            run_index,
+            build=lambda ctx: IndexService(
+                index_config, ctx.bus, aioredis.from_url(redis_url, socket_timeout=2)
+            ),
         )
-    sched_config = SchedulerConfig(scheduler=scheduler, params=scheduler_params or {})
-    await stack.start_service(
-        "scheduler", lambda ctx, hold: scheduler_main(ctx, sched_config, hold), hold=True
+    sched_config = SchedulerConfig(
+        scheduler=scheduler, params=scheduler_params or {}, **(scheduler_config or {})
     )
-    router_config = RouterConfig(seed=1, policy=policy, redis_url=redis_url)
-    await stack.start_service("router", lambda ctx: router_main(ctx, router_config))
+    await stack.start_service(
+        "scheduler",
+        lambda ctx, service: service.run_service(ctx),
+        build=lambda ctx: SchedulerService(sched_config, ctx.bus),
+    )
+    router_config = RouterConfig(
+        params=RouterParams(policy=policy, seed=1), redis_url=redis_url
+    )
+    await stack.start_service(
+        "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, router_config)
+    )
     await stack.wait_for_workers(workers)

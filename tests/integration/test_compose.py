@@ -29,7 +29,7 @@ from thunderagent.embedded import find_nats_server, free_port, spawn, wait_for_p
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 OPS = ROOT / "ops"
-ROLES = ("router", "scheduler", "index", "worker", "client")
+ROLES = ("router", "scheduler", "index", "worker", "client", "gateway", "migration")
 SOURCE_DIRS = ("schemas", "libs", "services")
 ENV_PREFIXES = ("THUNDERAGENT_", "OTEL_")
 
@@ -368,6 +368,10 @@ def test_compose_commands_serve_a_request_with_role_permissions(tmp_path, redis_
             else:
                 cmd = _localize(cmd, hosts)
                 cmd[cmd.index("--metrics-port") + 1] = "0"
+                if cmd[0] == "gateway":  # loopback and a free port here
+                    cmd[cmd.index("--host") + 1] = "127.0.0.1"
+                    gateway_port = free_port()
+                    cmd[cmd.index("--port") + 1] = str(gateway_port)
             env = {k: _localize([v], hosts)[0] for k, v in svc.get("environment", {}).items()}
             env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no collector here
             replicas = svc.get("deploy", {}).get("replicas", 1)
@@ -381,6 +385,7 @@ def test_compose_commands_serve_a_request_with_role_permissions(tmp_path, redis_
         assert final.worker_id in {"w0", "w1"}
         assert final.usage.completion_tokens == 4
         assert violation, "the client user must not publish to a worker's generate subject"
+        assert _gateway_chat(gateway_port)["usage"]["completion_tokens"] == 4
     finally:
         for child in reversed(children):
             child.stop(grace_s=5)
@@ -393,6 +398,19 @@ def test_compose_commands_serve_a_request_with_role_permissions(tmp_path, redis_
         and "thunderagent-client" not in line
     ]  # fmt: skip
     assert not bad, "permission violations:\n" + "\n".join(bad[:20])
+
+
+def _gateway_chat(port: int) -> dict:
+    """One chat request through the gateway (its role's permissions: requests, inbox)."""
+    import urllib.request
+
+    body = {"model": "sim/llama-3.1-8b", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello " * 40}]}  # fmt: skip
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
 
 
 async def _request_and_probe(client_url: str, children) -> tuple:

@@ -4,19 +4,18 @@ router replicas agree, lost events are repaired, and Redis going away stops noth
 from __future__ import annotations
 
 import asyncio
-import json
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
-from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index.state import IndexState
 from thunderagent.router.service import RouterConfig, RouterService
-from thunderagent.schemas import GenerateRequest, OverlapQuery, OverlapReply, subjects
+from thunderagent.router_core import RouterParams
+from thunderagent.schemas import GenerateRequest, subjects
 
 pytestmark = pytest.mark.integration
 PAGE = 16
@@ -48,11 +47,6 @@ async def _snapshot_covers(redis, stream_seq: int) -> bool:
     return bool(data) and msgspec.msgpack.decode(data, type=IndexState).stream_seq >= stream_seq
 
 
-async def _has_hot_prefixes(redis) -> bool:
-    raw = await redis.get(subjects.REDIS_HOT_PREFIXES)
-    return bool(raw) and len(json.loads(raw)) > 0 and json.loads(raw)[0]["hits"] >= 1
-
-
 async def routable(nats_url: str, workers: int) -> ThunderClient:
     client = await ThunderClient.connect(nats_url, idle_timeout_s=20)
     for i in range(200):
@@ -69,14 +63,11 @@ def conversation(seed: int, blocks: int) -> list[int]:
 
 
 async def start_router(stack, name: str, redis_url: str | None) -> RouterService:
-    async def run(ctx, hold):
-        hold["runtime"] = svc = RouterService(
-            ctx, RouterConfig(seed=1, policy="thunder", redis_url=redis_url)
-        )
-        await svc.run()
-
-    running = await stack.start_service(name, run, hold=True)
-    return await wait_for(lambda: running.runtime, what=f"{name} to start")
+    config = RouterConfig(params=RouterParams(policy="thunder", seed=1), redis_url=redis_url)
+    running = await stack.start_service(
+        name, lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, config)
+    )
+    return running.runtime
 
 
 async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_server):
@@ -88,8 +79,15 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
         first = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
         )
-        # the router learns the first request's blocks from the KV events before the second
-        await asyncio.sleep(0.5)
+        # the router learns the first request's blocks from the KV events (its event-fed
+        # index, not the in-flight overlay that covers the time before they arrive)
+        router = stack.services["router"].runtime
+        blocks = BlockHasher(PAGE).hash_tokens(prefix)
+        await wait_for(
+            lambda: router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
+            == {first.final.worker_id: 12},
+            what="the first request's KV events in the router's index",
+        )
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )
@@ -112,7 +110,7 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
         probes = [hasher.hash_tokens(p) for p in prompts]
 
         def overlaps(svc):
-            return [svc.follower.index.overlap(h.primary, h.check) for h in probes]
+            return [svc.core.feeder.index.overlap(h.primary, h.check) for h in probes]
 
         # 1. a replica started now (snapshot from Redis + stream replay) sees what the others see
         index_svc = stack.services["index"].runtime
@@ -126,23 +124,6 @@ async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_ser
         await wait_for(lambda: overlaps(late) == overlaps(first_router), what="replicas to agree")
         assert late.follower.restored_from > 0, "the late replica should start from the snapshot"
         assert any(overlaps(late)), "the probes should hit somewhere"
-
-        # the index service answers overlap queries, and keeps the hot-prefix table in Redis
-        nc = await connect(nats_server.url, name="overlap-query")
-        bus = Bus(nc, service="test")
-        probe = probes[0]
-        query = OverlapQuery(hashes=probe.primary, check_hashes=probe.check)
-        answer = await bus.request(subjects.INDEX_OVERLAP, query, OverlapReply, timeout=5)
-        assert answer.overlaps == index_svc.follower.index.overlap(probe.primary, probe.check)
-        assert answer.overlaps, "the first prompt is cached somewhere"
-        await nc.close()
-        # a repeat of the first prompt reuses its prefix: that prefix is now "hot"
-        await client.generate(
-            GenerateRequest(model=MODEL, token_ids=[*prompts[0], 5], max_tokens=2)
-        )
-        redis = aioredis.from_url(redis_server.url)
-        await wait_for_async(lambda: _has_hot_prefixes(redis), what="the hot-prefix table in Redis")
-        await redis.aclose()
 
         # 2. a lost KV event is detected by the index service and repaired by a resync
         for relay in stack.relays.values():
@@ -192,11 +173,11 @@ async def test_host_tier_blocks_reach_the_router_as_host_only(nats_server):
         h = BlockHasher(PAGE).hash_tokens(first)
 
         def tiers():
-            feeder = router.follower.feeder
+            feeder = router.core.feeder
             gpu = feeder.gpu_index.overlap(h.primary, h.check).get("w0", 0)
             return gpu, feeder.index.overlap(h.primary, h.check).get("w0", 0)
 
-        await wait_for(lambda: router.follower.feeder.gpu is not None, what="a host-tier event")
+        await wait_for(lambda: router.core.feeder.gpu is not None, what="a host-tier event")
         await wait_for(lambda: tiers()[1] > tiers()[0], what="host-only blocks in the index")
         again = await client.generate(GenerateRequest(model=MODEL, token_ids=first, max_tokens=2))
         await client.close()

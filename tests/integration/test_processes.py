@@ -65,6 +65,11 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+def _client_env(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """`up` authenticates every connection: the client reads the logins it wrote."""
+    return {**env, "THUNDERAGENT_NATS_CREDS": str(tmp_path / "run" / "creds")}
+
+
 def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "thunderagent.cli.main", "request", "--nats", nats_url,
@@ -78,7 +83,8 @@ def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
 def test_sigterm_stops_every_process(tmp_path):
     proc, nats_url = _start_up(tmp_path, dict(os.environ))
     try:
-        final = _request(nats_url, dict(os.environ), "hello from the process test")
+        final = _request(nats_url, _client_env(tmp_path, dict(os.environ)),
+                         "hello from the process test")
         assert final["type"] == "final"
         children = _descendants(proc.pid)
         # nats, redis, index, scheduler, router, 2 x (engine + adapter)
@@ -112,7 +118,7 @@ def test_one_request_is_one_trace_across_processes(tmp_path):
         env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
         proc, nats_url = _start_up(tmp_path, env)
         try:
-            final = _request(nats_url, env, "trace me through every service")
+            final = _request(nats_url, _client_env(tmp_path, env), "trace me through every service")
             request_id = final["request_id"]
             deadline = time.monotonic() + 20
             wanted = {

@@ -74,7 +74,12 @@ async def test_repeated_prompt_reports_cached_tokens(nats_server):
     ("request_", "code", "fragment"),
     [
         (GenerateRequest(model="no/such-model", text="hi"), ErrorCode.UNKNOWN_MODEL, "no worker"),
-        (GenerateRequest(model=MODEL, token_ids=[2**32 - 1], max_tokens=1), None, None),
+        (
+            GenerateRequest(model=MODEL, token_ids=[2**32 - 1], max_tokens=1),
+            ErrorCode.BAD_REQUEST,
+            "outside the model's vocabulary",
+        ),
+        (GenerateRequest(model=MODEL, token_ids=[128_255], max_tokens=1), None, None),
     ],
 )
 async def test_clear_errors_for_unknown_model(nats_server, request_, code, fragment):

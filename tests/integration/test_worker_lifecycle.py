@@ -32,11 +32,11 @@ async def test_killed_adapter_drops_out_within_its_lease(nats_server):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            await wait_for(lambda: "wk" in router.registry, timeout_s=20, what="wk to register")
+            await wait_for(lambda: "wk" in router.core.fleet, timeout_s=20, what="wk to register")
             os.kill(adapter.pid, signal.SIGKILL)
             adapter.wait()
             killed_at = time.monotonic()
-            await wait_for(lambda: "wk" not in router.registry, timeout_s=lease_s + 5,
+            await wait_for(lambda: "wk" not in router.core.fleet, timeout_s=lease_s + 5,
                            what="wk to leave the registry")  # fmt: skip
             gone_after = time.monotonic() - killed_at
         finally:

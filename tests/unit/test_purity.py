@@ -17,6 +17,8 @@ PURE_PACKAGES = [
     "thunderagent.tokenizer",
     "thunderagent.hotness",
     "thunderagent.plugins",
+    "thunderagent.router_core",
+    "thunderagent.stats",
     "thunderagent.prefix_index",
     "thunderagent.fleet",
     "thunderagent.replay",

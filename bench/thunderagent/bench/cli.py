@@ -8,7 +8,7 @@ import sys
 
 BENCHES = {
     "index": ("thunderagent.bench.index", "prefix index ingest and query speed (vs Dynamo)"),
-    "live": ("thunderagent.bench.live", "a trace through the running stack, vs sglang-router"),
+    "live": ("thunderagent.bench.live", "a trace through the running stack, vs sglang-router, SMG"),
     "latency": (
         "thunderagent.bench.latency",
         "round trip through the stack vs straight to an engine",
@@ -17,7 +17,25 @@ BENCHES = {
         "thunderagent.bench.replay",
         "trace replay through every routing policy, virtual time",
     ),
+    "tune": ("thunderagent.bench.tune", "choose a thunder default on generated workloads"),
     "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
+    "gateway": (
+        "thunderagent.bench.gateway",
+        "the OpenAI HTTP gateway vs straight over NATS: added latency, requests/s",
+    ),
+    "transfer": (
+        "thunderagent.bench.transfer",
+        "move a prefix's KV between two engines with NIXL through the stack (GB/s, verified)",
+    ),
+    "gen": ("thunderagent.bench.gen", "write a generated Mooncake trace: agent, bursty, hotspot"),
+    "profile": (
+        "thunderagent.bench.profile",
+        "where a request's time goes: CPU µs/request per service, py-spy self time, spans",
+    ),
+    "throughput": (
+        "thunderagent.bench.throughput",
+        "stepped open-loop rates vs instant engines: added latency, CPU/request, vs SMG",
+    ),
 }
 
 

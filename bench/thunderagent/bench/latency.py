@@ -14,28 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 
 import aiohttp
 
+from thunderagent import stats
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import GenerateRequest
 from thunderagent.stack.up import Stack, StackConfig
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-
 def summary(values: list[float]) -> dict:
-    return {
-        "p50": round(pct(values, 0.50), 3),
-        "p90": round(pct(values, 0.90), 3),
-        "p99": round(pct(values, 0.99), 3),
-        "mean": round(statistics.fmean(values), 3),
-    }
+    return stats.summary(values, digits=3)
 
 
 async def through_stack(nats_url: str, model: str, n: int, prompt: list[int]) -> list[float]:
@@ -92,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         "through_stack_ms": summary(stacked),
         "direct_to_engine_ms": summary(direct),
         "added_ms": {
-            "p50": round(pct(stacked, 0.5) - pct(direct, 0.5), 3),
-            "p99": round(pct(stacked, 0.99) - pct(direct, 0.99), 3),
+            "p50": round(stats.percentile(stacked, 50) - stats.percentile(direct, 50), 3),
+            "p99": round(stats.percentile(stacked, 99) - stats.percentile(direct, 99), 3),
         },
     }
     print(json.dumps(result, indent=2))

@@ -1,6 +1,7 @@
 """Live benchmark: a trace's requests through the running stack over NATS, and optionally the
-same requests through SGLang's own router (``sglang-router`` 0.3.2, ``cache_aware``) in front of
-the same simulated engines, measured in one run on one machine.
+same requests through HTTP routers in front of the same simulated engines, measured in one run on
+one machine: SGLang's router (``sglang-router`` 0.3.2) and SMG (``smg`` 1.13.0), both
+``--policy cache_aware`` with their shipped defaults.
 
 Each trace block id becomes its own deterministic run of tokens, so equal ids mean equal
 prefixes. Requests are sent open loop at ``--rate`` per second in trace order. For every request
@@ -8,7 +9,13 @@ the client records TTFT and end-to-end time; the engine reports its own receipt-
 time, so ``added_latency_ms = client TTFT - engine TTFT`` is what the system in front of the
 engine added (routing, queueing outside the engine, every network hop).
 
-    thunderagent bench live --trace PATH --rate 200 --duration 30 [--baseline sglang-router]
+The HTTP load generator reuses connections (keep-alive) or opens one per request (``fresh``):
+sglang-router 0.3.2 leaves TCP_NODELAY off on the sockets it accepts, so on a reused connection
+its response headers and first chunk meet Nagle's algorithm and the client's delayed ACK (~40 ms
+on Linux). A fresh connection starts in quick-ACK mode and sees no such stall. Both are measured.
+
+    thunderagent bench live --trace PATH --rate 200 --duration 30 \
+        [--baseline sglang-router,smg] [--client-connections keepalive|fresh|both]
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,12 +35,17 @@ import aiohttp
 
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port
-from thunderagent.replay.metrics import percentile
 from thunderagent.replay.traces import TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
 from thunderagent.stack.up import Stack, StackConfig
+from thunderagent.stats import percentile
 
 VOCAB = 32_000
+BASELINES = ("sglang-router", "smg")
+"""HTTP routers ``--baseline`` can put in front of the engines (the pip package named)."""
+CONNECTIONS = ("keepalive", "fresh")
+FRESH_SUFFIX = "/fresh-connections"
+"""System-name suffix of a baseline measured with a new client connection per request."""
 
 
 def block_tokens(block_id: int, n: int) -> list[int]:
@@ -154,9 +168,13 @@ async def run_thunderagent(nats_url: str, model: str, requests: list[LiveRequest
     return result
 
 
-async def run_http(url: str, name: str, requests: list[LiveRequest]) -> SystemResult:
+async def run_http(
+    url: str, name: str, requests: list[LiveRequest], connections: str = "keepalive"
+) -> SystemResult:
+    """Stream every request through ``url``'s ``/generate``. aiohttp sets TCP_NODELAY on its
+    sockets; ``connections="fresh"`` closes each connection after its request."""
     result = SystemResult(name, [Outcome() for _ in requests])
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=connections == "fresh")
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def send(req: LiveRequest) -> None:
@@ -191,15 +209,68 @@ async def run_http(url: str, name: str, requests: list[LiveRequest]) -> SystemRe
     return result
 
 
-def start_sglang_router(engine_urls: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-        "--port", str(port), "--policy", "cache_aware", "--worker-urls", *engine_urls,
+def router_argv(baseline: str, port: int, metrics_port: int, engine_urls: list[str]) -> list[str]:
+    """The baseline's launch command: ``--policy cache_aware`` and nothing tuned; only the
+    listening and metrics ports are set (both routers default their metrics to 0.0.0.0:29000)."""
+    launcher = {
+        "sglang-router": ["-m", "sglang_router.launch_router"],
+        "smg": ["-m", "smg", "launch"],
+    }[baseline]
+    return [
+        sys.executable, *launcher, "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--policy", "cache_aware", "--worker-urls", *engine_urls,
     ]  # fmt: skip
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_router(
+    baseline: str, engine_urls: list[str], log_path: Path
+) -> tuple[subprocess.Popen, str]:
+    """Start the baseline in its own process group (its launcher may fork the router)."""
+    port = free_port()
+    argv = router_argv(baseline, port, free_port(), engine_urls)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_router(proc: subprocess.Popen) -> None:
+    """Stop the baseline's whole process group (the group this benchmark created)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def baseline_missing(baseline: str) -> str | None:
+    """Why the baseline cannot run here, or None."""
+    module = {"sglang-router": "sglang_router", "smg": "smg"}[baseline]
+    try:
+        __import__(module)
+    except ImportError:
+        return f"{baseline} is not installed: pip install 'thunderagent[baseline]'"
+    return None
+
+
+def parse_baselines(text: str) -> list[str]:
+    """``--baseline``: comma-separated names from ``BASELINES``, in order, no repeats."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BASELINES))
+    if unknown or not names:
+        bad = ", ".join(unknown) or repr(text)
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {bad}; choose from {', '.join(BASELINES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def system_name(baseline: str, connections: str) -> str:
+    """The key a baseline run gets in ``systems`` (keep-alive runs keep the plain name)."""
+    return baseline if connections == "keepalive" else baseline + FRESH_SUFFIX
 
 
 async def wait_http(url: str, timeout_s: float = 60) -> None:
@@ -227,7 +298,7 @@ async def flush_all(engine_urls: list[str]) -> None:
                 await asyncio.sleep(0.1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True)
     p.add_argument("--rate", type=float, default=50.0, help="requests per second")
@@ -243,9 +314,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
     p.add_argument("--policy", default="thunder")
-    p.add_argument("--baseline", choices=["sglang-router"], default=None)
+    p.add_argument(
+        "--baseline",
+        type=parse_baselines,
+        default=[],
+        help=f"comma-separated HTTP routers to run after ours: {', '.join(BASELINES)}",
+    )
+    p.add_argument(
+        "--client-connections",
+        choices=[*CONNECTIONS, "both"],
+        default="both",
+        help="HTTP baselines: reuse client connections, open one per request, or run both",
+    )
     p.add_argument("--json", dest="json_out", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
 
     trace = load_trace(args.trace)
     requests = build_requests(
@@ -261,10 +347,21 @@ def main(argv: list[str] | None = None) -> None:
         ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
         systems["thunderagent"] = ours.summary()
         print(json.dumps(systems["thunderagent"]), file=sys.stderr)
-        if args.baseline == "sglang-router":
-            systems["sglang-router"] = _run_baseline(stack, requests)
+        if args.baseline:
+            connections = (
+                CONNECTIONS if args.client_connections == "both" else [args.client_connections]
+            )
+            systems |= run_baselines(stack, requests, args.baseline, connections)
     finally:
         stack.stop()
+    report = build_report(args, systems)
+    print(json.dumps(report, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
+def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
+    """The JSON report: the run's settings, each system's summary, ours over each baseline."""
     report = {
         "trace": Path(args.trace).name,
         "rate": args.rate,
@@ -275,39 +372,57 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_block": args.tokens_per_block,
         "max_output": args.max_output,
         "policy": args.policy,
+        "client": {"tcp_nodelay": True, "connections": args.client_connections},
         "systems": systems,
     }
-    if "sglang-router" in systems and "ttft_ms" in systems["sglang-router"]:
-        report["ratios_thunderagent_over_sglang_router"] = _ratios(
-            systems["thunderagent"], systems["sglang-router"]
-        )
-    print(json.dumps(report, indent=2))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    ratios = {
+        name: _ratios(systems["thunderagent"], summary)
+        for name, summary in systems.items()
+        if name != "thunderagent" and "ttft_ms" in summary
+    }
+    if "sglang-router" in ratios:
+        report["ratios_thunderagent_over_sglang_router"] = ratios["sglang-router"]
+    if ratios:
+        report["ratios_thunderagent_over"] = ratios
+    return report
 
 
-def _run_baseline(stack: Stack, requests: list[LiveRequest]) -> dict:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        message = "sglang-router is not installed: pip install 'thunderagent[baseline]'"
-        print(message, file=sys.stderr)
-        return {"skipped": message}
-    # The baseline gets the machine to itself: only the engines keep running.
+def run_baselines(
+    stack: Stack, requests: list[LiveRequest], baselines: list[str], connections: list[str]
+) -> dict[str, dict]:
+    """Each baseline once per client-connection mode, each run on a freshly started router over
+    flushed engines, with the control plane stopped so the baselines get the machine to
+    themselves: only the engines keep running."""
     for child in stack.children:
         if not child.name.startswith("engine-"):
             child.stop()
+    out: dict[str, dict] = {}
+    for baseline in baselines:
+        missing = baseline_missing(baseline)
+        for mode in connections:
+            name = system_name(baseline, mode)
+            if missing:
+                print(missing, file=sys.stderr)
+                out[name] = {"skipped": missing}
+                continue
+            out[name] = _run_baseline(stack, requests, baseline, mode)
+    return out
+
+
+def _run_baseline(
+    stack: Stack, requests: list[LiveRequest], baseline: str, connections: str
+) -> dict:
+    name = system_name(baseline, connections)
     asyncio.run(flush_all(stack.engine_urls))
-    proc, url = start_sglang_router(stack.engine_urls, stack.run_dir / "sglang-router.log")
+    proc, url = start_router(baseline, stack.engine_urls, stack.run_dir / f"{baseline}.log")
     try:
         asyncio.run(wait_http(url))
         asyncio.run(flush_all(stack.engine_urls))
-        result = asyncio.run(run_http(url, "sglang-router", requests)).summary()
-        print(json.dumps(result), file=sys.stderr)
+        result = asyncio.run(run_http(url, name, requests, connections)).summary()
+        print(json.dumps({name: result}), file=sys.stderr)
         return result
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_router(proc)
 
 
 def _ratios(ours: dict, base: dict) -> dict:

@@ -32,8 +32,9 @@ from thunderagent.replay import (
     load_trace,
     pooled_hit_ratio,
 )
-from thunderagent.replay.summary import summarize
+from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
+from thunderagent.stats import percentile
 
 
 def code_version() -> str:
@@ -98,7 +99,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None, help="markdown report file")
     p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")
-    p.add_argument("--scheduler", default="direct", choices=sorted(SCHEDULERS))
+    p.add_argument(
+        "--scheduler", default=None, choices=SCHEDULERS.names(),
+        help="one scheduler for every policy (default: each as deployed: thunder with its "
+        "scheduler, every peer with direct dispatch)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo-ttft-p99-ms", type=float, default=None,
+        help="TTFT SLO for capacity and goodput (default: the trace's p99 no-cache prefill "
+        "time + 3 s)",
+    )  # fmt: skip
     p.add_argument("--load-interval", type=float, default=0.1, help="virtual s between reports")
     p.add_argument("--block-size", type=int, default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=float, default=None, help="prefix index TTL s (off)")
@@ -118,6 +128,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+DEPLOYED_SCHEDULER = {"thunder": "thunder"}
+"""How each policy ships: ThunderAgent is its router and its scheduler; every peer dispatches
+straight to the engines (their queues do the waiting)."""
+
+SLO_MARGIN_S = 3.0
+"""The default SLO: the p99 of what the trace's prompts need with no cache and no queue, plus
+this margin for queueing."""
+
+
+def scheduler_for(policy: str, override: str | None) -> str:
+    return override or DEPLOYED_SCHEDULER.get(policy, "direct")
+
+
+def default_slo_ms(trace, timing: TimingModel, chunk: int) -> float:
+    floor = [alone_ttft_s(timing, r.prompt_len, 0, chunk) for r in trace]
+    return percentile(floor, 99) * 1000.0 + SLO_MARGIN_S * 1000.0
+
+
 def run(args: argparse.Namespace) -> tuple[dict, dict]:
     """All runs; returns (JSON document, {(policy, speed): ReplayResult})."""
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
@@ -134,6 +162,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     pooled = pooled_hit_ratio(keyed, bs, args.workers * profile.capacity_blocks)
     timing = TimingModel(profile)
     chunk = profile.engine.chunked_prefill_size
+    slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
     doc = {
         "trace": args.trace.name,
         "trace_requests": len(trace),
@@ -144,7 +173,9 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
             "block_size": bs,
         },
         "profile": profile.name,
-        "scheduler": args.scheduler,
+        "scheduler": args.scheduler or "as deployed",
+        "schedulers": {p: scheduler_for(p, args.scheduler) for p in args.policy_list},
+        "slo_ttft_p99_ms": round(slo_ms, 1),
         "load_interval_s": args.load_interval,
         "index_ttl_s": args.index_ttl,
         "policy_params": args.params,
@@ -163,7 +194,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 policy=policy,
                 workers=args.workers,
                 policy_params=args.params.get(policy, {}),
-                scheduler=args.scheduler,
+                scheduler=scheduler_for(policy, args.scheduler),
                 seed=args.seed,
                 load_interval=args.load_interval,
                 index_ttl=args.index_ttl,
@@ -181,9 +212,26 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 ideal=ideal,
                 pooled=pooled,
                 wall_s=round(wall, 3),
+                slo_ms=slo_ms,
             )
             doc["results"].append(entry)
+    doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results
+
+
+def capacity(entries: list[dict], policies: list[str]) -> dict:
+    """Per policy: the highest swept speed meeting the SLO with nothing lost, and goodput at
+    every speed (requests/s whose TTFT met the SLO)."""
+    out = {}
+    for policy in policies:
+        mine = sorted((e for e in entries if e["policy"] == policy), key=lambda e: e["speed"])
+        met = [e["speed"] for e in mine if e["slo_met"]]
+        out[policy] = {
+            "max_speed_meeting_slo": max(met) if met else None,
+            "goodput_rps": {f"{e['speed']:g}": e["goodput_rps"] for e in mine},
+            "ttft_p99_ms": {f"{e['speed']:g}": e["ttft_p99_all_ms"] for e in mine},
+        }
+    return out
 
 
 class _progress:
@@ -231,8 +279,8 @@ class _Silent:
 
 # ---- report ------------------------------------------------------------------------------
 COLUMNS = (
-    "| policy | speed | done | rej | TTFT p50 | TTFT p90 | TTFT p99 | wait p99 | E2E p50 | E2E p99 "
-    "| out tok/s | hit | ideal | pooled | recompute | imbalance | preempt | wall s |"
+    "| policy | sched | speed | done | rej | TTFT p50 | TTFT p90 | TTFT p99 | wait p99 | E2E p99 "
+    "| goodput/s | SLO | hit | pooled | recompute | imbalance | preempt | wall s |"
 )
 
 
@@ -240,14 +288,31 @@ def table(doc: dict) -> str:
     lines = [COLUMNS, _rule()]
     for e in doc["results"]:
         t, x, q = e["ttft_ms"], e["e2e_ms"], e["queue_ms"]
+        sched = doc["schedulers"][e["policy"]]
         lines.append(
-            f"| {e['policy']} | {e['speed']:g} | {e['completed']} | {e['rejected']} "
+            f"| {e['policy']} | {sched} | {e['speed']:g} | {e['completed']} | {e['rejected']} "
             f"| {t['p50']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {q['p99']:.0f} "
-            f"| {x['p50']:.0f} | {x['p99']:.0f} | {e['output_tok_s']:.0f} "
-            f"| {e['prefix_hit_ratio']:.3f} | {e['ideal_hit_ratio']:.3f} "
-            f"| {e['pooled_hit_ratio']:.3f} | {e['prefill_recompute_ratio']:.3f} "
+            f"| {x['p99']:.0f} | {e['goodput_rps']:.2f} | {'yes' if e['slo_met'] else 'no'} "
+            f"| {e['prefix_hit_ratio']:.3f} | {e['pooled_hit_ratio']:.3f} "
+            f"| {e['prefill_recompute_ratio']:.3f} "
             f"| {e['load_imbalance']:.3f} | {e['preemptions']} | {e['wall_s']:.1f} |"
         )
+    return "\n".join(lines)
+
+
+def capacity_table(doc: dict) -> str:
+    """Capacity at the SLO: the highest swept speed each policy serves within it."""
+    slo = doc["slo_ttft_p99_ms"]
+    lines = [
+        f"Capacity at TTFT p99 <= {slo / 1000:.2f} s (nothing lost, nothing rejected):",
+        "",
+        "| policy | scheduler | max speed meeting the SLO |",
+        "|---|---|---|",
+    ]
+    for policy, c in doc["capacity"].items():
+        best = c["max_speed_meeting_slo"]
+        shown = f"{best:g}" if best is not None else "none swept"
+        lines.append(f"| {policy} | {doc['schedulers'][policy]} | {shown} |")
     return "\n".join(lines)
 
 
@@ -264,13 +329,16 @@ def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> N
         "",
         f"{doc['trace_requests']} requests; {c['workers']} workers x {c['profile']} "
         f"({c['kv_blocks_per_worker']} KV blocks of {c['block_size']} tokens each); "
-        f"scheduler {doc['scheduler']}; load reports every {doc['load_interval_s']} s; "
+        f"schedulers {doc['scheduler']}; load reports every {doc['load_interval_s']} s; "
         f"seed {doc['seed']}; code {doc['code_version']}.",
         "",
         "Latencies in ms; `wait` = TTFT minus the request's prefill alone on an idle engine; "
-        "`hit` = prompt tokens served from cache / prompt tokens.",
+        "`hit` = prompt tokens served from cache / prompt tokens; `goodput` = requests/s whose "
+        f"TTFT met the SLO ({doc['slo_ttft_p99_ms'] / 1000:.2f} s).",
         "",
         table(doc),
+        "",
+        capacity_table(doc),
         "",
     ]
     head += [f"![{p.stem}]({_rel(p, path.parent)})" for p in plots]
@@ -342,22 +410,31 @@ def write_plots(doc: dict, results: dict[tuple[str, float], ReplayResult], out: 
         axes[0].set_title(f"Per-worker requests (running + waiting): {stem}, x{speed:g}")
         paths.append(_save(fig, out / f"{tag}_worker_load.png", plt))
     if len(speeds) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for policy in policies:
-            pts = [
-                (e["speed"], e["ttft_ms"]["p99"] / 1000)
-                for e in doc["results"]
-                if e["policy"] == policy
-            ]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
-        ax.axhline(5.0, color="k", ls="--", lw=0.8)
-        ax.set_xlabel("speed (arrival-rate multiplier)")
-        ax.set_ylabel("TTFT p99 (s)")
-        ax.set_title(f"TTFT p99 vs speed: {stem}")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        paths.append(_save(fig, out / f"{stem}_ttft_p99_vs_speed.png", plt))
+        paths.append(_capacity_plot(doc, policies, stem, out, plt))
     return paths
+
+
+def _capacity_plot(doc: dict, policies: list[str], stem: str, out: Path, plt) -> Path:
+    """TTFT p99 (every request; an unanswered one counts as never) and goodput vs speed."""
+    slo_s = doc["slo_ttft_p99_ms"] / 1000
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    for policy in policies:
+        mine = [e for e in doc["results"] if e["policy"] == policy]
+        mine.sort(key=lambda e: e["speed"])
+        speeds = [e["speed"] for e in mine]
+        p99 = [min(e["ttft_p99_all_ms"] / 1000, 10 * slo_s) for e in mine]
+        top.plot(speeds, p99, marker="o", label=policy)
+        bottom.plot(speeds, [e["goodput_rps"] for e in mine], marker="o", label=policy)
+    top.axhline(slo_s, color="k", ls="--", lw=0.8, label="SLO")
+    top.set_yscale("log")
+    top.set_ylabel("TTFT p99 (s)")
+    top.set_title(f"Capacity: {stem}")
+    bottom.set_ylabel("goodput (requests/s within the SLO)")
+    bottom.set_xlabel("speed (arrival-rate multiplier)")
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
+    top.legend(fontsize=8)
+    return _save(fig, out / f"{stem}_capacity.png", plt)
 
 
 def _save(fig, path: Path, plt) -> Path:
@@ -375,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     except TraceError as err:
         raise SystemExit(f"bad trace: {err}") from None
     print(table(doc))
+    print()
+    print(capacity_table(doc))
     total = sum(e["wall_s"] for e in doc["results"])
     print(
         f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"

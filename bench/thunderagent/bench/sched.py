@@ -22,8 +22,9 @@ from pathlib import Path
 
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import Profile, get_profile
-from thunderagent.replay import Record, ReplayConfig, ReplayResult, percentile
+from thunderagent.replay import Record, ReplayConfig, ReplayResult
 from thunderagent.replay.workload_driver import run_open, run_programs
+from thunderagent.stats import percentile
 from thunderagent.workloads import AgentParams, AgentWorkload, MixedParams, MixedWorkload
 
 ROUTING = "thunder"

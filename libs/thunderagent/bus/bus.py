@@ -1,10 +1,13 @@
 """Typed publish / request / subscribe over one NATS connection.
 
-Every outgoing message carries the current W3C trace context in its headers; every incoming
-message is decoded into its msgspec type inside a span that continues the sender's trace. A
-message that fails to decode or validate, or whose handler raises, is answered with an
-``ErrorReply`` when it has a reply subject and recorded on the service's dead-letter subject with
-the raw bytes and the reason. The subscription keeps running either way.
+Every outgoing message carries the current W3C trace context in its headers (none when there
+is no context: a plain ``PUB``, no header block); every incoming message is decoded into its
+msgspec type, inside a span that continues the sender's trace only when that trace is sampled and
+this process traces (``thunderagent.telemetry.propagation``): a message without trace context, or
+whose trace was sampled out, costs no span work, and with tracing off none at all. A message that
+fails to decode or validate, or whose handler raises, is answered with an ``ErrorReply`` when it
+has a reply subject and recorded on the service's dead-letter subject with the raw bytes and the
+reason. The subscription keeps running either way.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from thunderagent.bus.errors import NoResponders, RequestTimeout
+from thunderagent.bus.errors import DECODE_ERRORS, NoResponders, PayloadTooLarge, RequestTimeout
+from thunderagent.bus.jetstream import JetStreamMixin
 from thunderagent.schemas import DeadLetter, ErrorCode, ErrorReply, subjects
-from thunderagent.telemetry import extract_context, inject_headers
+from thunderagent.telemetry import extract_context, inject_headers, sampled_flag, tracing_active
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
@@ -71,7 +76,7 @@ class SubscriptionStats:
 
 
 @dataclass
-class Bus:
+class Bus(JetStreamMixin):
     """One service's view of NATS. ``service`` names the dead-letter subject and the spans."""
 
     nc: NATS
@@ -87,15 +92,29 @@ class Bus:
             description="Messages rejected into the dead-letter subject",
         )
 
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    def _checked(self, subject: str, message: Any) -> bytes:
+        """The encoded message; ``PayloadTooLarge`` (naming the limit) when NATS would refuse
+        it, instead of nats-py's bare ``MaxPayloadError``."""
+        payload = encode(message)
+        limit = self.nc.max_payload
+        if limit and len(payload) > limit:
+            raise PayloadTooLarge(subject, len(payload), limit)
+        return payload
+
     async def publish(
         self, subject: str, message: Any, *, reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
-        await self.nc.publish(
-            subject, encode(message), reply=reply, headers=inject_headers(headers)
-        )
+        payload = self._checked(subject, message)
+        # None, not {}: nats-py sends an empty dict as a header block (HPUB) all the same
+        headers = inject_headers(headers) or None
+        await self.nc.publish(subject, payload, reply=reply, headers=headers)
 
     async def publish_raw(self, subject: str, payload: bytes, *, reply: str = "") -> None:
-        await self.nc.publish(subject, payload, reply=reply, headers=inject_headers())
+        await self.nc.publish(subject, payload, reply=reply, headers=inject_headers() or None)
 
     async def request(
         self,
@@ -105,11 +124,12 @@ class Bus:
         *,
         timeout: float = 2.0,  # noqa: ASYNC109 - passed on to nats-py's request
     ) -> T:
-        """Request/reply; raises :class:`NoResponders` or :class:`RequestTimeout`."""
+        """Request/reply; raises :class:`NoResponders`, :class:`RequestTimeout` or
+        :class:`PayloadTooLarge`."""
+        payload = self._checked(subject, message)
         try:
-            msg = await self.nc.request(
-                subject, encode(message), timeout=timeout, headers=inject_headers()
-            )
+            headers = inject_headers() or None
+            msg = await self.nc.request(subject, payload, timeout=timeout, headers=headers)
         except NoRespondersError as err:
             raise NoResponders(subject) from err
         except NatsTimeout as err:
@@ -135,30 +155,47 @@ class Bus:
         span_name = f"{self.service} {subject.split('.')[1] if '.' in subject else subject}"
 
         async def process(msg: Msg) -> None:
-            headers = dict(msg.headers or {})
-            delivery = Delivery(msg.subject, msg.reply or "", headers, msg.data)
+            headers = msg.headers
+            delivery = Delivery(msg.subject, msg.reply or "", headers or {}, msg.data)
+            sampled = sampled_flag(headers) if headers else None
+            if sampled is None:  # no trace context: no span, nothing to pass on
+                await handle(msg, delivery, None)
+                return
             ctx = extract_context(headers)
-            with self._tracer.start_as_current_span(
-                span_name, context=ctx, kind=SpanKind.CONSUMER
-            ) as span:
-                span.set_attribute("messaging.destination.name", msg.subject)
-                try:
-                    decoded = decoder.decode(msg.data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            if sampled and tracing_active():
+                with self._tracer.start_as_current_span(
+                    span_name, context=ctx, kind=SpanKind.CONSUMER
+                ) as span:
+                    span.set_attribute("messaging.destination.name", msg.subject)
+                    await handle(msg, delivery, span)
+                return
+            # sampled out, or tracing off here: no span, but the context goes on unchanged
+            token = otel_context.attach(ctx)
+            try:
+                await handle(msg, delivery, None)
+            finally:
+                otel_context.detach(token)
+
+        async def handle(msg: Msg, delivery: Delivery, span: trace.Span | None) -> None:
+            try:
+                decoded = decoder.decode(msg.data)
+            except DECODE_ERRORS as err:
+                if span is not None:
                     span.set_status(Status(StatusCode.ERROR, str(err)))
-                    await self.reject(delivery, f"invalid {_type_name(message_type)}: {err}")
-                    return
-                stats.delivered += 1
-                try:
-                    await handler(decoded, delivery)
-                except Exception as err:
-                    stats.handler_errors += 1
+                await self.reject(delivery, f"invalid {_type_name(message_type)}: {err}")
+                return
+            stats.delivered += 1
+            try:
+                await handler(decoded, delivery)
+            except Exception as err:
+                stats.handler_errors += 1
+                if span is not None:
                     span.record_exception(err)
                     span.set_status(Status(StatusCode.ERROR, str(err)))
-                    log.exception("%s: handler for %s failed", self.service, msg.subject)
-                    await self.reject(
-                        delivery, f"handler failed: {type(err).__name__}: {err}", ErrorCode.INTERNAL
-                    )
+                log.exception("%s: handler for %s failed", self.service, msg.subject)
+                await self.reject(
+                    delivery, f"handler failed: {type(err).__name__}: {err}", ErrorCode.INTERNAL
+                )
 
         async def on_message(msg: Msg) -> None:
             if not concurrent:

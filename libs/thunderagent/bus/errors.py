@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
+
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+"""What decoding bad input raises: msgspec's errors, and RecursionError for JSON nested some
+thousands deep (msgspec recurses into values it skips), which must be rejected like the rest."""
+
 
 class BusError(Exception):
     def __init__(self, subject: str, message: str) -> None:
@@ -30,3 +36,12 @@ class RequestTimeout(BusError):
 
     def is_unavailable(self) -> bool:
         return True
+
+
+class PayloadTooLarge(BusError):
+    """The encoded message exceeds what the NATS server accepts (its ``max_payload``)."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(subject, f"message of {size} bytes exceeds the bus limit of {limit} bytes")
+        self.size = size
+        self.limit = limit

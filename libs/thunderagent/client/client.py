@@ -1,15 +1,15 @@
 """Send a generate request over NATS and stream its replies.
 
-The request goes to ``thunderagent.requests.<model>`` with a fresh inbox as its reply subject;
-token chunks and then exactly one final or error reply arrive on that inbox. When no router
-subscribes, NATS answers the publish with a 503 status at once, which becomes an error here
-instead of a timeout.
+The request goes to ``thunderagent.requests.<model>`` with a reply subject under the client's one
+shared inbox subscription (``mux.ReplyMux``); token chunks and then exactly one final or error
+reply arrive there. When no router subscribes, NATS answers the publish with a 503 status at
+once, which becomes an error here instead of a timeout; no reply for ``idle_timeout_s`` is an
+error too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,20 +21,18 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from thunderagent.bus import connect
+from thunderagent.client.mux import Call, ReplyMux
 from thunderagent.schemas import (
-    REPLY_DECODER,
     ErrorCode,
     ErrorReply,
     FinalReply,
     GenerateRequest,
     ReplyMessage,
     TokenChunk,
-    subjects,
 )
 from thunderagent.telemetry import inject_headers
 
 _tracer = trace.get_tracer("thunderagent.client")
-_encoder = msgspec.json.Encoder()
 
 
 class RequestFailed(Exception):
@@ -56,83 +54,63 @@ class Completion:
 
 
 class ThunderClient:
-    def __init__(self, nc: NATS, *, idle_timeout_s: float = 60.0) -> None:
+    """``cancel_abandoned``: a stream its consumer leaves before the final reply publishes a
+    ``CancelRequest``, so the stack stops the run (the gateway does this for a client that
+    disconnects)."""
+
+    def __init__(
+        self, nc: NATS, *, idle_timeout_s: float = 60.0, cancel_abandoned: bool = False
+    ) -> None:
         self.nc = nc
         self.idle_timeout_s = idle_timeout_s
+        self.mux = ReplyMux(nc)
+        self._cancel = cancel_abandoned
+        self._tasks: set[asyncio.Task] = set()
 
     @classmethod
     async def connect(cls, url: str, **kwargs) -> ThunderClient:
         return cls(await connect(url, name="thunderagent-client", deadline_s=10), **kwargs)
 
     async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2)
         await self.nc.drain()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[ReplyMessage]:
         """Yield every reply message; the last one is a FinalReply or an ErrorReply."""
         if not request.request_id:
             request = msgspec.structs.replace(request, request_id=uuid.uuid4().hex)
-        inbox = self.nc.new_inbox()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def on_msg(msg) -> None:
-            queue.put_nowait(msg)
-
-        sub = await self.nc.subscribe(inbox, cb=on_msg)
+        await self.mux.start()
+        call = Call(self.mux, request, idle_timeout_s=self.idle_timeout_s,
+                    spawn=self._spawn if self._cancel else None, service="client",
+                    timeout_code=ErrorCode.UNAVAILABLE)  # fmt: skip
         # The span is ended by hand rather than made current across ``yield``: a consumer that
         # stops iterating early would otherwise close it from another context.
         span = _tracer.start_span("client generate", kind=SpanKind.PRODUCER)
-        span.set_attribute("thunderagent.request_id", request.request_id)
         try:
+            if span.is_recording():
+                span.set_attribute("thunderagent.request_id", request.request_id)
             headers = inject_headers(context=trace.set_span_in_context(span))
-            await self.nc.publish(
-                subjects.requests(request.model),
-                _encoder.encode(request),
-                reply=inbox,
-                headers=headers,
-            )
+            reply = await call.start(headers)
             while True:
-                reply = await self._next(queue, request)
-                if isinstance(reply, ErrorReply):
-                    span.set_status(Status(StatusCode.ERROR, reply.message))
                 if not isinstance(reply, TokenChunk):
+                    if isinstance(reply, ErrorReply):
+                        span.set_status(Status(StatusCode.ERROR, reply.message))
                     span.end()
                     span = None
-                yield reply
-                if not isinstance(reply, TokenChunk):
+                    yield reply
                     return
+                yield reply
+                reply = call.next_nowait() or await call.next()
         finally:
             if span is not None:  # the consumer stopped before the final reply
                 span.end()
-            with contextlib.suppress(Exception):  # the connection may be draining already
-                await sub.unsubscribe()
-
-    async def _next(self, queue: asyncio.Queue, request: GenerateRequest) -> ReplyMessage:
-        try:
-            msg = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
-        except TimeoutError:
-            return ErrorReply(
-                code=ErrorCode.UNAVAILABLE,
-                message=f"no reply within {self.idle_timeout_s}s",
-                request_id=request.request_id,
-                service="client",
-            )
-        status = (msg.headers or {}).get("Status")
-        if status == "503" or (not msg.data and status):
-            return ErrorReply(
-                code=ErrorCode.UNAVAILABLE,
-                message=f"no router subscribes to {subjects.requests(request.model)}",
-                request_id=request.request_id,
-                service="client",
-            )
-        try:
-            return REPLY_DECODER.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            return ErrorReply(
-                code=ErrorCode.INTERNAL,
-                message=f"undecodable reply: {err}",
-                request_id=request.request_id,
-                service="client",
-            )
+            call.close()
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """Run a request to completion; raises :class:`RequestFailed` on an error reply."""

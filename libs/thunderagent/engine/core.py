@@ -184,6 +184,50 @@ class EngineCore:
         self.cache.release(list(block_hashes[:n]))
         return n
 
+    # ---- prefix moves (migration) ------------------------------------------------------
+    def pin_prefix(self, keys: list[int]) -> tuple[list[int], list[int]]:
+        """Export: pin the leading GPU-cached run of ``keys`` so it stays while it is copied.
+        Returns (pinned keys, their token ids); nothing is pinned when the tokens are unknown."""
+        run = list(keys[: self.cache.match(list(keys)).gpu])
+        tokens = self.cache.tokens_of(run)
+        if not run or tokens is None:
+            return [], []
+        self.cache.acquire(run)
+        return run, tokens
+
+    def unpin_prefix(self, keys: list[int], *, drop: bool = False) -> int:
+        """End an export; ``drop=True`` (a migration) frees the blocks nobody else uses.
+        Returns blocks freed; their Removed events come out with the next events drained."""
+        self.cache.release(list(keys))
+        return self.cache.discard(list(keys)) if drop else 0
+
+    def begin_import(self, keys: list[int]) -> int | None:
+        """Import: pin the part of the chain already cached here and reserve a block for each
+        missing one. Returns the number already cached, or None when there is no room."""
+        present = self.cache.match(list(keys)).gpu
+        self.cache.acquire(list(keys[:present]))
+        missing = len(keys) - present
+        if missing and not self.cache.reserve(missing):
+            self.cache.release(list(keys[:present]))
+            return None
+        return present
+
+    def commit_import(self, keys: list[int], present: int, token_ids: list[int]) -> int:
+        """The missing blocks arrived: insert them (into the reserved blocks) and unpin the
+        chain, so it is ordinary cache from now on. Returns blocks inserted."""
+        size = self.block_size
+        rest = list(keys[present:])
+        parent = keys[present - 1] if present else None
+        tokens = token_ids[present * size : len(keys) * size]
+        self.cache.insert(rest, parent, tokens, reserved=True, block_size=size)
+        self.cache.release(list(keys))
+        return len(rest)
+
+    def abort_import(self, keys: list[int], present: int) -> None:
+        """The transfer failed: give back the reservation and unpin; nothing was inserted."""
+        self.cache.unreserve(len(keys) - present)
+        self.cache.release(list(keys[:present]))
+
     def flush(self, now: float) -> bool:
         """Clear the prefix cache (SGLang's /flush_cache): refused while requests hold KV."""
         return self.cache.clear()

@@ -108,6 +108,32 @@ class PrefixCache:
         events, self._events = self._events, []
         return events
 
+    def tokens_of(self, keys: list[int]) -> list[int] | None:
+        """The blocks' token ids, flat, in order; None when a block is missing or was stored
+        without tokens (a KV export needs them to name the blocks at the target)."""
+        out: list[int] = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.tokens is None:
+                return None
+            out.extend(block.tokens)
+        return out
+
+    def discard(self, keys: list[int]) -> int:
+        """Evict the unreferenced GPU blocks of a chain, deepest first, stopping at the first
+        block that must stay (pinned, or a parent of other GPU blocks). Returns blocks evicted.
+        A migration frees its prefix at the source this way; blocks in use are never touched."""
+        done = 0
+        for key in reversed(keys):
+            block = self._blocks.get(key)
+            if block is None or block.medium is not Medium.GPU:
+                continue
+            if block.ref or block.gpu_children:
+                break
+            self._evict_gpu(key, block)
+            done += 1
+        return done
+
     # ---- references ----------------------------------------------------------------------
     def acquire(self, keys: list[int]) -> None:
         """Pin GPU blocks for a running request and mark them used now."""

@@ -29,6 +29,10 @@ class ModelSpec:
     head_dim: int
     dtype_bytes: int = 2
     """Bytes per weight and per KV element (bf16 = 2)."""
+    context_length: int = 131072
+    """Longest sequence (prompt + output) the model serves (Llama 3.1: 128k)."""
+    vocab_size: int = 128256
+    """Token ids are below this (Llama 3's tokenizer)."""
 
     @property
     def weight_bytes(self) -> float:

@@ -1,5 +1,29 @@
-"""Live view of the fleet: registered workers, leases and latest load (pure, clock injected)."""
+"""The fleet as the control plane sees it (pure, clock injected): registrations with leases and
+latest loads (``workers``), the run model (``runs``) and the one translation from wire types to
+what the routing and scheduling cores see (``views``)."""
 
+from thunderagent.fleet.limits import check_limits
+from thunderagent.fleet.runs import (
+    AcceptedRuns,
+    Run,
+    client_output,
+    continuation,
+    engine_request_id,
+)
+from thunderagent.fleet.views import load_report, sched_request, worker_room, worker_view
 from thunderagent.fleet.workers import WorkerRegistry, WorkerState
 
-__all__ = ["WorkerRegistry", "WorkerState"]
+__all__ = [
+    "AcceptedRuns",
+    "Run",
+    "WorkerRegistry",
+    "WorkerState",
+    "check_limits",
+    "client_output",
+    "continuation",
+    "engine_request_id",
+    "load_report",
+    "sched_request",
+    "worker_room",
+    "worker_view",
+]

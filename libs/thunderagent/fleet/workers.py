@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunderagent.routing.policy import WorkerView
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
 
@@ -20,34 +19,14 @@ class WorkerState:
     assigned_since_report: int = 0
     """Requests this process sent the worker since its last load report: the report lags, and
     without this a burst would all go to the worker that looked idle."""
+    assigned_prefill_since_report: int = 0
+    """Their prompt tokens this process expects the worker to prefill (predicted hits off)."""
+    assigned_kv_since_report: int = 0
+    """Their prompt tokens, cached or not: the KV they will hold there."""
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
-
-    def view(self) -> WorkerView:
-        """What a routing policy sees of this worker."""
-        load = self.load
-        if load is None:
-            return WorkerView(worker_id=self.worker_id, pending=self.assigned_since_report)
-        return WorkerView(
-            worker_id=self.worker_id,
-            running=load.running,
-            # requests the adapter accepted but the engine has not reported yet count as queued
-            queued=max(load.queued, load.inflight - load.running),
-            kv_used_blocks=load.kv_used_blocks,
-            kv_total_blocks=load.kv_total_blocks or self.registration.kv_capacity_blocks,
-            active_tokens=load.num_tokens,
-            pending=self.assigned_since_report,
-            prefill_tokens=load.prefill_backlog_tokens,
-        )
-
-    def outstanding(self) -> int:
-        """Requests on the worker that are not finished: the least-loaded criterion."""
-        if self.load is None:
-            return self.assigned_since_report
-        reported = max(self.load.running + self.load.queued, self.load.inflight)
-        return reported + self.assigned_since_report
 
 
 class WorkerRegistry:
@@ -81,6 +60,8 @@ class WorkerRegistry:
         state.load = load
         state.renewed_at = now
         state.assigned_since_report = 0
+        state.assigned_prefill_since_report = 0
+        state.assigned_kv_since_report = 0
         return True
 
     def remove(self, worker_id: str) -> bool:

@@ -90,6 +90,18 @@ class IndexFeeder:
             return (self.index, self.gpu)
         return (self.index,)
 
+    def reset(self) -> None:
+        """Forget everything (a snapshot turned out unusable: the stream is replayed instead)."""
+        self.index = PrefixIndex(self.index.ttl_s)
+        self.gpu = None
+        self.cursors = {}
+
+    def expire(self, now: float) -> int:
+        """TTL expiry of every tier; returns the entries dropped from the all-tier index."""
+        if self.gpu is not None:
+            self.gpu.expire(now)
+        return self.index.expire(now)
+
     def evict_locally(self, worker: str, hashes: list[int], now: float) -> None:
         """Drop entries this process found stale (lazy verification), outside the event stream."""
         cur = self.cursors.get(worker)
@@ -104,6 +116,11 @@ class IndexFeeder:
         self.cursors.pop(worker, None)
         for index in self._indexes():
             index.remove_worker(worker)
+
+
+def stored_hashes(batch: KvEventBatch) -> list[list[int]]:
+    """The primary hashes of each ``BlocksStored`` in the batch (what prefix grouping waits for)."""
+    return [ev.hashes for ev in batch.events if isinstance(ev, BlocksStored) and ev.hashes]
 
 
 def _apply(index: PrefixIndex, worker: str, seq: int, ev: KvEvent, now: float) -> None:

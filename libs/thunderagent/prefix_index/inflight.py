@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.prefix_index.index import PrefixIndex
+from thunderagent.schemas import AllCleared, BlocksRemoved, KvEventBatch, Medium
 
 INFLIGHT_TTL_S = 30.0
 """Long enough for a queued request's prefill to finish and its events to arrive; short enough
@@ -31,9 +32,11 @@ class InflightPrefixes:
 
     def record(self, worker: str, primary: Sequence[int], check: Sequence[int], now: float) -> None:
         """``worker`` is about to hold these blocks (the router just sent it the prompt)."""
+        self.index.apply_stored(worker, self._next_seq(worker), (primary, check), None, now)
+
+    def _next_seq(self, worker: str) -> int:
         last = self.index.worker_seq(worker)
-        seq = 0 if last is None else last + 1
-        self.index.apply_stored(worker, seq, (primary, check), None, now)
+        return 0 if last is None else last + 1
 
     def merge(
         self, confirmed: dict[str, int], primary: Sequence[int], check: Sequence[int], now: float
@@ -51,3 +54,16 @@ class InflightPrefixes:
 
     def forget(self, worker: str) -> None:
         self.index.remove_worker(worker)
+
+    def drop_removed(self, batch: KvEventBatch) -> None:
+        """The worker evicted (or handed away) blocks, or cleared its cache: stop guessing it
+        holds them."""
+        worker = batch.worker_id
+        if worker not in self.index.workers:
+            return
+        for ev in batch.events:
+            if isinstance(ev, AllCleared):
+                self.forget(worker)
+                return
+            if isinstance(ev, BlocksRemoved) and ev.medium == Medium.GPU:
+                self.index.apply_removed(worker, self._next_seq(worker), ev.hashes, 0.0)

@@ -11,9 +11,7 @@ from thunderagent.replay.driver import (
 from thunderagent.replay.metrics import (
     ideal_hit_ratio,
     load_imbalance,
-    percentile,
     pooled_hit_ratio,
-    summary_ms,
 )
 from thunderagent.replay.traces import (
     TraceError,
@@ -36,7 +34,5 @@ __all__ = [
     "load_imbalance",
     "load_mooncake",
     "load_trace",
-    "percentile",
     "pooled_hit_ratio",
-    "summary_ms",
 ]

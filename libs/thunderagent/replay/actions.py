@@ -1,13 +1,16 @@
 """The replay's handling of scheduler actions, and the PD runs a ``Dispatch`` can start.
 
-``Replay`` (``driver.py``) owns the event loop, the engines and the router's view; this mixin
-carries out what ``Scheduler.poll`` returns, as ``thunderagent/scheduling/README.md`` asks:
+``Replay`` (``driver.py``) owns the event loop, the engines and the router core; this mixin
+carries out what ``Scheduler.poll`` returns, as ``thunderagent/scheduling/README.md`` asks and as
+the scheduler service does live:
 
-* ``Dispatch``: the request goes to the chosen worker's engine; with a decode worker it is a PD
+* ``Dispatch``: the router core books the run on the chosen worker (``on_dispatched``), the
+  worker accepts it (``AcceptedRuns``) and its engine queues it; with a decode worker it is a PD
   run (``pd.py``): prefill with one output token, KV transfer, decode on the other worker.
-* ``Preempt``: the run is aborted keeping its computed blocks cached, and a continuation (prompt +
-  generated tokens, same id, original arrival) is re-routed and re-submitted.
-* ``Reject``: the request ends rejected.
+* ``Preempt``: the run is aborted keeping its computed blocks cached, the router core is told
+  it ended, and a continuation (prompt + generated tokens, same id, original arrival) is
+  re-routed and re-submitted.
+* ``Reject``: the request ends rejected, with the scheduler's reason.
 
 It also asks the scheduler for its next wakeup and guards against one that keeps asking to wake
 at the current instant.
@@ -42,9 +45,8 @@ class SchedulerActions:
             elif isinstance(action, Preempt):
                 self._preempt(action, t)
             elif isinstance(action, Reject):
-                rec = self.records[action.request_id]
-                rec.status, rec.finish = "rejected", t
-                self._ended(rec, t)
+                self._reject(self.records[action.request_id], action.reason, t)
+        self._grant()
         wake = self.scheduler.next_wakeup(t)
         self._wake = INF if wake is None else max(wake, t)
         if self._wake > t:
@@ -59,38 +61,44 @@ class SchedulerActions:
             raise RuntimeError(f"scheduler {self.cfg.scheduler!r} asked to wake now ({t}) again")
         self._wake = t + STALL_STEP_S
 
+    def _reject(self, rec: Record, reason: str, t: float) -> None:
+        rec.status, rec.finish, rec.reason = "rejected", t, reason
+        self.router.forget(rec.request_id)
+        self._ended(rec, t)
+
     def _dispatch(self, action: Dispatch, t: float) -> None:
         rec = self.records[action.request_id]
-        w = self.slot[action.worker_id]
-        primary, _ = self.keys[rec.request_id]
-        overlaps = self.route_overlaps.pop(rec.request_id, None)
-        if overlaps is not None:  # first dispatch: what the index said about this worker
+        rid, worker_id = rec.request_id, action.worker_id
+        self.router.on_dispatched(rid, worker_id, t)
+        overlaps = self.route_overlaps.pop(rid, {})
+        run = rec.run
+        if not run.output_offset:  # the first run: what the index said about this worker
             usable = (rec.prompt_tokens - 1) // self.block_size
-            rec.predicted_tokens = min(overlaps.get(action.worker_id, 0), usable) * self.block_size
-        generated = rec.completion_tokens
-        new_tokens = rec.output_tokens - generated
-        pd = action.decode_worker is not None and action.decode_worker != action.worker_id
+            rec.predicted_tokens = min(overlaps.get(worker_id, 0), usable) * self.block_size
+        new_tokens = rec.output_tokens - run.output_offset
+        pd = action.decode_worker is not None and action.decode_worker != worker_id
         if pd:  # prefill here up to the first token; pd.py models the rest
-            self.links.start(rec.request_id, action.decode_worker)
+            self.links.start(rid, action.decode_worker)
             new_tokens = 1
         request = Request(
-            request_id=rec.request_id,
-            prompt_len=rec.prompt_tokens + generated,
-            block_hashes=primary,
+            request_id=rid,
+            prompt_len=run.context_tokens,
+            block_hashes=self.keys[rid].primary,
             max_new_tokens=new_tokens,
         )
-        self._add(rec, w, request, t)
+        predicted = min(overlaps.get(worker_id, 0), (run.context_tokens - 1) // self.block_size)
+        self._add(rec, self.slot[worker_id], request, t, predicted * self.block_size)
 
-    def _add(self, rec: Record, w: int, request: Request, t: float) -> None:
-        rejected = self.cores[w].add(request, t)
+    def _add(self, rec: Record, w: int, request: Request, t: float, predicted: int = 0) -> None:
+        refused = self.cores[w].add(request, t)
         rec.worker = w
-        self.pending[w] += 1
-        if rejected is not None:
-            rec.status, rec.finish = "rejected", t
+        if refused is not None:  # it can never fit this engine's KV pool
             self.links.forget(rec.request_id)
+            self.router.on_finished(rec.request_id, self.ids[w], t)
             self.scheduler.on_finished(rec.request_id, self.ids[w], t)
-            self._ended(rec, t)
+            self._reject(rec, "prompt + output exceed the engine's KV pool", t)
             return
+        self.accepted[w].accept(rec.request_id, request.prompt_len - predicted)
         rec.status = "running"
         if w not in self.inflight:
             self.dirty.add(w)
@@ -103,15 +111,15 @@ class SchedulerActions:
         fin = self.cores[w].abort(rec.request_id, t, keep_cache=True)
         if fin is None:
             return
+        self.accepted[w].finished(rec.request_id)
+        self.router.on_finished(rec.request_id, action.worker_id, t)
         self._account_run(rec, fin.cached_tokens, fin.prompt_tokens)
         rec.completion_tokens += fin.completion_tokens
         rec.preemptions += 1 + fin.preemptions
         rec.sched_preemptions += 1
         rec.status, rec.worker = "queued", -1
         self.resuming.add(rec.request_id)
-        primary, checks = self.keys[rec.request_id]
-        overlaps = self.index.overlap(primary, checks)
-        self.scheduler.submit(self._sched_request(rec, overlaps, t), t)
+        self.scheduler.submit(self._sched_request(rec), t)  # as live: the original decision
 
     def _account_run(self, rec: Record, cached: int, prompt: int) -> None:
         """Cache figures of one engine run: the first run's hit, or a continuation's resume."""
@@ -129,6 +137,7 @@ class SchedulerActions:
         decode = self.links.decode_worker(rid)
         if rec.completion_tokens >= rec.output_tokens:  # nothing left to decode
             self.scheduler.on_transfer_done(rid, decode, t)
+            self.router.on_finished(rid, self.ids[w], t, cached_tokens=max(rec.cached_tokens, 0))
             self._completed(rec, decode, t)
             return
         rec.status = "transferring"
@@ -136,17 +145,20 @@ class SchedulerActions:
         self._push_timer(done, "transfer", rid)
 
     def _transfer_landed(self, rid: str, t: float) -> None:
+        """The KV is on the decode worker: it takes the rest as a continuation (the router is
+        not involved, as live: the prefill adapter hands it over)."""
         rec = self.records[rid]
         decode = self.links.landed(rid)
         d = self.slot[decode]
-        primary = self.keys[rid][0]
-        context = rec.prompt_tokens + rec.completion_tokens - 1  # KV exists up to here
+        run = rec.run
+        context = run.context_tokens - 1  # KV exists up to the last generated token
+        primary = self.keys[rid].primary
         self.cores[d].import_blocks(primary[: context // self.block_size])
         self.scheduler.on_transfer_done(rid, decode, t)
         request = Request(
             request_id=rid,
-            prompt_len=rec.prompt_tokens + rec.completion_tokens,
+            prompt_len=run.context_tokens,
             block_hashes=primary,
-            max_new_tokens=rec.output_tokens - rec.completion_tokens,
+            max_new_tokens=rec.output_tokens - run.output_offset,
         )
-        self._add(rec, d, request, t)
+        self._add(rec, d, request, t, predicted=context)  # the imported KV: nothing to prefill

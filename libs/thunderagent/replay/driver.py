@@ -1,56 +1,69 @@
-"""Virtual-time replay: routing policy + scheduler + prefix index in front of N engine cores.
+"""Virtual-time replay: the router core and a scheduler in front of N engine cores.
 
-One discrete-event loop over three sources, in time order: trace arrivals, engine step
-completions (one in flight per busy engine) and the scheduler's wakeups. On a tie an arrival
-goes first, then step completions, then the wakeup; engines are (re)started only after every
-event of an instant is handled, so requests arriving together are batched together.
+One discrete-event loop over four sources, in time order: trace arrivals, engine step
+completions (one in flight per busy engine), timers (KV-transfer landings, closed-loop
+arrivals) and the scheduler's wakeups. On a tie an arrival goes first, then step completions,
+then timers, then the wakeup; engines are (re)started only after every event of an instant is
+handled, so requests arriving together are batched together.
 
-What the router sees is modelled on the live system, not on the simulator's true state:
+The replay runs the code that serves, fed what the services are fed:
 
-* Load views are refreshed from ``EngineCore.load()`` at most every ``load_interval`` virtual
-  seconds (the live adapters report a few times a second), plus ``pending`` = requests sent to
-  that worker since its last report. The refresh is lazy: engine state only changes at events,
-  so reading it at the first arrival or wakeup after a report boundary reads the state as of
-  that boundary.
-* Overlaps come from a ``PrefixIndex`` fed by the engines' KV events as each step completes,
-  with a per-worker sequence number, as the router's index follows ``kv.events``.
-* ``expected_output_tokens`` is the mean output length of the requests finished so far (the
-  router cannot know a request's output length).
-* Every ``feedback_interval`` the policy's ``observe`` (when it has one) gets the measured queue
-  depths and the false-hit rate (1 - cached / predicted tokens of the requests that finished in
-  the window), as the live router's tuner does.
+* routing is ``RouterCore`` (``thunderagent.router_core``), the object the router service runs:
+  hashing, the event-fed index with its in-flight overlay and GPU/host tiers, the policy, lazy
+  verification and the tuner's feedback, with ``on_dispatched`` called for the worker the
+  scheduler actually chose;
+* load reports are built every ``load_interval`` virtual seconds the way the worker adapter
+  builds them: the engine's ``/get_load`` answer (``thunderagent.sglang.load``) plus the runs
+  accepted and not yet started (``thunderagent.fleet.AcceptedRuns``), translated into the
+  router's and the scheduler's views by ``thunderagent.fleet.views``;
+* each engine step's cache events become a ``KvEventBatch`` with the worker's own sequence and
+  go through the same ``IndexFeeder.apply`` the router's index follower calls;
+* runs follow ``thunderagent.fleet.runs`` (continuations after a preemption carry the generated
+  tokens); scheduler actions are carried out by ``actions.py``, PD transfers modelled in ``pd.py``.
 
-Scheduler actions (``Dispatch``, ``Preempt``, ``Reject``) and the PD runs a ``Dispatch`` can
-start are carried out by the ``SchedulerActions`` mixin (``actions.py``), as
-``thunderagent/scheduling/README.md`` asks.
-A fourth event source, timers, carries KV-transfer landings and closed-loop arrivals
-(``follow_up``: the next step of an agent program, ``workload_driver.py``); with neither in use
-the loop is exactly the three-source one above.
+Every request is accounted for: at the end each one is completed, rejected (with its reason) or
+still in flight because the run was bounded (``until``); anything else is a lost request and the
+replay fails loudly.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.engine import AllCleared, EngineCore, EngineLoad, Profile, Removed
+from thunderagent.engine import AllCleared, EngineCore, Profile, Removed
 from thunderagent.engine.core import StepOutcome
-from thunderagent.hashing import BlockHasher
-from thunderagent.prefix_index import PrefixIndex
+from thunderagent.fleet import AcceptedRuns, Run, load_report, sched_request, worker_room
+from thunderagent.hashing import BlockHasher, BlockHashes
+from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.replay.actions import SchedulerActions
 from thunderagent.replay.pd import TransferLinks
 from thunderagent.replay.traces import TraceRequest
-from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
-from thunderagent.scheduling import (
-    SCHEDULERS,
-    SchedRequest,
-    WorkerRoom,
+from thunderagent.router_core import RouterCore, RouterParams
+from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest
+from thunderagent.scheduling.credits import CreditIssuer, CreditWallet
+from thunderagent.schemas import (
+    AllCleared as WireCleared,
 )
+from thunderagent.schemas import (
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    Medium,
+    RouteDecision,
+    WorkerRegistration,
+    WorkerRole,
+)
+from thunderagent.sglang.load import get_load_payload, parse_get_load
 
 INF = math.inf
+MODEL = "replay"
+ROUTER_ID = "replay-router"
+"""Every replayed worker serves this one model."""
+TERMINAL = ("completed", "rejected")
 
 
 @dataclass(kw_only=True)
@@ -71,12 +84,25 @@ class ReplayConfig:
     """Prefix index TTL; None: off (events are lossless here, so TTL only loses hits)."""
     prior_output_tokens: int = 128
     """Expected output length before any request has finished."""
+    max_tokens: int = 16384
+    """The ``max_tokens`` a replayed client sends (a trace's output length is what the engine
+    generates, as if it met its stop token; it is never shown to the router)."""
     scheduler_params: dict = field(default_factory=dict)
     """Knobs for the scheduler factory (``SchedParams`` fields)."""
     roles: Sequence[str] | None = None
     """Per-worker role, "prefill" / "decode" / "both" (PD disaggregation); None: all "both"."""
     link_bytes_per_s: float = 25e9
     """PD KV-transfer bandwidth out of each prefill worker (25 GB/s: one 200 Gb/s RDMA NIC)."""
+
+    def router_params(self) -> RouterParams:
+        return RouterParams(
+            policy=self.policy,
+            policy_params=dict(self.policy_params),
+            seed=self.seed,
+            index_ttl_s=self.index_ttl,
+            feedback_interval_s=self.feedback_interval,
+            prior_output_tokens=self.prior_output_tokens,
+        )
 
 
 @dataclass(slots=True)
@@ -100,11 +126,17 @@ class Record:
     resume_cached_tokens: int = 0
     """Of those, tokens found cached when the continuation was admitted."""
     status: str = "queued"
-    """"queued", "running", "completed" or "rejected"."""
+    """"queued", "running", "transferring", "completed" or "rejected"."""
+    reason: str = ""
+    """Why it was rejected."""
     best_overlap_tokens: int = 0
     """Most prompt tokens any worker was indexed as holding at routing time (usable part)."""
     predicted_tokens: int = 0
     """Prompt tokens the chosen worker was indexed as holding at routing time (usable part)."""
+
+    @property
+    def run(self) -> Run:
+        return Run(self.prompt_tokens, self.output_tokens, self.completion_tokens)
 
 
 @dataclass(slots=True)
@@ -121,10 +153,12 @@ class ReplayResult:
     transfers_s: list[float] = field(default_factory=list)
     """PD: each KV transfer's duration on the link, queueing behind earlier ones included."""
     sched_stats: dict = field(default_factory=dict)
+    in_flight: int = 0
+    """Requests neither completed nor rejected when a bounded run (``until``) stopped."""
 
 
-def _outstanding(load: EngineLoad) -> int:
-    return load.num_running + load.num_waiting
+class LostRequests(RuntimeError):
+    """The replay ended with requests that never completed nor were rejected: a bug."""
 
 
 class Replay(SchedulerActions):
@@ -138,8 +172,12 @@ class Replay(SchedulerActions):
                 f"profile block_size {config.profile.engine.block_size} != block size {block_size}"
             )
         self.scheduler = SCHEDULERS.create(config.scheduler, **config.scheduler_params)
-        self.policy = POLICIES.create(config.policy, **config.policy_params)
-        self.rng = random.Random(config.seed)
+        self.router = RouterCore(config.router_params())
+        self.issuer = CreditIssuer()
+        self.issuer.hello(ROUTER_ID, 0.0)
+        self.wallet = CreditWallet()
+        """The fast path as live: the scheduler lends the router room (no delay here)."""
+        self.direct_dispatches = 0
         n = config.workers
         self.ids = [f"w{i:02d}" for i in range(n)]
         self.slot = {w: i for i, w in enumerate(self.ids)}
@@ -147,6 +185,9 @@ class Replay(SchedulerActions):
         self.roles = list(config.roles) if config.roles is not None else ["both"] * n
         if len(self.roles) != n:
             raise ValueError(f"{len(self.roles)} roles for {n} workers")
+        self.accepted = [AcceptedRuns() for _ in range(n)]
+        for w in range(n):
+            self.router.register(self._registration(w), 0.0)
         self.links = TransferLinks(config.profile.kv_bytes_per_token, config.link_bytes_per_s)
         self.timers: list[tuple[float, int, str, object]] = []
         self._timer_seq = 0
@@ -159,42 +200,57 @@ class Replay(SchedulerActions):
         self.stalled_wakeups = 0
         """Wakeups asked for the current instant and moved 1 µs later (see ``_poll``)."""
         self._stalls = 0
-        self.index = PrefixIndex(config.index_ttl)
         self.hasher = BlockHasher(block_size=1)  # block ids are given directly (one per block)
         self.check: dict[int, int] = {}
-        self.seq = [0] * n
+        self.kv_seq = [-1] * n
         self.busy = [0.0] * n
-        self.loads: list[EngineLoad] = [c.load() for c in self.cores]
-        self.pending = [0] * n
         self.inflight: dict[int, tuple[float, StepOutcome]] = {}
         self.heap: list[tuple[float, int]] = []
         self.dirty: set[int] = set()
         self.records: dict[str, Record] = {}
-        self.keys: dict[str, tuple[list[int], list[int]]] = {}
-        self.session: dict[str, str | None] = {}
+        self.keys: dict[str, BlockHashes] = {}
         self.route_overlaps: dict[str, dict[str, int]] = {}
+        """Per request, the index's belief at its latest routing (what a dispatch is judged by)."""
+        self.decisions: dict[str, RouteDecision] = {}
+        """Per request, its routing decision (a continuation is queued with it, as live)."""
+        self.session: dict[str, str | None] = {}
         self.timeline: list[tuple[float, list[int]]] = []
         self.now = 0.0
         self.steps = 0
         self._next_load = 0.0
-        self._next_feedback = config.feedback_interval
         self._next_timeline = 0.0
-        self._next_arrival = INF
         self._wake = INF
-        self._out_sum = 0
-        self._out_n = 0
-        self._win_pred = 0
-        self._win_hit = 0
+
+    def _registration(self, w: int) -> WorkerRegistration:
+        engine = self.cfg.profile.engine
+        return WorkerRegistration(
+            worker_id=self.ids[w],
+            model=MODEL,
+            engine_url=f"replay://{self.ids[w]}",
+            block_size=self.block_size,
+            kv_capacity_blocks=self.cores[w].cache.capacity,
+            lease_s=INF,
+            registered_at=0.0,
+            role=WorkerRole(self.roles[w]),
+            max_running_requests=engine.max_running_requests,
+        )
 
     # ---- main loop -----------------------------------------------------------------------
-    def run(self, trace: Sequence[TraceRequest], speed: float = 1.0, progress=None) -> ReplayResult:
-        """Replay ``trace`` (arrival order) with arrival times divided by ``speed``."""
+    def run(
+        self,
+        trace: Sequence[TraceRequest],
+        speed: float = 1.0,
+        progress: Callable[[int], None] | None = None,
+        until: float | None = None,
+    ) -> ReplayResult:
+        """Replay ``trace`` (arrival order) with arrival times divided by ``speed``; with
+        ``until``, stop at that virtual time and count what is left as in flight."""
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed!r}")
         times = [r.arrival / speed for r in trace]
         i, n = 0, len(trace)
-        heap = self.heap
-        timers = self.timers
+        heap, timers = self.heap, self.timers
+        stop_at = INF if until is None else until
         while True:
             t_arr = times[i] if i < n else INF
             t_step = heap[0][0] if heap else INF
@@ -203,13 +259,12 @@ class Replay(SchedulerActions):
             if self.dirty and t > self.now:
                 self._start_steps(min(t_arr, t_timer))
                 continue
-            if t == INF:
+            if t == INF or t > stop_at:
                 break
             self.now = t
             self._tick(t)
             if t_arr == t:
                 i += 1
-                self._next_arrival = times[i] if i < n else INF
                 self._arrive(trace[i - 1], t)
                 if progress is not None and i % 500 == 0:
                     progress(500)
@@ -225,7 +280,17 @@ class Replay(SchedulerActions):
             self._poll(t)
         if progress is not None and n % 500:
             progress(n % 500)
-        records = [self.records[r] for r in [*(r.request_id for r in trace), *self.extra]]
+        return self._result([r.request_id for r in trace[:i]], bounded=until is not None)
+
+    def _result(self, arrived: list[str], *, bounded: bool) -> ReplayResult:
+        records = [self.records[r] for r in [*arrived, *self.extra]]
+        open_ = [r for r in records if r.status not in TERMINAL]
+        if open_ and not bounded:
+            sample = ", ".join(f"{r.request_id} ({r.status})" for r in open_[:5])
+            raise LostRequests(
+                f"{len(open_)} of {len(records)} requests neither completed nor rejected "
+                f"(policy {self.cfg.policy}, scheduler {self.cfg.scheduler}): {sample}"
+            )
         last = max((r.finish for r in records if r.status == "completed"), default=0.0)
         stats = getattr(self.scheduler, "stats", None)
         return ReplayResult(
@@ -239,7 +304,9 @@ class Replay(SchedulerActions):
             sched_stats={
                 **(dict(stats()) if stats is not None else {}),
                 "stalled_wakeups": self.stalled_wakeups,
+                "direct_dispatches": self.direct_dispatches,
             },
+            in_flight=len(open_),
         )
 
     def _push_timer(self, t: float, kind: str, payload: object) -> None:
@@ -270,114 +337,99 @@ class Replay(SchedulerActions):
     def _tick(self, t: float) -> None:
         """Periodic work, done lazily at the first event at or after its boundary."""
         if t >= self._next_timeline:
-            self.timeline.append((t, [_outstanding(c.load()) for c in self.cores]))
-            self._next_timeline = (math.floor(t / self.cfg.timeline_interval) + 1) * (
-                self.cfg.timeline_interval
-            )
-        if t >= self._next_feedback:
-            self._feedback(t)
-            self._next_feedback = (math.floor(t / self.cfg.feedback_interval) + 1) * (
-                self.cfg.feedback_interval
-            )
+            depths = [(load := c.load()).num_running + load.num_waiting for c in self.cores]
+            self.timeline.append((t, depths))
+            interval = self.cfg.timeline_interval
+            self._next_timeline = (math.floor(t / interval) + 1) * interval
+        self.router.tick(t)
 
     def _refresh_loads(self, t: float) -> None:
+        """Every worker's load report, as its adapter would publish it now."""
         if t < self._next_load:
             return
+        bs = self.block_size
         for w, core in enumerate(self.cores):
-            load = core.load()
-            self.loads[w] = load
-            self.pending[w] = 0
-            room = WorkerRoom(
-                worker_id=self.ids[w],
-                running=load.num_running,
-                queued=load.num_waiting,
-                kv_used_blocks=load.kv_used_blocks,
-                kv_total_blocks=load.kv_total_blocks,
-                max_running=core.profile.engine.max_running_requests,
-                role=self.roles[w],
-            )
-            self.scheduler.update_worker(room, t)
-        self._next_load = (math.floor(t / self.cfg.load_interval) + 1) * self.cfg.load_interval
-
-    def _feedback(self, t: float) -> None:
-        if self.cfg.index_ttl is not None:
-            self.index.expire(t)
-        observe = getattr(self.policy, "observe", None)
-        if observe is None:
-            return
-        depths = {self.ids[w]: _outstanding(c.load()) for w, c in enumerate(self.cores)}
-        false_hit = 1.0 - self._win_hit / self._win_pred if self._win_pred else 0.0
-        observe(RoutingFeedback(queue_depths=depths, false_hit_rate=max(0.0, false_hit)))
-        self._win_pred = self._win_hit = 0
+            figures = parse_get_load(get_load_payload(core.load()), bs)
+            report = load_report(self.ids[w], t, figures, self.accepted[w], core.cache.capacity)
+            self.router.report(report, t)
+            state = self.router.fleet.get(self.ids[w])
+            if state is not None:
+                self.scheduler.update_worker(worker_room(state), t)
+        interval = self.cfg.load_interval
+        self._next_load = (math.floor(t / interval) + 1) * interval
+        self._grant()
 
     # ---- arrivals and routing ------------------------------------------------------------
     def _arrive(self, req: TraceRequest, t: float) -> None:
-        bs = self.block_size
-        full = req.prompt_len // bs
+        full = req.prompt_len // self.block_size
         hashes = self.hasher.hash_block_ids(req.block_ids[:full])
         self.check.update(zip(hashes.primary, hashes.check, strict=True))
         rid = req.request_id
-        self.keys[rid] = (hashes.primary, hashes.check)
+        self.keys[rid] = hashes
         self.session[rid] = req.session
         self.meta[rid] = req
-        rec = Record(rid, t, req.prompt_len, req.output_len)
-        self.records[rid] = rec
+        self.records[rid] = Record(rid, t, req.prompt_len, req.output_len)
         self._refresh_loads(t)
-        overlaps = self.index.overlap(hashes.primary, hashes.check)
-        usable = (req.prompt_len - 1) // bs
-        rec.best_overlap_tokens = min(max(overlaps.values(), default=0), usable) * bs
-        self.scheduler.submit(self._sched_request(rec, overlaps, t), t)
-        self.route_overlaps[rid] = overlaps  # the index's belief, read at first dispatch
+        self._submit(self.records[rid], t)
 
-    def _expected(self, rid: str) -> int:
-        hint = self.meta[rid].expected_output
-        if hint is not None:
-            return hint
-        return self._out_sum // self._out_n if self._out_n else self.cfg.prior_output_tokens
-
-    def _sched_request(self, rec: Record, overlaps: dict[str, int], t: float) -> SchedRequest:
-        """Route ``rec`` (a continuation carries its generated tokens) and wrap it."""
+    def _submit(self, rec: Record, t: float) -> None:
+        """Route a new request; dispatch it on credit (the fast path) or queue it."""
         rid, bs = rec.request_id, self.block_size
-        primary = self.keys[rid][0]
-        generated = rec.completion_tokens
-        expected = self._expected(rid)
-        query = RouteQuery(
-            request_id=rid,
-            prompt_tokens=rec.prompt_tokens + generated,
-            block_size=bs,
-            block_hashes=primary,
-            overlaps=overlaps,
-            expected_output_tokens=max(expected - generated, 1),
-        )
-        views = [self._view(w) for w in range(len(self.cores))]
-        ranked = self.policy.rank(query, views, self.rng)
-        self.policy.on_dispatched(query, ranked[0].worker_id)
         meta = self.meta[rid]
-        return SchedRequest(
+        hashes = self.keys[rid]
+        routed = self.router.route(
+            request_id=rid,
+            model=MODEL,
+            hashes=hashes,
+            prompt_tokens=rec.prompt_tokens,
+            block_size=bs,
+            expected_output_tokens=self._expected(rec),
+            now=t,
+            priority=meta.priority,
+        )
+        assert routed is not None  # every replayed worker serves MODEL
+        usable = (rec.prompt_tokens - 1) // bs
+        rec.best_overlap_tokens = min(max(routed.query.overlaps.values(), default=0), usable) * bs
+        self.route_overlaps[rid] = dict(routed.query.overlaps)
+        self.decisions[rid] = routed.decision
+        request = self._sched_request(rec)
+        first = routed.decision.worker_id
+        if routed.may_dispatch_directly(meta.deadline, meta.session) and self.wallet.take(first):
+            self.scheduler.admitted(request, first, t)
+            self.issuer.book(ROUTER_ID, first)
+            self.direct_dispatches += 1
+            self._dispatch(Dispatch(rid, first), t)
+        else:
+            self.scheduler.submit(request, t)
+
+    def _grant(self) -> None:
+        """The scheduler lends the router its current room (live: a ``CreditGrant``)."""
+        for grant in self.issuer.grants(self.scheduler.rooms()).values():
+            self.wallet.update(grant)
+
+    def _expected(self, rec: Record) -> int:
+        meta = self.meta[rec.request_id]
+        return self.router.expected_output(self._max_tokens(rec), meta.expected_output)
+
+    def _max_tokens(self, rec: Record) -> int:
+        return max(self.cfg.max_tokens, rec.output_tokens)
+
+    def _sched_request(self, rec: Record) -> SchedRequest:
+        """The request's current run for the scheduler, with its routing decision (a
+        continuation reuses it, as the scheduler service does)."""
+        rid = rec.request_id
+        meta = self.meta[rid]
+        return sched_request(
             request_id=rid,
             arrival=rec.arrival,
-            prompt_tokens=rec.prompt_tokens + generated,
-            expected_output_tokens=expected,
-            candidates=[(c.worker_id, c.overlap_blocks) for c in ranked],
-            block_size=bs,
-            block_hashes=primary,
+            run=Run(rec.prompt_tokens, self._max_tokens(rec), rec.completion_tokens),
+            expected_output_tokens=self._expected(rec),
+            decision=self.decisions[rid],
+            block_size=self.block_size,
+            block_hashes=self.keys[rid].primary,
             priority=meta.priority,
             program_id=meta.session,
             deadline=meta.deadline,
-            generated_tokens=generated,
-        )
-
-    def _view(self, w: int) -> WorkerView:
-        load = self.loads[w]
-        return WorkerView(
-            worker_id=self.ids[w],
-            running=load.num_running,
-            queued=load.num_waiting,
-            kv_used_blocks=load.kv_used_blocks,
-            kv_total_blocks=load.kv_total_blocks,
-            active_tokens=load.num_tokens,
-            pending=self.pending[w],
-            prefill_tokens=load.prefill_backlog_tokens,
         )
 
     # ---- engines -------------------------------------------------------------------------
@@ -404,18 +456,20 @@ class Replay(SchedulerActions):
         self._apply_events(w, outcome, t)
         worker_id = self.ids[w]
         records = self.records
-        for rid in outcome.first_token:
-            rec = records[rid]
+        for run_id in outcome.first_token:
+            rec = records[run_id]
             if rec.worker != w or rec.status != "running":
                 continue
+            self.accepted[w].started(run_id)
             if math.isnan(rec.first_token):
                 rec.first_token = t
-            if self.links.phase(rid) != "decode":  # each run starts once (continuations too)
-                self.scheduler.on_started(rid, worker_id, t)
+            if self.links.phase(run_id) != "decode":  # each run starts once (continuations too)
+                self.scheduler.on_started(run_id, worker_id, t)
         for fin in outcome.finished:
             rec = records[fin.request_id]
             if rec.worker != w or rec.status != "running":
                 continue
+            self.accepted[w].finished(fin.request_id)
             if self.links.phase(fin.request_id) != "decode":
                 self._account_run(rec, fin.cached_tokens, fin.prompt_tokens)
             rec.completion_tokens += fin.completion_tokens
@@ -423,37 +477,54 @@ class Replay(SchedulerActions):
             if self.links.phase(fin.request_id) == "prefill":
                 self._prefilled(rec, w, fin.prompt_tokens, t)
                 continue
+            self.router.on_finished(
+                rec.request_id,
+                worker_id,
+                t,
+                cached_tokens=fin.cached_tokens,
+                completion_tokens=rec.completion_tokens,
+            )
             self._completed(rec, worker_id, t)
 
     def _completed(self, rec: Record, worker_id: str, t: float) -> None:
         self.links.forget(rec.request_id)
         rec.status, rec.finish = "completed", t
-        self._out_sum += rec.output_tokens
-        self._out_n += 1
-        self._win_pred += rec.predicted_tokens
-        self._win_hit += min(rec.cached_tokens, rec.predicted_tokens)
         self.scheduler.on_finished(rec.request_id, worker_id, t)
         self._ended(rec, t)
 
     def _apply_events(self, w: int, outcome: StepOutcome, t: float) -> None:
-        """Feed the index (and the scheduler) from the step's KV events, as the router would."""
-        worker_id = self.ids[w]
+        """The step's cache events, as the worker's adapter publishes them, into the router's
+        index; stored prefixes also go to the scheduler (prefix grouping)."""
+        batch = self._kv_batch(w, outcome, t)
+        if batch is None:
+            return
+        self.router.apply_kv(batch, t)
+        for hashes in stored_hashes(batch):
+            self.scheduler.on_prefix_cached(self.ids[w], hashes, t)
+
+    def _kv_batch(self, w: int, outcome: StepOutcome, t: float) -> KvEventBatch | None:
+        """Engine events -> one ``KvEventBatch``. Block keys are the trace's chained primary
+        hashes; output blocks (keys no prompt has) are left out: nothing can ever match them."""
         check = self.check
+        events: list[KvEvent] = []
         for ev in outcome.events:
+            if isinstance(ev, AllCleared):
+                events.append(WireCleared())
+                continue
+            keys = [k for k in ev.block_hashes if k in check]
+            if not keys:
+                continue
+            medium = Medium(ev.medium.value)
             if isinstance(ev, Removed):
-                keys = [k for k in ev.block_hashes if k in check]
-                if keys:
-                    self.index.apply_removed(worker_id, self.seq[w], keys, t)
-                    self.seq[w] += 1
-            elif isinstance(ev, AllCleared):
-                self.index.clear_worker(worker_id, self.seq[w], t)
-                self.seq[w] += 1
+                events.append(BlocksRemoved(hashes=keys, medium=medium))
             else:
-                keys = [k for k in ev.block_hashes if k in check]
-                if not keys:
-                    continue  # output blocks only: no other request can ever match them
                 parent = ev.parent_key if ev.parent_key in check else None
-                checks = [check[k] for k in keys]
-                self.index.apply_stored(worker_id, self.seq[w], (keys, checks), parent, t)
-                self.seq[w] += 1
-                self.scheduler.on_prefix_cached(worker_id, keys, t)
+                stored = BlocksStored(
+                    hashes=keys, check_hashes=[check[k] for k in keys], parent_hash=parent,
+                    medium=medium,
+                )  # fmt: skip
+                events.append(stored)
+        if not events:
+            return None
+        self.kv_seq[w] += 1
+        return KvEventBatch(worker_id=self.ids[w], seq=self.kv_seq[w], ts=t, events=events)

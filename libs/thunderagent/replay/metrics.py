@@ -1,4 +1,5 @@
-"""Metrics arithmetic: percentiles, cache hit ratios (ideal, pooled LRU) and load imbalance.
+"""Metrics arithmetic: cache hit ratios (ideal, pooled LRU) and load imbalance (percentiles:
+``thunderagent.stats``).
 
 Hit ratios are token weighted and count a hit as the engine does: a request can reuse at most
 ``(prompt_len - 1) // block_size`` leading blocks (the last prompt token is always computed), and
@@ -7,33 +8,8 @@ only its full prompt blocks (``prompt_len // block_size``) are stored afterwards
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between closest ranks (numpy's default);
-    NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
-    """p50 / p90 / p99 / mean of durations given in seconds, in milliseconds."""
-    ms = [s * 1000.0 for s in seconds]
-    mean = sum(ms) / len(ms) if ms else math.nan
-    return {
-        "p50": percentile(ms, 50),
-        "p90": percentile(ms, 90),
-        "p99": percentile(ms, 99),
-        "mean": mean,
-    }
 
 
 def usable_blocks(prompt_len: int, block_size: int) -> int:

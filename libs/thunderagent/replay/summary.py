@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
 
 from thunderagent.engine import TimingModel
 from thunderagent.replay.driver import Record, ReplayResult
-from thunderagent.replay.metrics import load_imbalance, summary_ms
+from thunderagent.replay.metrics import load_imbalance
+from thunderagent.stats import percentile, summary
 
 
 def alone_ttft_s(timing: TimingModel, prompt_len: int, cached: int, chunk: int) -> float:
@@ -31,10 +34,24 @@ def summarize(
     ideal: float,
     pooled: float,
     wall_s: float,
+    slo_ms: float = math.inf,
 ) -> dict:
-    """The JSON entry for one (policy, speed) run; latencies in ms."""
+    """The JSON entry for one (policy, speed) run; latencies in ms. Every request is accounted
+    for (``requests == completed + rejected + in_flight``); for the SLO, a request that never
+    got a first token (rejected, or still waiting when a bounded run stopped) counts as one
+    that missed it."""
     recs: Sequence[Record] = result.records
     done = [r for r in recs if r.status == "completed"]
+    rejected = sum(r.status == "rejected" for r in recs)
+    if len(done) + rejected + result.in_flight != len(recs):
+        raise AssertionError(
+            f"{policy} x{speed}: {len(recs)} requests != {len(done)} completed + "
+            f"{rejected} rejected + {result.in_flight} in flight"
+        )
+    ttft_all = [
+        (r.first_token - r.arrival) * 1000.0 if not math.isnan(r.first_token) else math.inf
+        for r in recs
+    ]
     prompt = sum(r.prompt_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
     recompute = sum(max(0, r.best_overlap_tokens - r.cached_tokens) for r in done)
@@ -50,10 +67,15 @@ def summarize(
         "speed": speed,
         "requests": len(recs),
         "completed": len(done),
-        "rejected": sum(r.status == "rejected" for r in recs),
-        "ttft_ms": summary_ms([r.first_token - r.arrival for r in done]),
-        "e2e_ms": summary_ms([r.finish - r.arrival for r in done]),
-        "queue_ms": summary_ms(waits),
+        "rejected": rejected,
+        "in_flight": result.in_flight,
+        "rejected_reasons": dict(Counter(r.reason for r in recs if r.status == "rejected")),
+        "ttft_p99_all_ms": percentile(ttft_all, 99),
+        "slo_met": percentile(ttft_all, 99) <= slo_ms and not rejected and not result.in_flight,
+        "goodput_rps": sum(t <= slo_ms for t in ttft_all) / span if span > 0 else 0.0,
+        "ttft_ms": summary([r.first_token - r.arrival for r in done], 1000.0),
+        "e2e_ms": summary([r.finish - r.arrival for r in done], 1000.0),
+        "queue_ms": summary(waits, 1000.0),
         "output_tok_s": out_tokens / span if span > 0 else 0.0,
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
         "ideal_hit_ratio": ideal,

@@ -50,6 +50,8 @@ class TraceRequest:
     """Absolute deadline on the replay clock (None: none)."""
     expected_output: int | None = None
     """The client's output-length estimate; None: the router's running mean is used."""
+    hot: bool = False
+    """Marked ``"hot": true`` in the trace (a generated hot-spot request); replay ignores it."""
 
 
 def _int(row: dict, key: str, low: int) -> int:
@@ -85,6 +87,7 @@ def _mooncake_row(i: int, row: object) -> TraceRequest:
         block_ids=ids,
         session=None if session is None else str(session),
         step=None if step is None else int(step),
+        hot=row.get("hot") is True,
     )
 
 

@@ -8,6 +8,7 @@ from thunderagent.routing import (  # noqa: F401  (each module registers its pol
     least_loaded,
     round_robin,
     sglang_cache_aware,
+    smg_cache_aware,
     thunder,
 )
 from thunderagent.routing.policy import (

@@ -203,7 +203,8 @@ def queued_prefill_tokens(w: WorkerView, mean_uncached_tokens: float) -> float:
     engine's, or the adapter's count of accepted prompts without a first token) plus what was
     routed since; without a report, its queue length times the mean uncached prompt."""
     if w.prefill_tokens >= 0:
-        return w.prefill_tokens + w.pending * mean_uncached_tokens
+        since = w.pending_prefill_tokens
+        return w.prefill_tokens + (since if since >= 0 else w.pending * mean_uncached_tokens)
     return (w.queued + w.pending) * mean_uncached_tokens
 
 

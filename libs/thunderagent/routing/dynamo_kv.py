@@ -1,28 +1,31 @@
-"""Dynamo 1.6.1's default KV-router cost, in blocks; lowest cost wins.
+"""Dynamo 1.6.1's KV router with its shipped defaults: the default selector's cost over its own
+active-sequence tracker, in blocks; lowest cost wins.
 
-    cost = overlap_score_weight * prefill_blocks + decode_blocks
-    prefill_blocks = pending prefill + prompt blocks
-                     - (GPU overlap + host_cache_hit_weight * host-only overlap)
-    decode_blocks  = active KV blocks + this prompt's blocks
+    cost = prefill_load_scale * max(0, (active_prefill_tokens + prompt_tokens) / block_size
+                                       - credit)
+         + active_blocks_with_this_prompt + decode_active_request_weight * active_requests
+    credit = overlap_score_credit * decay * GPU overlap + host_cache_hit_weight * host-only overlap
 
-Temperature 0: the minimum, ties at random; above 0: softmax over min-max normalized costs. See
-README.md for the source this was checked against and the approximations.
+The tracker is this policy's own: ``on_dispatched`` books the prompt's blocks (deduplicated by
+hash against blocks already active there, ``router_assume_kv_reuse``) and its uncached tokens as
+active prefill; ``on_finished`` frees both. See README.md for the sources and approximations.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from thunderagent.routing.cost import (
-    RunningMean,
     cached_blocks,
     candidates,
     finite_at_least,
+    finite_positive,
     in_unit_interval,
-    queued_prefill_tokens,
     rank_by_cost,
     require,
 )
@@ -32,47 +35,131 @@ from thunderagent.schemas import Candidate
 _P = "dynamo_kv"
 
 
+@dataclass(slots=True)
+class _Booking:
+    """One routed request as Dynamo's slot tracker holds it."""
+
+    worker_id: str
+    blocks: tuple[int, ...]
+    """Prompt block hashes booked as active (empty when ``assume_kv_reuse`` is off)."""
+    block_count: int
+    prefill_tokens: int
+    """Uncached prompt tokens (prompt minus the chosen worker's GPU overlap)."""
+    at: float
+
+
 @POLICIES.register("dynamo_kv")
 @dataclass
 class DynamoKv(PolicyHooks):
     name: ClassVar[str] = _P
 
-    overlap_score_weight: float = 1.0
-    """Dynamo default (1.6.1 calls it ``prefill_load_scale``; ``overlap_score_weight`` is its
-    alias): one uncached prompt block costs as much as one block of decode load."""
+    prefill_load_scale: float = 1.0
+    """KvRouterConfig ``prefill_load_scale`` (1.6.1 default 1.0): weight of the adjusted prompt-
+    side blocks against decode blocks."""
+    overlap_score_credit: float = 1.0
+    """``overlap_score_credit`` (default 1.0): credit per GPU-resident prefix block."""
+    overlap_score_credit_decay: float = 0.0
+    """``overlap_score_credit_decay`` (default 0.0, off): the credit shrinks by 1 / (1 + decay *
+    excess active-prefill blocks over the least loaded worker / request blocks)."""
     host_cache_hit_weight: float = 0.75
-    """Dynamo 1.6.1 default: a block only in host memory is credited 75% of a GPU hit (it must be
-    copied back, which is cheaper than recompute but not free)."""
+    """``host_cache_hit_weight`` (default 0.75): credit per block found only in host memory."""
     temperature: float = 0.0
-    """Dynamo default: deterministic minimum. Above 0, softmax sampling spreads near-ties."""
-    mean_alpha: float = 0.05
-    """EMA weight for the prompt sizes used to estimate work the load report cannot show yet
-    (requests queued or just routed): ~20 requests of memory, steady yet quick to follow a shift."""
+    """``router_temperature`` (default 0.0): deterministic minimum; above 0 a softmax over
+    min-max normalized costs."""
+    decode_active_request_weight: float = 0.0
+    """``decode_active_request_weight`` (default 0.0): block-equivalent cost per active request."""
+    assume_kv_reuse: bool = True
+    """``router_assume_kv_reuse`` (default True): a prompt block already active on a worker adds
+    no decode load there. False: every request's blocks count separately."""
+    track_prefill_tokens: bool = True
+    """``router_track_prefill_tokens`` (default True): active prefill tokens count as load."""
+    expiry_s: float = 3600.0
+    """``EXPIRY_DURATION`` (lib/kv-router/src/sequences/single.rs, 3600 s): a booking this old is
+    freed even if its completion never arrived."""
+    overlap_score_weight: float | None = None
+    """Deprecated 1.6.1 alias of ``prefill_load_scale`` (wins when set; 0 also zeroes
+    ``overlap_score_credit``), accepted so older configurations keep their meaning."""
 
-    _prompt: RunningMean = field(init=False, repr=False)
-    _uncached: RunningMean = field(init=False, repr=False)
+    _bookings: OrderedDict[str, _Booking] = field(init=False, repr=False)
+    _active: dict[str, Counter[int]] = field(init=False, repr=False)
+    _counts: dict[str, int] = field(init=False, repr=False)
+    """worker -> active blocks when ``assume_kv_reuse`` is off (no hashes to share)."""
+    _order: dict[str, OrderedDict[str, int]] = field(init=False, repr=False)
+    """worker -> request id -> booked prefill tokens, in dispatch order."""
 
     def __post_init__(self) -> None:
-        finite_at_least(_P, "overlap_score_weight", self.overlap_score_weight, 0.0)
+        if self.overlap_score_weight is not None:
+            finite_at_least(_P, "overlap_score_weight", self.overlap_score_weight, 0.0)
+            self.prefill_load_scale = float(self.overlap_score_weight)
+            if self.overlap_score_weight == 0:
+                self.overlap_score_credit = 0.0
+        finite_at_least(_P, "prefill_load_scale", self.prefill_load_scale, 0.0)
+        finite_at_least(_P, "overlap_score_credit", self.overlap_score_credit, 0.0)
+        finite_at_least(_P, "overlap_score_credit_decay", self.overlap_score_credit_decay, 0.0)
         in_unit_interval(_P, "host_cache_hit_weight", self.host_cache_hit_weight)
         finite_at_least(_P, "temperature", self.temperature, 0.0)
-        require(_P, "mean_alpha", self.mean_alpha, 0 < self.mean_alpha <= 1, "must lie in (0, 1]")
-        self._prompt = RunningMean(self.mean_alpha)
-        self._uncached = RunningMean(self.mean_alpha)
+        finite_at_least(_P, "decode_active_request_weight", self.decode_active_request_weight, 0)
+        for flag in ("assume_kv_reuse", "track_prefill_tokens"):
+            value = getattr(self, flag)
+            require(_P, flag, value, isinstance(value, bool), "must be true or false")
+        finite_positive(_P, "expiry_s", self.expiry_s)
+        self._bookings = OrderedDict()
+        self._active, self._counts, self._order = {}, {}, {}
+
+    # ---- the tracker's view ----------------------------------------------------------------
+    def active_blocks(self, worker_id: str) -> int:
+        if self.assume_kv_reuse:
+            return len(self._active.get(worker_id, ()))
+        return self._counts.get(worker_id, 0)
+
+    def new_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """Prompt blocks not already active on the worker (all of them without kv reuse)."""
+        active = self._active.get(worker_id) if self.assume_kv_reuse else None
+        if not active:
+            return len(block_hashes)
+        return sum(1 for h in block_hashes if h not in active)
+
+    def active_prefill_tokens(self, w: WorkerView) -> int:
+        """Booked prompt tokens still before their first token. Dynamo releases them at the first
+        token; without that signal, a worker's in-flight bookings count only as far as its load
+        report says prefill is still pending: its backlog (or its queue, when it reports no
+        backlog) plus what was routed there since, the most recent bookings first (FIFO)."""
+        booked = list(self._order.get(w.worker_id, {}).values())
+        if not booked:
+            return 0
+        if w.prefill_tokens >= 0:
+            recent = booked[len(booked) - w.pending :] if w.pending else []
+            return min(sum(booked), w.prefill_tokens + sum(recent))
+        waiting = w.queued + w.pending
+        return sum(booked[len(booked) - waiting :]) if waiting else 0
 
     def costs(self, query: RouteQuery, workers: Sequence[WorkerView]) -> dict[str, float]:
         bs = query.block_size
-        prompt = query.prompt_tokens / bs
+        prefill = {
+            w.worker_id: self.active_prefill_tokens(w) if self.track_prefill_tokens else 0
+            for w in workers
+        }
+        floor = min(prefill.values())
+        request_blocks = max(1, math.ceil(query.prompt_tokens / bs))
         out: dict[str, float] = {}
         for w in workers:
-            gpu, host_only = cached_blocks(query, w.worker_id)
-            # Dynamo books every routed request's prefill until its first token; a reported
-            # backlog is the same quantity
-            waiting_prefill = queued_prefill_tokens(w, self._uncached.get()) / bs
-            credit = gpu + self.host_cache_hit_weight * host_only
-            prefill = max(0.0, waiting_prefill + prompt - credit)
-            decode = (w.active_tokens + w.pending * self._prompt.get()) / bs + prompt
-            out[w.worker_id] = self.overlap_score_weight * prefill + decode
+            wid = w.worker_id
+            gpu, host_only = cached_blocks(query, wid)
+            decay = 1.0
+            if self.track_prefill_tokens and self.overlap_score_credit_decay > 0:
+                excess = (prefill[wid] - floor) / bs / request_blocks
+                decay = 1.0 / (1.0 + self.overlap_score_credit_decay * excess)
+            credit = (
+                self.overlap_score_credit * decay * gpu + self.host_cache_hit_weight * host_only
+            )
+            raw = (prefill[wid] + query.prompt_tokens) / bs if self.track_prefill_tokens else 0.0
+            decode = self.active_blocks(wid) + self.new_blocks(wid, query.block_hashes)
+            requests = len(self._order.get(wid, ()))
+            out[wid] = (
+                self.prefill_load_scale * max(0.0, raw - credit)
+                + decode
+                + self.decode_active_request_weight * requests
+            )
         return out
 
     def rank(
@@ -82,7 +169,51 @@ class DynamoKv(PolicyHooks):
         ordered = rank_by_cost(workers, cost, lambda w: w.worker_id, self.temperature, rng)
         return candidates(ordered, cost, query)
 
+    # ---- booking -------------------------------------------------------------------------
     def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
+        """Book the prompt on ``worker_id``: its blocks as active, its uncached tokens as
+        active prefill. A request already booked (a re-dispatch) is freed first."""
+        self._expire(query.now)
+        self._free(query.request_id)
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size
-        self._prompt.add(query.prompt_tokens)
-        self._uncached.add(max(0, query.prompt_tokens - cached))
+        hashes = tuple(query.block_hashes) if self.assume_kv_reuse else ()
+        booking = _Booking(
+            worker_id=worker_id,
+            blocks=hashes,
+            block_count=query.prompt_blocks,
+            prefill_tokens=max(0, query.prompt_tokens - cached),
+            at=query.now,
+        )
+        self._bookings[query.request_id] = booking
+        self._order.setdefault(worker_id, OrderedDict())[query.request_id] = booking.prefill_tokens
+        if self.assume_kv_reuse:
+            self._active.setdefault(worker_id, Counter()).update(hashes)
+        else:
+            self._counts[worker_id] = self._counts.get(worker_id, 0) + booking.block_count
+
+    def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
+        """Free the request's blocks and prefill (Dynamo's ``free``); unknown ids are ignored."""
+        self._free(request_id)
+
+    def _free(self, request_id: str) -> None:
+        booking = self._bookings.pop(request_id, None)
+        if booking is None:
+            return
+        wid = booking.worker_id
+        self._order[wid].pop(request_id, None)
+        if self.assume_kv_reuse:
+            active = self._active[wid]
+            active.subtract(booking.blocks)
+            for h in booking.blocks:
+                if active.get(h, 0) <= 0:
+                    active.pop(h, None)
+        else:
+            self._counts[wid] -= booking.block_count
+
+    def _expire(self, now: float) -> None:
+        """Free bookings older than ``expiry_s`` (dispatch order, so the oldest come first)."""
+        while self._bookings:
+            rid, oldest = next(iter(self._bookings.items()))
+            if now - oldest.at < self.expiry_s:
+                return
+            self._free(rid)

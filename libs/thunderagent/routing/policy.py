@@ -56,6 +56,12 @@ class WorkerView:
     """Tokens held by running requests (decode load)."""
     pending: int = 0
     """Requests routed here since the last load report (not yet visible in it)."""
+    pending_kv_tokens: int = -1
+    """Context tokens (prompt, cached or not) of those requests: the KV they will hold there
+    (-1: unknown)."""
+    pending_prefill_tokens: int = -1
+    """Prompt tokens of those requests the router expects the worker to prefill (their
+    predicted cache hits taken off; -1: unknown, policies then estimate from ``pending``)."""
     prefill_tokens: int = -1
     """Prompt tokens waiting for prefill on the worker, as it last reported (-1: not reported,
     as with stock SGLang; policies then estimate it from ``queued``)."""

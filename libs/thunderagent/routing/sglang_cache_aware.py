@@ -1,10 +1,12 @@
 """SGLang router 0.3.2 ``cache_aware``, on token blocks instead of characters.
 
 Per worker, an approximate cache of the block hashes this policy has *routed* there (not what the
-engine reports), capped and LRU-evicted. Per request: if the load is imbalanced, the least loaded
-worker; else the worker holding the longest prefix if that prefix covers more than
-``cache_threshold`` of the prompt; else the worker with the smallest tree. See README.md for the
-source this was checked against and the deviations.
+engine reports), LRU-evicted to a size cap every ``eviction_interval_s``. The load is the
+policy's own count of requests in flight (booked in ``on_dispatched``, released in
+``on_finished``), as SGLang's router counts its own; it never reads the engines' load reports.
+Per request: if that load is imbalanced, the least loaded worker; else the worker holding the
+longest prefix if that prefix covers more than ``cache_threshold`` of the prompt; else the worker
+with the smallest tree. See README.md for the source this was checked against and the deviations.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import ClassVar
 from thunderagent.routing.cost import (
     by_key,
     finite_at_least,
+    finite_positive,
     in_unit_interval,
     pick_among_best,
     require,
@@ -37,15 +40,22 @@ class SglangCacheAware(PolicyHooks):
     """sglang-router 0.3.2 default: follow the cache only when the best match covers more than 30%
     of the prompt; a shorter match is not worth giving up the emptiest worker."""
     balance_abs_threshold: int = 64
-    """0.3.2 default: load is imbalanced only if max - min outstanding requests exceeds 64 ..."""
+    """0.3.2 default: load is imbalanced only if max - min requests in flight exceeds 64 ..."""
     balance_rel_threshold: float = 1.5
     """... and max > 1.5 x min (0.3.2 default); both must hold, so small fleets stay cache-led."""
     max_tree_tokens: int = 2**24
     """Per-worker cap of the approximate tree. 0.3.2 caps each tree at 2**26 characters; at ~4
     characters per token that is 2**24 tokens (32768 blocks of 512). Deliberately far above a
     worker's real KV capacity, as in SGLang: the tree forgets much later than the engine does."""
+    eviction_interval_s: float = 60.0
+    """0.3.2 ``eviction_interval_secs`` (60): trees are trimmed to the cap this often (on the
+    caller's clock, ``RouteQuery.now``), not at every insert; between trims they may exceed it."""
 
     _trees: dict[str, OrderedDict[int, None]] = field(default_factory=dict, init=False, repr=False)
+    _load: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    """worker -> requests this policy sent there that have not finished (SGLang's worker.load())."""
+    _where: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _last_eviction: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         in_unit_interval(_P, "cache_threshold", self.cache_threshold)
@@ -64,6 +74,11 @@ class SglangCacheAware(PolicyHooks):
             isinstance(self.max_tree_tokens, int) and self.max_tree_tokens > 0,
             "must be an integer > 0",
         )
+        finite_positive(_P, "eviction_interval_s", self.eviction_interval_s)
+
+    def load(self, worker_id: str) -> int:
+        """Requests in flight on ``worker_id`` as this policy counts them."""
+        return self._load.get(worker_id, 0)
 
     def matched_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """Leading prompt blocks this policy has routed to ``worker_id`` (and not evicted)."""
@@ -82,14 +97,14 @@ class SglangCacheAware(PolicyHooks):
     def rank(
         self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
     ) -> list[Candidate]:
-        loads = [w.outstanding for w in workers]
+        loads = [self.load(w.worker_id) for w in workers]
         hi, lo = max(loads), min(loads)
         imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
         match = {w.worker_id: self.matched_blocks(w.worker_id, query.block_hashes) for w in workers}
         size = {w.worker_id: self.tree_blocks(w.worker_id) for w in workers}
         blocks = query.prompt_blocks
         if imbalanced:  # shortest queue
-            score = {w.worker_id: float(-w.outstanding) for w in workers}
+            score = {w.worker_id: float(-self.load(w.worker_id)) for w in workers}
         elif blocks and max(match.values()) / blocks > self.cache_threshold:  # longest match
             score = {wid: m / blocks for wid, m in match.items()}
         else:  # smallest tree: most room for a new prefix
@@ -100,7 +115,7 @@ class SglangCacheAware(PolicyHooks):
 
         def key(w: WorkerView) -> tuple[float, ...]:  # score, longer match, smaller tree, load
             i = w.worker_id
-            return (-score[i], -match[i], size[i], w.outstanding)
+            return (-score[i], -match[i], size[i], self.load(i))
 
         ordered = by_key(rest, key, rng)
         return [
@@ -111,13 +126,30 @@ class SglangCacheAware(PolicyHooks):
         ]
 
     def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
-        """Insert the prompt's blocks into the chosen worker's tree (both modes, as SGLang does)."""
+        """Count the request in flight on ``worker_id`` and insert the prompt's blocks into its
+        tree (both modes, as SGLang does); trim every tree when an eviction interval passed."""
+        previous = self._where.pop(query.request_id, None)
+        if previous is not None:  # a re-dispatch: the earlier run no longer counts
+            self._load[previous] -= 1
+        self._where[query.request_id] = worker_id
+        self._load[worker_id] = self.load(worker_id) + 1
         tree = self._trees.setdefault(worker_id, OrderedDict())
         # Deepest block first, so the prompt's root ends most recent: LRU then evicts from the
         # leaves up, as SGLang's leaf-LRU does, and a surviving block keeps its whole prefix.
         for h in reversed(query.block_hashes):
             tree[h] = None
             tree.move_to_end(h)
-        cap = max(1, self.max_tree_tokens // query.block_size)
-        while len(tree) > cap:
-            tree.popitem(last=False)
+        if self._last_eviction is None:
+            self._last_eviction = query.now
+        elif query.now - self._last_eviction >= self.eviction_interval_s:
+            self._last_eviction = query.now
+            cap = max(1, self.max_tree_tokens // query.block_size)
+            for t in self._trees.values():
+                while len(t) > cap:
+                    t.popitem(last=False)
+
+    def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
+        """The request left its worker: SGLang decrements that worker's load."""
+        where = self._where.pop(request_id, None)
+        if where is not None:
+            self._load[where] -= 1

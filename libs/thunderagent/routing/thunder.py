@@ -81,9 +81,18 @@ class Thunder(PolicyHooks):
     pressure_threshold: float = 0.9
     """KV use above 90%: a new prompt's blocks will evict cached prefixes (the engine keeps a
     few percent free for decode growth, so evictions start near here)."""
-    pressure_penalty_s: float = 1.0
-    """Penalty at 100% KV use, linear from the threshold: about a long prompt's TTFT, so a full
-    worker is avoided unless the others are that much worse."""
+    overflow_weight: float = 1.0
+    """Each KV token past the threshold costs this many tokens of prefill (1: it is computed
+    once more after a retraction)."""
+    recompute_gain: float = 1.0
+    """How fast recompute grows expensive with cluster load. The request's own uncached
+    prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued per worker in
+    units of a typical request's prefill (measured each decision): with idle queues a miss
+    elsewhere costs only its own TTFT and load spreads; with queues everywhere the work a miss
+    adds delays every request behind it, so cache affinity wins."""
+    max_recompute_weight: float = 16.0
+    """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
+    affinity it buys is complete."""
     tuner: OnlineTuner | Mapping[str, float] = field(default_factory=OnlineTuner)
     """Online tuning of ``load_scale``; a mapping (from YAML) is turned into an OnlineTuner."""
 
@@ -101,12 +110,23 @@ class Thunder(PolicyHooks):
         require(_P, "mean_alpha", self.mean_alpha, 0 < self.mean_alpha <= 1, "must lie in (0, 1]")
         ok = 0 <= self.pressure_threshold < 1
         require(_P, "pressure_threshold", self.pressure_threshold, ok, "must lie in [0, 1)")
-        finite_at_least(_P, "pressure_penalty_s", self.pressure_penalty_s, 0.0)
+        finite_at_least(_P, "overflow_weight", self.overflow_weight, 0.0)
+        finite_at_least(_P, "recompute_gain", self.recompute_gain, 0.0)
+        finite_at_least(_P, "max_recompute_weight", self.max_recompute_weight, 0.0)
         if isinstance(self.tuner, Mapping):
             self.tuner = OnlineTuner(**self.tuner)
         self._uncached = RunningMean(self.mean_alpha, prior=self.prior_prefill_tokens)
 
-    def cost(self, query: RouteQuery, w: WorkerView, min_outstanding: int) -> float:
+    def recompute_weight(self, workers: Sequence[WorkerView]) -> float:
+        """``recompute_gain`` x the mean prefill queued per worker, in typical prefills."""
+        typical = max(self._uncached.get(), 1.0)
+        mean = self._uncached.get()
+        queued = sum(queued_prefill_tokens(w, mean) for w in workers) / len(workers)
+        return min(self.recompute_gain * queued / typical, self.max_recompute_weight)
+
+    def cost(
+        self, query: RouteQuery, w: WorkerView, min_outstanding: int, recompute: float = 0.0
+    ) -> float:
         """Predicted seconds until ``query`` would finish on ``w``."""
         gpu, host_only = cached_blocks(query, w.worker_id)
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
@@ -114,23 +134,31 @@ class Thunder(PolicyHooks):
         own = max(0.0, query.prompt_tokens - credit)
         ahead = queued_prefill_tokens(w, self._uncached.get())
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
-        # Pressure from KV that running requests hold, not from the cache: a warm worker's
-        # pool is always "full" of evictable blocks.
-        capacity = w.kv_total_blocks * query.block_size
-        used = (w.active_tokens + query.prompt_tokens) / capacity if capacity > 0 else 0.0
-        over = max(0.0, min(used, 1.0) - self.pressure_threshold) / (1 - self.pressure_threshold)
         return (
-            self.prefill_s_per_token * (own + ahead)
+            self.prefill_s_per_token * ((1 + recompute) * own + ahead)
             + self.decode_weight * query.expected_output_tokens * step
-            + self.pressure_penalty_s * over
+            + self.prefill_s_per_token * self.overflow_weight * self._overflow(query, w)
         )
+
+    def _overflow(self, query: RouteQuery, w: WorkerView) -> float:
+        """KV tokens past the pressure threshold once this request runs there: running
+        requests' KV (pinned, unlike the evictable cache), what was sent since the last report,
+        and this request's prompt and expected output. Past the pool the engine retracts
+        running requests, whose context is then computed again: that recompute is the cost."""
+        capacity = w.kv_total_blocks * query.block_size
+        if capacity <= 0:
+            return 0.0
+        since = max(0, w.pending_kv_tokens) if w.pending_kv_tokens >= 0 else 0
+        held = w.active_tokens + since + query.prompt_tokens + query.expected_output_tokens
+        return max(0.0, held - self.pressure_threshold * capacity)
 
     def rank(
         self, query: RouteQuery, workers: Sequence[WorkerView], rng: random.Random
     ) -> list[Candidate]:
         least = min(w.outstanding for w in workers)
         _more_free = lambda w: -float(w.free_blocks)  # noqa: E731
-        cost = {w.worker_id: self.cost(query, w, least) for w in workers}
+        recompute = self.recompute_weight(workers)
+        cost = {w.worker_id: self.cost(query, w, least, recompute) for w in workers}
         hit = any(query.overlaps.get(i, 0) or query.host_overlaps.get(i, 0) for i in cost)
         if hit or len(workers) < 2:
             ordered = rank_by_cost(workers, cost, _ID, self.temperature, rng, secondary=_more_free)

@@ -82,6 +82,21 @@ class Admission:
             return True
         return self.kv_blocks(worker_id) + need_blocks <= self.params.kv_watermark * total
 
+    def room(self, worker_id: str, need_blocks: int) -> int:
+        """How many more requests of ``need_blocks`` each ``has_room`` would admit now."""
+        running = self.running(worker_id)
+        slots = self.cap(worker_id) - running
+        if slots <= 0:
+            return 0
+        load = self.load(worker_id)
+        total = load.room.kv_total_blocks if load.room is not None else 0
+        if total <= 0 or need_blocks <= 0:
+            return slots
+        fit = int((self.params.kv_watermark * total - self.kv_blocks(worker_id)) // need_blocks)
+        if running == 0:
+            fit = max(fit, 1)  # an idle worker always takes one, however large
+        return max(0, min(slots, fit))
+
     def charge(self, worker_id: str, blocks: int) -> None:
         load = self.load(worker_id)
         load.sent_since_report += 1

@@ -114,6 +114,21 @@ class Scheduler(Protocol):
         """PD only: the request's KV has landed on its decode worker ``worker_id``."""
         ...
 
+    def rooms(self) -> dict[str, int]:
+        """Requests each worker can take now without waiting here: the room lent to routers
+        as credits (``credits.py``). Empty while anything waits here."""
+        ...
+
+    def admitted(self, request: SchedRequest, worker_id: str, now: float) -> None:
+        """A router dispatched ``request`` to ``worker_id`` on credit: book it as if this
+        scheduler had dispatched it (it runs, holds room, may lead a prefix group)."""
+        ...
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """The client gave up: a waiting request leaves without an action (True); a running
+        one is forgotten like a finished one (the driver aborts it at the engine; False)."""
+        ...
+
     def poll(self, now: float) -> list[Action]:
         """Decisions to carry out now."""
         ...
@@ -129,15 +144,15 @@ class Scheduler(Protocol):
 class _Base:
     """Bookkeeping shared by simple schedulers: known workers and in-flight requests."""
 
-    rooms: dict[str, WorkerRoom] = field(default_factory=dict)
+    worker_rooms: dict[str, WorkerRoom] = field(default_factory=dict)
     inflight: dict[str, str] = field(default_factory=dict)
     """request id -> worker id."""
 
     def update_worker(self, room: WorkerRoom, now: float) -> None:
-        self.rooms[room.worker_id] = room
+        self.worker_rooms[room.worker_id] = room
 
     def remove_worker(self, worker_id: str, now: float) -> None:
-        self.rooms.pop(worker_id, None)
+        self.worker_rooms.pop(worker_id, None)
 
     def on_prefix_cached(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
         pass
@@ -150,6 +165,16 @@ class _Base:
 
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         pass
+
+    def rooms(self) -> dict[str, int]:
+        return {}  # lend nothing: every request comes through the queue
+
+    def admitted(self, request: SchedRequest, worker_id: str, now: float) -> None:
+        self.inflight[request.request_id] = worker_id
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        self.inflight.pop(request_id, None)
+        return False
 
     def next_wakeup(self, now: float) -> float | None:
         return None

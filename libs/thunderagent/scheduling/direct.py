@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from thunderagent.scheduling.api import Action, Dispatch, SchedRequest, _Base
 
+UNBOUNDED = 1 << 20
+"""Credit lent per worker when nothing is ever held: more than any burst between two grants."""
+
 
 @dataclass
 class DirectScheduler(_Base):
@@ -17,6 +20,18 @@ class DirectScheduler(_Base):
 
     def submit(self, request: SchedRequest, now: float) -> None:
         self._queue.append(request)
+
+    def rooms(self) -> dict[str, int]:
+        """Unbounded: the engines' own queues do the waiting."""
+        return dict.fromkeys(self.worker_rooms, UNBOUNDED) if not self._queue else {}
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        for req in self._queue:
+            if req.request_id == request_id:
+                self._queue.remove(req)
+                return True
+        self.inflight.pop(request_id, None)
+        return False
 
     def poll(self, now: float) -> list[Action]:
         actions: list[Action] = []

@@ -88,8 +88,15 @@ class SchedParams:
     """Pause acting programs on a worker once program contexts exceed this share of its KV."""
     program_resume_watermark: float = 0.85
     """Resume a paused program only where it fits under this share (hysteresis, no flapping)."""
-    program_idle_s: float = 600.0
-    """An acting program silent this long is released (a lost release message)."""
+    program_park_max_s: float = 2.0
+    """A parked step of a paused program waits at most this long for room: then the program
+    resumes on its first candidate anyway (re-prefilling there beats waiting under sustained
+    pressure; about one long prompt's prefill). Pausing must never starve a program."""
+    program_idle_s: float = 60.0
+    """An acting program silent this long is released (no release message came): tool calls
+    pause for seconds (log-normal, median 2-6 s in agent traces), so after a minute the program
+    is most likely over, and its KV only an LRU entry at the engine; counting it as resident
+    longer would pause live programs for a dead one."""
     # --- deadlines (item 6)
     deadlines: bool = True
 

@@ -46,8 +46,11 @@ class ProgramTracker:
     programs: dict[str, Program] = field(default_factory=dict)
     resident: dict[str, int] = field(default_factory=dict)
     """worker -> blocks of the programs living there (not paused)."""
-    pending: dict[str, str] = field(default_factory=dict)
-    """paused program id -> its next step's request id, waiting to resume (insertion order)."""
+    pending: dict[str, list[str]] = field(default_factory=dict)
+    """paused program id -> request ids of its steps waiting for it to resume, oldest first
+    (insertion order: the oldest pause first). An open-loop client may send several."""
+    parked_at: dict[str, float] = field(default_factory=dict)
+    """paused program id -> when its oldest parked step was parked."""
     pauses: int = 0
     resumes: int = 0
 
@@ -128,22 +131,48 @@ class ProgramTracker:
                 return w
         return None
 
-    def resume(self, prog: Program, worker_id: str, now: float) -> None:
+    def park(self, program_id: str, request_id: str, now: float) -> None:
+        """A step of a paused program waits for it to resume."""
+        if program_id not in self.pending:
+            self.parked_at[program_id] = now
+        self.pending.setdefault(program_id, []).append(request_id)
+
+    def next_park_deadline(self, park_max_s: float) -> float | None:
+        """When the oldest parked step will have waited ``park_max_s`` (None: nothing parked)."""
+        return min(self.parked_at.values()) + park_max_s if self.parked_at else None
+
+    def parked_since(self, before: float) -> list[str]:
+        """Programs whose oldest parked step was parked at or before ``before``."""
+        return [pid for pid in self.pending if self.parked_at.get(pid, before) <= before]
+
+    def unpark(self, program_id: str, request_id: str) -> None:
+        """A parked step left (deadline, cancellation)."""
+        steps = self.pending.get(program_id)
+        if steps and request_id in steps:
+            steps.remove(request_id)
+            if not steps:
+                del self.pending[program_id]
+                self.parked_at.pop(program_id, None)
+
+    def resume(self, prog: Program, worker_id: str, now: float) -> list[str]:
+        """The program lives on ``worker_id`` again; returns its parked steps."""
         prog.phase = ACTING
         prog.worker_id = None
         prog.last_seen = now
         self._move(prog, worker_id)
-        self.pending.pop(prog.program_id, None)
         self.resumes += 1
+        self.parked_at.pop(prog.program_id, None)
+        return self.pending.pop(prog.program_id, [])
 
-    def release(self, program_id: str) -> str | None:
-        """End a program; returns the request id of a step still waiting on it, if any."""
+    def release(self, program_id: str) -> list[str]:
+        """End a program; returns the request ids of steps still parked on it."""
         prog = self.programs.pop(program_id, None)
+        self.parked_at.pop(program_id, None)
         if prog is None:
-            return None
+            return self.pending.pop(program_id, [])
         if prog.phase != PAUSED and prog.worker_id is not None:
             self.resident[prog.worker_id] -= prog.blocks
-        return self.pending.pop(program_id, None)
+        return self.pending.pop(program_id, [])
 
     def idle(self, now: float, idle_s: float) -> list[str]:
         return [

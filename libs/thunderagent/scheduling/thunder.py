@@ -33,6 +33,8 @@ from thunderagent.scheduling.window import Window
 
 WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP = "window", "queued", "spill", "held", "paused"
 IDLE_CHECK_S = 1.0
+NEED_ALPHA = 0.05
+"""EMA weight of dispatched requests' KV needs (the size credits are counted in): ~20 requests."""
 """Idle programs are looked for at most once a second (a scan over all programs)."""
 
 
@@ -87,7 +89,15 @@ class ThunderScheduler:
         self._retry_at: float | None = None
         self._next_idle_check = 0.0
         self._dirty: set[str] = set()
-        self.counters = {"submitted": 0, "dispatched": 0, "rejected": 0, "preempted": 0}
+        self._typical_need = 64.0
+        self.counters = {
+            "submitted": 0,
+            "direct": 0,
+            "dispatched": 0,
+            "rejected": 0,
+            "preempted": 0,
+            "cancelled": 0,
+        }
 
     # ---- driver events --------------------------------------------------------------------
 
@@ -151,11 +161,51 @@ class ThunderScheduler:
             self._dirty.add(run.worker_id)
         self._end_run(request_id, now)
 
+    def rooms(self) -> dict[str, int]:
+        """Room to lend as credits: none while anything waits here (a direct dispatch must
+        never pass a waiting request) and none under PD (transfers are capped here); else
+        what admission takes now, in requests of the recent typical size."""
+        if self.entries or self.params.pd_mode == "disaggregated":
+            return {}
+        need = max(1, round(self._typical_need))
+        return {
+            w: self.admission.room(w, need) for w in self.admission.workers if w not in self.gone
+        }
+
+    def admitted(self, request: SchedRequest, worker_id: str, now: float) -> None:
+        rid = request.request_id
+        if rid in self.entries or rid in self.running:
+            return  # told twice
+        self.counters["submitted"] += 1
+        self.counters["direct"] += 1
+        cached = self._cached(request, worker_id)
+        need = _kv_need(request, cached)
+        self.admission.charge(worker_id, need)
+        self.running[rid] = Running(request, worker_id, cached, need, now)
+        self.groups.lead(rid, worker_id, request.block_hashes, cached)
+        self._note_need(need)
+        self.counters["dispatched"] += 1
+
+    def _note_need(self, need: int) -> None:
+        self._typical_need += NEED_ALPHA * (need - self._typical_need)
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            self._end_run(request_id, now)
+            return False
+        if entry.state == PAUSED_STEP:
+            self.programs.unpark(entry.req.program_id or "", request_id)
+        self.groups.drop(request_id)
+        entry.state = "cancelled"
+        self.counters["cancelled"] += 1
+        return True
+
     def release_program(self, program_id: str, now: float = 0.0) -> None:
-        """The client ended the program: forget it; a step still paused goes to the queue."""
-        rid = self.programs.release(program_id)
-        if rid is not None and rid in self.entries:
-            self._enqueue(self.entries[rid], now)
+        """The client ended the program: forget it; steps still parked go to the queue."""
+        for rid in self.programs.release(program_id):
+            if rid in self.entries:
+                self._enqueue(self.entries[rid], now)
 
     # ---- decisions ------------------------------------------------------------------------
 
@@ -188,6 +238,7 @@ class ThunderScheduler:
             self._first_live(self.deadlines, (WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP)),
             self.groups.next_timeout(self.params.group_timeout_s),
             self._retry_at,
+            self.programs.next_park_deadline(self.params.program_park_max_s),
         ]
         live = [t for t in times if t is not None]
         return max(min(live), now) if live else None
@@ -349,6 +400,7 @@ class ThunderScheduler:
         rid = req.request_id
         del self.entries[rid]
         self.admission.charge(w, need)
+        self._note_need(need)
         if decode is not None:
             self.admission.charge(decode, need)
             self.gate.start(rid, decode)
@@ -445,7 +497,7 @@ class ThunderScheduler:
             entry = self.entries.get(rid)
             if entry is not None:
                 if entry.state == PAUSED_STEP:
-                    self.programs.pending.pop(entry.req.program_id or "", None)
+                    self.programs.unpark(entry.req.program_id or "", rid)
                 self._reject(entry, "deadline passed", out)
 
     def _pause_step(self, entry: _Entry, now: float) -> bool:
@@ -455,19 +507,41 @@ class ThunderScheduler:
         if prog is None or prog.phase != PAUSED:
             return False
         entry.state = PAUSED_STEP
-        self.programs.pending[prog.program_id] = entry.req.request_id
+        self.programs.park(prog.program_id, entry.req.request_id, now)
         self._try_resume(prog.program_id, self._kv_totals(), now)
         return True
 
     def _try_resume(self, pid: str, totals: dict[str, int], now: float) -> None:
-        entry = self.entries[self.programs.pending[pid]]
-        prog = self.programs.programs[pid]
-        w = self.programs.place(prog, self._eligible(entry.req), totals)
+        """Resume a paused program where it fits; its parked steps follow it there. A program
+        released meanwhile (idle) just lets its steps go to the queue."""
+        parked = self.programs.pending.get(pid)
+        prog = self.programs.programs.get(pid)
+        if not parked:
+            return
+        if prog is None:
+            self.release_program(pid, now)
+            return
+        first = self.entries[parked[0]]
+        w = self.programs.place(prog, self._eligible(first.req), totals)
         if w is None:
             return
-        self.programs.resume(prog, w, now)
-        entry.req.candidates = sorted(entry.req.candidates, key=lambda c: c[0] != w)
-        self._enqueue(entry, now)
+        for rid in self.programs.resume(prog, w, now):
+            entry = self.entries[rid]
+            entry.req.candidates = sorted(entry.req.candidates, key=lambda c: c[0] != w)
+            self._enqueue(entry, now)
+
+    def _force_resume(self, pid: str, now: float) -> None:
+        """A parked step waited too long: resume the program on the step's first candidate."""
+        prog = self.programs.programs.get(pid)
+        parked = self.programs.pending.get(pid)
+        if not parked:
+            return
+        cands = self._eligible(self.entries[parked[0]].req)
+        if prog is None or not cands:
+            self.release_program(pid, now)
+            return
+        for rid in self.programs.resume(prog, cands[0][0], now):
+            self._enqueue(self.entries[rid], now)
 
     def _programs_tick(self, now: float) -> None:
         totals = self._kv_totals()
@@ -476,6 +550,8 @@ class ThunderScheduler:
         self._dirty.clear()
         for pid in list(self.programs.pending):
             self._try_resume(pid, totals, now)
+        for pid in self.programs.parked_since(now - self.params.program_park_max_s):
+            self._force_resume(pid, now)
         if now >= self._next_idle_check:
             self._next_idle_check = now + IDLE_CHECK_S
             for pid in self.programs.idle(now, self.params.program_idle_s):

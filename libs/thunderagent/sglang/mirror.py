@@ -7,6 +7,12 @@ mirror re-hashes them, continuing the chain from the parent block's *our* hash, 
 engine hash -> (our hash, check hash, tier) so removals, which carry engine hashes only, can be
 translated, and so a full dump can be answered at any time.
 
+Tenants: a request with a ``cache_salt`` is cached by SGLang in its own namespace (its block
+hashes are seeded by the salt, and its ``BlockStored`` events carry the salt). The mirror starts
+such a chain at the salt's root (``namespace_roots(salt)``), exactly as the router hashes a
+salted prompt, so a tenant's blocks are found only by that tenant's requests; unsalted chains
+keep the shared root. Children continue from their parent's (already salted) hash.
+
 A stored block whose parent the mirror does not know (an event was lost for good) cannot be
 chained: it is skipped and counted. Such blocks simply never produce hits, which the approximate
 index tolerates (a miss costs a prefill, never a wrong answer).
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from thunderagent.hashing import BlockHasher
+from thunderagent.hashing import BlockHasher, namespace_roots
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEvent, Medium
 from thunderagent.sglang import kv_wire
 
@@ -86,7 +92,9 @@ class KvMirror:
                 self.stats.orphan_blocks += len(ev.block_hashes)
                 return None
             parent = (known.primary, known.check)
-        ours = self.hasher.hash_tokens(ev.token_ids, parent)
+        # a salted chain starts at its tenant's root, as the router hashes a salted prompt
+        start = parent or (namespace_roots(ev.cache_salt) if ev.cache_salt else None)
+        ours = self.hasher.hash_tokens(ev.token_ids, start)
         medium = Medium(ev.medium) if ev.medium else Medium.GPU
         prev = parent_engine
         for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):

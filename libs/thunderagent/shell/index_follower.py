@@ -1,4 +1,4 @@
-"""Keep a local ``PrefixIndex`` in step with the KV-event stream.
+"""Keep an ``IndexFeeder`` in step with the KV-event stream.
 
 Start: load the latest snapshot from Redis when there is one (a replica starts warm), then
 replay the stream from the snapshot's sequence and follow it live. Without Redis, or without a
@@ -14,17 +14,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from thunderagent.bus import Bus, Delivery
-from thunderagent.bus.streams import ensure_kv_events_stream
+from thunderagent.bus import Bus, StreamConsumer
 from thunderagent.prefix_index import PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.state import capture, restore
 from thunderagent.schemas import KvEventBatch, subjects
 
 log = logging.getLogger(__name__)
-_decoder = msgspec.json.Decoder(KvEventBatch)
 
 OnOutcome = Callable[[KvEventBatch, FeedOutcome], Awaitable[None]]
 
@@ -33,7 +30,7 @@ class IndexFollower:
     def __init__(
         self,
         bus: Bus,
-        index: PrefixIndex,
+        feeder: IndexFeeder,
         *,
         redis=None,
         durable: str | None = None,
@@ -41,7 +38,7 @@ class IndexFollower:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.bus = bus
-        self.feeder = IndexFeeder(index)
+        self.feeder = feeder
         self.redis = redis
         self.durable = durable
         self.on_outcome = on_outcome
@@ -50,7 +47,8 @@ class IndexFollower:
         self.restored_from = 0
         self.last_event_lag_s = 0.0
         self.caught_up = asyncio.Event()
-        self._sub = None
+        self._catch_up_to = 0
+        self._consumer: StreamConsumer | None = None
 
     @property
     def index(self) -> PrefixIndex:
@@ -71,79 +69,39 @@ class IndexFollower:
             seq = restore(self.feeder, data, self.clock())
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
             log.warning("snapshot unusable (%s): replaying the whole stream", err)
-            self.feeder = IndexFeeder(PrefixIndex(self.index.ttl_s))
+            self.feeder.reset()
             return 0
         log.info("index restored from snapshot at stream seq %d (%d blocks)", seq, len(self.index))
         return seq
 
     async def start(self) -> None:
-        js = self.bus.nc.jetstream()
-        await ensure_kv_events_stream(js)
+        await self.bus.ensure_kv_events_stream()
         self.stream_seq = self.restored_from = await self.load_snapshot()
-        info = await js.stream_info(subjects.KV_EVENTS_STREAM)
-        last = info.state.last_seq
-        if last <= self.stream_seq:
+        self._catch_up_to = await self.bus.stream_last_seq(subjects.KV_EVENTS_STREAM)
+        if self._catch_up_to <= self.stream_seq:
             self.caught_up.set()
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE
-            if self.stream_seq
-            else DeliverPolicy.ALL,
-            opt_start_seq=self.stream_seq + 1 if self.stream_seq else None,
+        self._consumer = await self.bus.consume(
+            subjects.KV_EVENTS_STREAM,
+            subjects.KV_EVENTS_WILDCARD,
+            KvEventBatch,
+            self._on_batch,
+            start_seq=self.stream_seq + 1 if self.stream_seq else 0,
+            durable=self.durable,
         )
-        self._catch_up_to = last
-        if self.durable:
-            config.ack_policy = AckPolicy.EXPLICIT
-            config.max_ack_pending = 100_000
-            # The snapshot decides where to resume, so the durable restarts from there.
-            try:
-                await js.delete_consumer(subjects.KV_EVENTS_STREAM, self.durable)
-            except Exception:
-                pass
-            self._sub = await js.subscribe(
-                subjects.KV_EVENTS_WILDCARD,
-                durable=self.durable,
-                stream=subjects.KV_EVENTS_STREAM,
-                config=config,
-                cb=self._on_msg,
-                manual_ack=True,
-            )
-        else:
-            self._sub = await js.subscribe(
-                subjects.KV_EVENTS_WILDCARD,
-                stream=subjects.KV_EVENTS_STREAM,
-                ordered_consumer=True,
-                config=config,
-                cb=self._on_msg,
-            )
 
-    async def _on_msg(self, msg) -> None:
-        meta = msg.metadata
-        try:
-            batch = _decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            delivery = Delivery(msg.subject, "", dict(msg.headers or {}), msg.data)
-            await self.bus.reject(delivery, f"invalid KvEventBatch: {err}")
-        else:
-            now = self.clock()
-            outcome = self.feeder.apply(batch, now)
-            self.last_event_lag_s = max(0.0, now - batch.ts)
-            if self.on_outcome is not None and outcome is not FeedOutcome.APPLIED:
-                await self.on_outcome(batch, outcome)
-        self.stream_seq = meta.sequence.stream
-        if self.durable:
-            await msg.ack()
-        if not self.caught_up.is_set() and self.stream_seq >= self._catch_up_to:
+    async def _on_batch(self, batch: KvEventBatch, seq: int) -> None:
+        now = self.clock()
+        outcome = self.feeder.apply(batch, now)
+        self.last_event_lag_s = max(0.0, now - batch.ts)
+        self.stream_seq = seq
+        if self.on_outcome is not None:
+            await self.on_outcome(batch, outcome)
+        if not self.caught_up.is_set() and seq >= self._catch_up_to:
             self.caught_up.set()
-
-    def forget_worker(self, worker_id: str) -> None:
-        self.feeder.forget(worker_id)
 
     def snapshot_bytes(self) -> bytes:
         return capture(self.feeder, self.stream_seq, self.clock())
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
+        if self._consumer is not None:
+            await self._consumer.stop()

@@ -6,7 +6,13 @@ itself). Metrics are served on a Prometheus endpoint when a port is given.
 """
 
 from thunderagent.telemetry.logs import configure_logging
-from thunderagent.telemetry.propagation import extract_context, inject_headers
+from thunderagent.telemetry.propagation import (
+    extract_context,
+    inject_headers,
+    sampled_flag,
+    start_span_if_sampled,
+    tracing_active,
+)
 from thunderagent.telemetry.setup import Telemetry, setup_telemetry, tracer
 
 __all__ = [
@@ -14,6 +20,9 @@ __all__ = [
     "configure_logging",
     "extract_context",
     "inject_headers",
+    "sampled_flag",
     "setup_telemetry",
+    "start_span_if_sampled",
     "tracer",
+    "tracing_active",
 ]

@@ -1,11 +1,24 @@
-"""W3C trace context in NATS headers (and HTTP headers: same carrier shape)."""
+"""W3C trace context in NATS headers (and HTTP headers: same carrier shape), and the sampling
+rule every receiver follows.
+
+Parent-based sampling: only the trace's first span (the client or the gateway) samples, by
+``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (the SDK reads them). Every later hop
+honours the ``sampled`` flag of the ``traceparent`` it received: a message whose sender was
+sampled out, or that carries no trace context at all (load reports, KV batches, progress),
+creates no span. With tracing off in a process (no exporter configured) it does no span work.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+TRACEPARENT = "traceparent"
+_NO_TRACING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 
 
 def inject_headers(
@@ -25,3 +38,51 @@ def inject_headers(
 def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
     """Context carried by incoming headers (empty context when there are none)."""
     return propagate.extract(dict(headers or {}))
+
+
+def tracing_active() -> bool:
+    """True when this process records spans (an SDK tracer provider is installed)."""
+    return not isinstance(trace.get_tracer_provider(), _NO_TRACING)
+
+
+def sampled_flag(headers: Mapping[str, str] | None) -> bool | None:
+    """The ``sampled`` flag of the incoming ``traceparent``; None when there is none (or it is
+    malformed: then it is no trace context at all)."""
+    if not headers:
+        return None
+    value = headers.get(TRACEPARENT)
+    if not value:
+        return None
+    parts = value.split("-")
+    if len(parts) < 4 or len(parts[3]) < 2:
+        return None
+    try:
+        return bool(int(parts[3][:2], 16) & 1)
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def start_span_if_sampled(
+    tracer: trace.Tracer,
+    name: str,
+    headers: Mapping[str, str] | None,
+    kind: SpanKind = SpanKind.CONSUMER,
+) -> Iterator[trace.Span | None]:
+    """A span continuing the sender's trace when that trace is sampled and this process traces;
+    else no span, with the sender's context (if any) made current so it is passed on as it
+    came. Yields the span or None."""
+    flag = sampled_flag(headers)
+    if flag is None:
+        yield None
+        return
+    ctx = extract_context(headers)
+    if flag and tracing_active():
+        with tracer.start_as_current_span(name, context=ctx, kind=kind) as span:
+            yield span
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield None
+    finally:
+        otel_context.detach(token)

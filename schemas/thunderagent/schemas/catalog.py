@@ -21,16 +21,31 @@ from thunderagent.schemas.generate import (
     TokenChunk,
 )
 from thunderagent.schemas.health import Health
-from thunderagent.schemas.kv import KvEventBatch, OverlapQuery, OverlapReply, ResyncRequest
+from thunderagent.schemas.kv import KvEventBatch, ResyncRequest
+from thunderagent.schemas.migration import (
+    DrainNotice,
+    KvExportOffer,
+    KvExportRequest,
+    KvPullRequest,
+    KvPullResult,
+    KvRelease,
+    KvReleaseResult,
+    MigrationOrder,
+    MigrationReport,
+)
 from thunderagent.schemas.routing import (
     AbortRequest,
     Ack,
     CancelRequest,
+    CreditGrant,
+    DirectDispatch,
+    Dispatched,
     KvTransfer,
     Preempted,
     ProgramRelease,
     RequestProgress,
     RouteDecision,
+    RouterHello,
     ScheduleRequest,
     WorkerGenerate,
 )
@@ -44,8 +59,6 @@ MESSAGES: Final[dict[str, Any]] = {
     "ReplyMessage": ReplyMessage,
     "KvEventBatch": KvEventBatch,
     "ResyncRequest": ResyncRequest,
-    "OverlapQuery": OverlapQuery,
-    "OverlapReply": OverlapReply,
     "WorkerRegistration": WorkerRegistration,
     "LoadReport": LoadReport,
     "RouteDecision": RouteDecision,
@@ -54,12 +67,25 @@ MESSAGES: Final[dict[str, Any]] = {
     "Ack": Ack,
     "AbortRequest": AbortRequest,
     "CancelRequest": CancelRequest,
+    "CreditGrant": CreditGrant,
+    "DirectDispatch": DirectDispatch,
+    "RouterHello": RouterHello,
+    "Dispatched": Dispatched,
     "KvTransfer": KvTransfer,
     "Preempted": Preempted,
     "ProgramRelease": ProgramRelease,
     "RequestProgress": RequestProgress,
     "DeadLetter": DeadLetter,
     "Health": Health,
+    "MigrationOrder": MigrationOrder,
+    "MigrationReport": MigrationReport,
+    "DrainNotice": DrainNotice,
+    "KvExportRequest": KvExportRequest,
+    "KvExportOffer": KvExportOffer,
+    "KvPullRequest": KvPullRequest,
+    "KvPullResult": KvPullResult,
+    "KvRelease": KvRelease,
+    "KvReleaseResult": KvReleaseResult,
 }
 
 JSON_DIR: Final = Path(__file__).resolve().parents[2] / "json"

@@ -54,6 +54,9 @@ class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Prompt as chat messages, rendered with the model's chat template, then tokenized."""
     max_tokens: PositiveInt = 128
     """Upper bound on generated tokens."""
+    expected_output_tokens: PositiveInt | None = None
+    """The client's estimate of the output length (orders short work first); None: the
+    router's running mean of finished outputs, capped by ``max_tokens``."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling settings."""
     priority: Annotated[int, Meta(ge=0, le=9)] = 0
@@ -144,8 +147,7 @@ class ErrorCode(enum.StrEnum):
     DEADLINE = "deadline"
     """The deadline passed or cannot be met."""
     CONTEXT_LENGTH = "context_length"
-    """Prompt tokens + ``max_tokens`` exceed the model's context, or a token id is outside
-    its vocabulary."""
+    """Prompt tokens + ``max_tokens`` exceed the model's context."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
     """The message is larger than the bus accepts (the reason names the limit)."""
     OVERLOADED = "overloaded"

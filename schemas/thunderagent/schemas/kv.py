@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from msgspec import Struct, field
+from msgspec import Struct
 
 
 class Medium(enum.StrEnum):
@@ -72,21 +72,3 @@ class ResyncRequest(Struct, frozen=True, kw_only=True):
     """Worker to resync."""
     reason: str
     """Why (gap, restart, startup)."""
-
-
-class OverlapQuery(Struct, frozen=True, kw_only=True):
-    """Which workers hold how long a prefix of these blocks."""
-
-    hashes: list[int]
-    """Primary block hashes of the prompt, in order."""
-    check_hashes: list[int] = field(default_factory=list)
-    """Second hashes, when the caller has them."""
-    model: str = ""
-    """Restrict to workers of this model (empty: all)."""
-
-
-class OverlapReply(Struct, frozen=True, kw_only=True):
-    """Matched leading blocks per worker (workers with no match are omitted)."""
-
-    overlaps: dict[str, int]
-    """worker id -> number of leading blocks cached."""

@@ -17,7 +17,13 @@ from thunderagent.schemas.catalog import MESSAGES
 
 DOC_PATH: Final = Path(__file__).resolve().parents[3] / "docs" / "messages.md"
 
-_EXAMPLE_ARGS: Final = {"model": "sim/llama-3.1-8b", "worker_id": "w0", "service": "router"}
+_EXAMPLE_ARGS: Final = {
+    "model": "sim/llama-3.1-8b",
+    "worker_id": "w0",
+    "service": "router",
+    "phase": "finished",
+    "router_id": "r1a2b3c",
+}
 
 
 def _fields(cls: type) -> list[tuple[str, str, str, str]]:

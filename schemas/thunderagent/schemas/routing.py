@@ -6,7 +6,7 @@ from typing import Literal
 
 from msgspec import Struct, field
 
-from thunderagent.schemas.generate import GenerateRequest
+from thunderagent.schemas.generate import ErrorCode, GenerateRequest, Usage
 
 
 class Candidate(Struct, frozen=True, kw_only=True):
@@ -59,6 +59,53 @@ class ScheduleRequest(Struct, frozen=True, kw_only=True):
     """Block size the decision was computed with."""
     block_hashes: list[int] = field(default_factory=list)
     """Primary hashes of the prompt's full blocks (for prefix grouping)."""
+    expected_output_tokens: int = 0
+    """The router's estimate of the output length (0: use ``max_tokens``)."""
+    router_id: str = ""
+    """The router replica that routed it: the scheduler tells it where the request went."""
+
+
+class Dispatched(Struct, frozen=True, kw_only=True):
+    """Scheduler -> the routing replica: a run of the request was handed to ``worker_id``
+    (first dispatch, a spill to another candidate, or a continuation after a preemption). The
+    router books it there: in-flight prefix, pending load, lazy verification, policy state."""
+
+    request_id: str
+    """The request."""
+    worker_id: str
+    """The worker that accepted the run (the prefill worker under PD)."""
+
+
+class DirectDispatch(Struct, frozen=True, kw_only=True):
+    """Router -> scheduler: the router dispatched this request itself, on credit, and the
+    worker accepted it. The scheduler books it as one of its own runs (room, prefix leader,
+    preemption, cancellation, lifecycle)."""
+
+    submit: ScheduleRequest
+    """What the router would otherwise have submitted."""
+    worker_id: str
+    """The worker that accepted it."""
+
+
+class RouterHello(Struct, frozen=True, kw_only=True):
+    """Router -> scheduler, every second: this replica is alive and wants its credit share."""
+
+    router_id: str
+    """The replica."""
+
+
+class CreditGrant(Struct, frozen=True, kw_only=True):
+    """Scheduler -> one router replica: the room it may fill by dispatching itself."""
+
+    router_id: str
+    """The replica this grant is for."""
+    credits: dict[str, int]
+    """worker id -> requests the router may send there without asking (absent: none)."""
+    booked: dict[str, int]
+    """worker id -> the router's direct dispatches the scheduler had booked when it granted:
+    the router may send ``credits - (its direct dispatches - booked)`` more."""
+    issued_at: float
+    """Scheduler clock, Unix seconds."""
 
 
 class WorkerGenerate(Struct, frozen=True, kw_only=True):
@@ -87,6 +134,10 @@ class Ack(Struct, frozen=True, kw_only=True):
     """Whether the receiver took responsibility for the request."""
     reason: str = ""
     """Why not."""
+    code: ErrorCode | None = None
+    """The error class to tell the client when not accepted (None: ``unavailable``)."""
+    retry_after_s: float | None = None
+    """With ``overloaded``: when a retry is likely to be admitted (seconds from now)."""
 
 
 class AbortRequest(Struct, frozen=True, kw_only=True):
@@ -151,7 +202,12 @@ class RequestProgress(Struct, frozen=True, kw_only=True):
     worker_id: str
     """Where it runs."""
     phase: Literal["started", "transferred", "finished", "failed", "aborted"]
-    """``started``: first token out (prefill done); ``transferred``: the KV reached the decode
-    worker (PD); the others end the run."""
+    """``started``: first token out (prefill done); ``transferred`` (PD): the KV reached the
+    decode worker ``worker_id`` from ``from_worker``, which hands the rest of the request to it;
+    ``finished``, ``failed`` and ``aborted`` (cancelled or preempted) end the run."""
     ts: float
     """Adapter wall clock, Unix seconds."""
+    from_worker: str = ""
+    """``transferred``: the prefill worker the KV came from."""
+    usage: Usage | None = None
+    """``finished``: the engine's token accounting (cached tokens verify the router's hit)."""

@@ -19,8 +19,12 @@ ROUTER_QUEUE: Final = "router"
 SCHED_SUBMIT: Final = f"{PREFIX}.sched.submit"
 SCHEDULER_QUEUE: Final = "scheduler"
 
-# adapters -> scheduler: request lifecycle (started, finished, ...).
-SCHED_PROGRESS: Final = f"{PREFIX}.sched.progress"
+# adapters -> scheduler (every phase) and routers (the phases that end a run): a run's life.
+PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.>"
+
+# routers -> scheduler: requests a router dispatched on credit, and the routers' presence.
+SCHED_DIRECT: Final = f"{PREFIX}.sched.direct"
+ROUTER_PRESENCE: Final = f"{PREFIX}.router.presence"
 
 # clients / gateways -> scheduler: stop a request (client gone, timeout).
 SCHED_CANCEL: Final = f"{PREFIX}.sched.cancel"
@@ -31,10 +35,6 @@ PROGRAM_RELEASE: Final = f"{PREFIX}.programs.release"
 # router -> observers (benchmarks, dashboards, the migration service).
 ROUTE_DECISIONS: Final = f"{PREFIX}.route.decisions"
 
-# index service request/reply.
-INDEX_OVERLAP: Final = f"{PREFIX}.index.overlap"
-INDEX_QUEUE: Final = "index"
-
 # adapters -> index/routers: KV events, captured by a JetStream stream so nothing is missed.
 KV_EVENTS_WILDCARD: Final = f"{PREFIX}.kv.events.*"
 KV_EVENTS_STREAM: Final = "THUNDERAGENT_KV"
@@ -44,10 +44,18 @@ INDEX_DURABLE: Final = "thunderagent-index"
 WORKER_LOAD_WILDCARD: Final = f"{PREFIX}.worker.*.load"
 WORKERS_BUCKET: Final = "thunderagent_workers"
 
-# final replies observed by routers for lazy verification (adapter publishes a copy).
-COMPLETIONS: Final = f"{PREFIX}.completions"
-
 DEAD_LETTER_WILDCARD: Final = f"{PREFIX}.deadletter.>"
+
+# operators / benchmarks -> migration service (request/reply).
+MIGRATION_REQUEST: Final = f"{PREFIX}.migration.request"
+"""``MigrationOrder`` -> the final ``MigrationReport``: move this prefix now."""
+MIGRATION_DRAIN: Final = f"{PREFIX}.migration.drain"
+"""``DrainNotice`` -> ``Ack``: this worker is leaving; save the prefixes only it holds."""
+MIGRATION_QUEUE: Final = "migration"
+"""Queue group of the migration service (one instance per fleet)."""
+
+# migration service -> observers: a MigrationReport when a move starts and when it ends.
+MIGRATION_EVENTS: Final = f"{PREFIX}.migration.events"
 
 _ESCAPED: Final = frozenset(".*>% \t\r\n")
 
@@ -76,6 +84,21 @@ def requests(model: str) -> str:
     return f"{PREFIX}.requests.{model_token(model)}"
 
 
+def progress(phase: str) -> str:
+    """``RequestProgress`` of one phase (``started``, ``transferred``, ``finished``, ...)."""
+    return f"{PREFIX}.progress.{phase}"
+
+
+def router_credits(router_id: str) -> str:
+    """Scheduler -> one router replica: ``CreditGrant``."""
+    return f"{PREFIX}.router.{router_id}.credits"
+
+
+def router_dispatched(router_id: str) -> str:
+    """Scheduler -> the router replica that routed a request: ``Dispatched`` (where it went)."""
+    return f"{PREFIX}.router.{router_id}.dispatched"
+
+
 def worker_generate(worker_id: str) -> str:
     """Scheduler -> adapter hand-off (``WorkerGenerate`` -> ``Ack``)."""
     return f"{PREFIX}.worker.{worker_id}.generate"
@@ -99,6 +122,21 @@ def worker_load(worker_id: str) -> str:
 def worker_resync(worker_id: str) -> str:
     """Index -> adapter (``ResyncRequest`` -> ``Ack``): republish the whole cache."""
     return f"{PREFIX}.worker.{worker_id}.resync"
+
+
+def worker_kv_export(worker_id: str) -> str:
+    """Migration service -> source adapter (``KvExportRequest`` -> ``KvExportOffer``)."""
+    return f"{PREFIX}.worker.{worker_id}.kv_export"
+
+
+def worker_kv_pull(worker_id: str) -> str:
+    """Migration service -> target adapter (``KvPullRequest`` -> ``KvPullResult``)."""
+    return f"{PREFIX}.worker.{worker_id}.kv_pull"
+
+
+def worker_kv_release(worker_id: str) -> str:
+    """Migration service -> source adapter (``KvRelease`` -> ``KvReleaseResult``)."""
+    return f"{PREFIX}.worker.{worker_id}.kv_release"
 
 
 def kv_events(worker_id: str) -> str:
@@ -127,5 +165,3 @@ def health(service: str) -> str:
 # Redis keys (Redis holds no message traffic, only state that lets replicas start warm).
 REDIS_INDEX_SNAPSHOT: Final = f"{PREFIX}:index:snapshot"
 """Latest index snapshot with the KV-event stream sequence it covers."""
-REDIS_HOT_PREFIXES: Final = f"{PREFIX}:index:hot_prefixes"
-"""Hot-prefix table: the top prefixes by routed hits over a sliding window (JSON)."""

@@ -36,6 +36,10 @@ class WorkerRegistration(Struct, frozen=True, kw_only=True):
     """Tokenizer spec: ``thunderagent/bytes`` (built in) or a path to an HF ``tokenizer.json``."""
     max_running_requests: int = 0
     """Engine's running-request cap (0 when unknown)."""
+    context_length: int = 0
+    """Longest prompt + output the engine serves, in tokens (0 when unknown: not checked)."""
+    vocab_size: int = 0
+    """Token ids must be below this (0 when unknown: not checked)."""
 
 
 class LoadReport(Struct, frozen=True, kw_only=True):

@@ -18,6 +18,15 @@ DEFAULT_MODEL = "sim/llama-3.1-8b"
 
 def _nats_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=DEFAULT_NATS, help="NATS URL (env THUNDERAGENT_NATS_URL)")
+    p.add_argument(
+        "--creds", default=None,
+        help="NATS credentials file or folder `thunderagent up` printed "
+        "(env THUNDERAGENT_NATS_CREDS; or NATS_USER / NATS_PASSWORD)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nats-ca", default=None,
+        help="CA certificate of a TLS NATS server (env THUNDERAGENT_NATS_CA)",
+    )  # fmt: skip
 
 
 def _metrics_arg(p: argparse.ArgumentParser) -> None:
@@ -27,11 +36,36 @@ def _metrics_arg(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _params(items: list[str]) -> dict:
+    """``FIELD=VALUE`` pairs (VALUE as JSON, else a string) -> keyword parameters."""
+    import json
+
+    out: dict = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--param {item!r}: expected FIELD=VALUE")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out
+
+
+def _param_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--param", action="append", default=[], metavar="FIELD=VALUE",
+        help=f"override a {what} parameter (repeatable; VALUE is JSON or a string)",
+    )  # fmt: skip
+
+
 def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.router.service import RouterConfig, main
+    from thunderagent.router_core import RouterParams
     from thunderagent.shell import run_service
 
-    config = RouterConfig(policy=args.policy, seed=args.seed, redis_url=args.redis)
+    params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    config = RouterConfig(params=params, redis_url=args.redis)
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
@@ -39,7 +73,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
     from thunderagent.scheduler.service import SchedulerConfig, main
     from thunderagent.shell import run_service
 
-    config = SchedulerConfig(scheduler=args.policy)
+    config = SchedulerConfig(scheduler=args.policy, params=_params(args.param))
     run_service(
         "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
@@ -63,6 +97,7 @@ def _cmd_worker(args: argparse.Namespace) -> None:
         engine_url=args.engine_url,
         model=args.model or "",
         lease_s=args.lease_s,
+        max_request_s=args.max_request_s,
         role=WorkerRole(args.role),
         tokenizer=args.tokenizer,
         kv_events_endpoint=args.kv_events,
@@ -71,6 +106,22 @@ def _cmd_worker(args: argparse.Namespace) -> None:
         f"worker-{args.worker_id}", args.nats, lambda ctx: main(ctx, config),
         metrics_port=args.metrics_port,
     )  # fmt: skip
+
+
+def _cmd_gateway(args: argparse.Namespace) -> None:
+    from thunderagent.gateway.protocol import Defaults
+    from thunderagent.gateway.service import GatewayConfig, main
+    from thunderagent.shell import run_service
+
+    config = GatewayConfig(
+        host=args.host,
+        port=args.port,
+        reuse_port=args.reuse_port,
+        idle_timeout_s=args.idle_timeout_s,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        defaults=Defaults(chat_max_tokens=args.default_max_tokens),
+    )
+    run_service("gateway", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
 def _cmd_simengine(args: argparse.Namespace) -> None:
@@ -87,7 +138,27 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             speedup=args.speedup,
             host_blocks=args.host_blocks,
             link_gbps=args.link_gbps,
+            kv_pool=args.kv_pool,
+            kv_pool_scale=args.kv_pool_scale,
+            kv_blocks=args.kv_blocks,
+            kv_pull_gbps=args.kv_pull_gbps,
+            instant=args.engine == "instant",
         )
+    )
+
+
+def _cmd_migration(args: argparse.Namespace) -> None:
+    from thunderagent.migrator.executor import Timeouts
+    from thunderagent.migrator.service import MigrationConfig, main
+    from thunderagent.shell import run_service
+
+    params = {"link_bytes_per_s": args.link_gbps * 1e9, **_params(args.param)}
+    config = MigrationConfig(
+        params=params, auto=not args.orders_only, redis_url=args.redis,
+        timeouts=Timeouts(pull_s=args.pull_timeout_s, hold_s=args.pull_timeout_s + 30),
+    )  # fmt: skip
+    run_service(
+        "migration", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
 
 
@@ -157,6 +228,7 @@ def _control_plane_commands(add) -> None:
     _nats_arg(p)
     _metrics_arg(p)
     p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
+    _param_arg(p, "routing policy")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
     p.add_argument(
         "--redis",
@@ -170,11 +242,52 @@ def _control_plane_commands(add) -> None:
     p.add_argument(
         "--policy", default="thunder", help="scheduling policy (thunder, fcfs, direct, ...)"
     )
+    _param_arg(p, "scheduling policy")
 
     p = add("index", "run the KV index service", _cmd_index)
     _nats_arg(p)
     _metrics_arg(p)
     p.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL for snapshots")
+
+    p = add("migration", "run the migration service (hot prefixes copied and moved)",
+            _cmd_migration)  # fmt: skip
+    _nats_arg(p)
+    _metrics_arg(p)
+    _param_arg(p, "migration planner (MigrationParams)")
+    p.add_argument(
+        "--redis", default=os.environ.get("THUNDERAGENT_REDIS_URL"),
+        help="Redis URL of the index snapshot (env THUNDERAGENT_REDIS_URL; unset: full replay)",
+    )  # fmt: skip
+    p.add_argument(
+        "--link-gbps", type=float, default=25.0,
+        help="worker-to-worker KV link in GB/s for the cost model (25 = a 200 Gb/s NIC)",
+    )  # fmt: skip
+    p.add_argument("--pull-timeout-s", type=float, default=60.0,
+                   help="give a move up after this long")  # fmt: skip
+    p.add_argument("--orders-only", action="store_true",
+                   help="move only what is ordered or drained; plan no copies")  # fmt: skip
+
+
+def _gateway_command(add) -> None:
+    p = add("gateway", "run the OpenAI-compatible HTTP gateway (any number of replicas)",
+            _cmd_gateway)  # fmt: skip
+    _nats_arg(p)
+    _metrics_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument(
+        "--reuse-port", action="store_true",
+        help="SO_REUSEPORT: several gateway processes on one host share the port",
+    )  # fmt: skip
+    p.add_argument(
+        "--idle-timeout-s", type=float, default=120.0,
+        help="no reply for this long: cancel the request and answer 504",
+    )  # fmt: skip
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger bodies get a 413")
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256,
+        help="max_tokens of a chat request that gives none",
+    )  # fmt: skip
 
 
 def _worker_commands(add) -> None:
@@ -190,6 +303,10 @@ def _worker_commands(add) -> None:
     )
     p.add_argument("--model", default=None, help="model name (default: what the engine reports)")
     p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument(
+        "--max-request-s", type=float, default=600.0,
+        help="abort a run at the engine after this long (frees its slot; the client is told)",
+    )  # fmt: skip
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     p.add_argument("--tokenizer", default="thunderagent/bytes")
 
@@ -218,6 +335,28 @@ def _worker_commands(add) -> None:
         default=25.0,
         help="PD KV-import link in GB/s (gigabytes; 25 = one 200 Gb/s RDMA NIC)",
     )
+    p.add_argument(
+        "--kv-pool", action="store_true",
+        help="keep real KV bytes per cached block in host memory registered with NIXL, so "
+        "prefixes can be moved between engines (needs nixl; not an SGLang flag)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-pool-scale", type=int, default=1,
+        help="divide the profile's KV bytes per block by this in the pool (small test pools)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-blocks", type=int, default=None,
+        help="KV capacity in blocks instead of the profile's GPU-memory formula",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-pull-gbps", type=float, default=0.0,
+        help="pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine", choices=["timed", "instant"], default="timed",
+        help="timed: the roofline model's prefill/decode time; instant: answer every "
+        "/generate at once with one token (benchmarks of what sits in front of engines)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _stack_commands(add)
     _control_plane_commands(add)
+    _gateway_command(add)
     _worker_commands(add)
     p = add("schemas", "write every message's JSON Schema and docs/messages.md", _cmd_schemas)
     p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
@@ -246,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # every NATS connection of this process (and its children) reads them from the environment
+    for flag, env in (("creds", "THUNDERAGENT_NATS_CREDS"), ("nats_ca", "THUNDERAGENT_NATS_CA")):
+        if getattr(args, flag, None):
+            os.environ[env] = getattr(args, flag)
     args.func(args)
 
 

@@ -2,34 +2,25 @@
 
 Consumes every worker's KV events from JetStream (durable consumer), asks an adapter to resync
 when its sequence shows a gap, forgets a worker whose lease lapsed, expires unconfirmed blocks
-(TTL), writes snapshots and the hot-prefix table to Redis, and answers overlap queries.
+(TTL) and writes snapshots to Redis, from which router replicas start warm (each router keeps
+its own replica, fed by the same stream: a routing decision never waits on this service).
 Redis being down delays snapshots; it never stops indexing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.bus import Bus, BusError
 from thunderagent.fleet import WorkerRegistry
-from thunderagent.hotness import HotPrefixCounter
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
-from thunderagent.prefix_index.feed import FeedOutcome
-from thunderagent.schemas import (
-    Ack,
-    KvEventBatch,
-    OverlapQuery,
-    OverlapReply,
-    ResyncRequest,
-    RouteDecision,
-    subjects,
-)
+from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
+from thunderagent.schemas import Ack, KvEventBatch, ResyncRequest, subjects
 from thunderagent.shell import FleetWatcher, ServiceContext
 from thunderagent.shell.index_follower import IndexFollower
 from thunderagent.telemetry.setup import meter
@@ -45,8 +36,6 @@ class IndexConfig:
     """Bounds how much of the stream a new router replica replays after loading the snapshot."""
     resync_cooldown_s: float = 2.0
     """At most one resync request per worker in this time: a burst of gaps needs only one."""
-    hot_window_s: float = 60.0
-    hot_top_n: int = 32
 
 
 class IndexService:
@@ -56,12 +45,11 @@ class IndexService:
         self.redis = redis
         self.follower = IndexFollower(
             bus,
-            PrefixIndex(config.ttl_s),
+            IndexFeeder(PrefixIndex(config.ttl_s)),
             redis=redis,
             durable=subjects.INDEX_DURABLE,
             on_outcome=self.on_outcome,
         )
-        self.hot = HotPrefixCounter(window_s=config.hot_window_s)
         self._last_resync: dict[str, float] = {}
         self.resyncs_requested = 0
         self._tasks: set[asyncio.Task] = set()
@@ -103,15 +91,6 @@ class IndexService:
         except BusError as err:
             log.warning("resync of %s failed: %s", worker_id, err)
 
-    async def on_overlap(self, query: OverlapQuery, delivery: Delivery) -> None:
-        overlaps = self.follower.index.overlap(query.hashes, query.check_hashes or None)
-        if delivery.reply:
-            await self.bus.publish(delivery.reply, OverlapReply(overlaps=overlaps))
-
-    async def on_decision(self, decision: RouteDecision, _: Delivery) -> None:
-        if decision.prefix_hash is not None:
-            self.hot.hit(decision.prefix_hash, decision.overlap_blocks, time.time())
-
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
             log.info("worker %s %s: dropping its index entries", worker_id, what)
@@ -123,15 +102,13 @@ class IndexService:
                 await asyncio.wait_for(stop.wait(), self.config.snapshot_interval_s)
             except TimeoutError:
                 pass
-            self.follower.index.expire(time.time())
+            self.follower.feeder.expire(time.time())
             await self.write_snapshot()
 
     async def write_snapshot(self) -> None:
         data = self.follower.snapshot_bytes()
-        top = self.hot.top(self.config.hot_top_n, time.time())
         try:
             await self.redis.set(subjects.REDIS_INDEX_SNAPSHOT, data)
-            await self.redis.set(subjects.REDIS_HOT_PREFIXES, json.dumps(top))
         except Exception as err:  # Redis down: keep indexing, try again next time
             log.warning("snapshot not written (Redis: %s)", err)
 
@@ -139,10 +116,6 @@ class IndexService:
         registry = WorkerRegistry()
         fleet = FleetWatcher(ctx.bus, registry, on_change=self.on_fleet_change)
         await self.follower.start()
-        await ctx.bus.subscribe(
-            subjects.INDEX_OVERLAP, OverlapQuery, self.on_overlap, queue=subjects.INDEX_QUEUE
-        )
-        await ctx.bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecision, self.on_decision)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(fleet.run(ctx.stop))
@@ -158,12 +131,9 @@ def _obs(value: float):
     return Observation(value)
 
 
-async def main(ctx: ServiceContext, config: IndexConfig, hold: dict | None = None) -> None:
+async def main(ctx: ServiceContext, config: IndexConfig) -> None:
     redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
-    service = IndexService(config, ctx.bus, redis)
-    if hold is not None:
-        hold["runtime"] = service
     try:
-        await service.run(ctx)
+        await IndexService(config, ctx.bus, redis).run(ctx)
     finally:
         await redis.aclose()

@@ -1,78 +1,92 @@
-"""Router shell: decode -> resolve prompt -> hash -> overlap -> rank -> decision -> submit.
+"""Router shell: decode -> resolve the prompt -> ``RouterCore.route`` -> decision -> submit.
 
-Stateless apart from what it rebuilds from NATS (fleet view, prefix index), so any number of
-replicas share the ``router`` queue group. Each replica keeps its own copy of the prefix index,
-started from the index service's Redis snapshot and the KV-event stream.
+Everything the router decides or learns lives in the pure ``RouterCore`` (the virtual-time replay
+runs the same object); this shell only feeds it NATS: registrations and load reports (the fleet
+watcher), KV-event batches (the index follower: Redis snapshot, then the stream), where the
+scheduler sent each request (``Dispatched``), and how runs ended (``RequestProgress``). Any number
+of replicas share the ``router`` queue group; each keeps its own index replica.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from msgspec import structs
 from opentelemetry import trace
 
-from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import WorkerRegistry, WorkerState
-from thunderagent.hashing import BlockHasher
-from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
-from thunderagent.prefix_index.inflight import InflightPrefixes
+from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
+from thunderagent.fleet import WorkerState, check_limits
 from thunderagent.router.metrics import RouterMetrics
-from thunderagent.router.verification import Routed, Verifier
-from thunderagent.routing import POLICIES, RouteQuery
+from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
+from thunderagent.scheduling.credits import CreditWallet, Grant
 from thunderagent.schemas import (
     Ack,
+    CreditGrant,
+    DirectDispatch,
+    Dispatched,
     ErrorCode,
     ErrorReply,
-    FinalReply,
     GenerateRequest,
-    RouteDecision,
+    RequestProgress,
+    RouterHello,
     ScheduleRequest,
+    WorkerGenerate,
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext
 from thunderagent.shell.index_follower import IndexFollower
-from thunderagent.tokenizer import load_tokenizer, render_chat
+from thunderagent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.router")
 
+FLEET_WAIT_S = 5.0
+"""Longest a request waits for a starting replica to load the fleet's registrations."""
+
+TICK_S = 0.25
+HELLO_S = 1.0
+"""The replica tells the scheduler it is alive this often (its credit share depends on it)."""
+GRANT_TTL_S = 3.0
+"""Credit older than this (the scheduler re-grants every second) is dropped: if the scheduler
+is gone, requests queue for it instead of going out on stale room."""
+
+
+def submit_deadline(req: GenerateRequest) -> float | None:
+    return req.deadline_ms / 1e3 if req.deadline_ms is not None else None
+"""How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
+
 
 @dataclass(kw_only=True)
 class RouterConfig:
-    policy: str = "thunder"
+    params: RouterParams = field(default_factory=RouterParams)
+    """The core's configuration: policy, its parameters, TTLs, feedback window."""
     submit_timeout_s: float = 2.0
-    seed: int | None = None
     redis_url: str | None = None
     """Where the index service keeps its snapshot; None starts from a full stream replay."""
-    ttl_s: float = DEFAULT_TTL_S
+    router_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """This replica's name on the bus (the scheduler tells it where its requests went)."""
 
 
 class Router:
-    def __init__(
-        self, config: RouterConfig, bus: Bus, registry: WorkerRegistry, follower: IndexFollower
-    ) -> None:
+    """The request path: everything between a client's message and the scheduler's ack."""
+
+    def __init__(self, config: RouterConfig, bus: Bus) -> None:
         self.config = config
         self.bus = bus
-        self.registry = registry
-        self.follower = follower
-        self.policy = POLICIES.create(config.policy)
-        self.rng = random.Random(config.seed)
-        self.verifier = Verifier()
-        self.inflight = InflightPrefixes()
+        self.core = RouterCore(config.params, timer=time.perf_counter)
         self.metrics = RouterMetrics()
-        self._hashers: dict[int, BlockHasher] = {}
-
-    def hasher(self, block_size: int) -> BlockHasher:
-        hasher = self._hashers.get(block_size)
-        if hasher is None:
-            hasher = self._hashers[block_size] = BlockHasher(block_size)
-        return hasher
+        self.wallet = CreditWallet()
+        """Room the scheduler lent this replica (the fast path)."""
+        self.last_grant_at = 0.0
+        self.fleet_ready = asyncio.Event()
+        """Set once the fleet's registrations are loaded; requests wait for it (a replica that
+        just started would otherwise answer "no worker serves this model")."""
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
         reply = delivery.reply
@@ -83,9 +97,12 @@ class Router:
             return
         if not req.request_id:
             req = structs.replace(req, request_id=uuid.uuid4().hex)
-        workers = self.registry.for_model(req.model)
+        if not self.fleet_ready.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.fleet_ready.wait(), FLEET_WAIT_S)
+        workers = self.core.fleet.for_model(req.model)
         if not workers:
-            known = ", ".join(sorted(self.registry.models())) or "none"
+            known = ", ".join(sorted(self.core.fleet.models())) or "none"
             message = f"no worker serves model {req.model!r} (served: {known})"
             await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
             return
@@ -94,99 +111,112 @@ class Router:
         except (OSError, RuntimeError, ValueError) as err:
             await self._fail(reply, req, ErrorCode.BAD_REQUEST, f"cannot tokenize: {err}")
             return
+        refused = check_limits(req.token_ids or [], req.max_tokens, workers)
+        if refused is not None:
+            await self._fail(reply, req, *refused)
+            return
         with _tracer.start_as_current_span("router route") as span:
-            submit = self.route(req, reply, workers)
+            routed = self.route(req, reply, workers[0].registration.block_size)
+            if routed is None:  # the last worker left while we tokenized
+                await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
+                return
+            submit, decision = routed[0], routed[0].decision
             span.set_attribute("thunderagent.request_id", req.request_id)
-            span.set_attribute("thunderagent.worker_id", submit.decision.worker_id)
-            span.set_attribute("thunderagent.overlap_blocks", submit.decision.overlap_blocks)
-            await self.bus.publish(subjects.ROUTE_DECISIONS, submit.decision)
-            await self._submit(submit)
+            span.set_attribute("thunderagent.worker_id", decision.worker_id)
+            span.set_attribute("thunderagent.overlap_blocks", decision.overlap_blocks)
+            await self.bus.publish(subjects.ROUTE_DECISIONS, decision)
+            if not await self._dispatch_directly(*routed):
+                await self._submit(submit)
+
+    async def _dispatch_directly(self, submit: ScheduleRequest, routed: Routed) -> bool:
+        """The fast path: with credit for the first candidate, hand the request to its adapter
+        ourselves and tell the scheduler after; False when it must go through the scheduler
+        (no credit, or the request needs the queue: deadline, program, prefix follower)."""
+        req = submit.request
+        first = submit.decision.worker_id
+        if not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
+            return False
+        if not self.wallet.take(first):
+            return False
+        overlap = submit.decision.overlap_blocks
+        work = WorkerGenerate(
+            request=req,
+            reply_subject=submit.reply_subject,
+            predicted_cached_tokens=overlap * submit.block_size,
+        )
+        try:
+            ack = await self.bus.request(
+                subjects.worker_generate(first), work, Ack, timeout=self.config.submit_timeout_s
+            )
+        except BusError:
+            ack = Ack(accepted=False)
+        if not ack.accepted:  # the scheduler will find it another worker
+            self.wallet.give_back(first)
+            return False
+        self.core.on_dispatched(req.request_id, first, time.time())
+        notice = DirectDispatch(submit=submit, worker_id=first)
+        await self.bus.publish(subjects.SCHED_DIRECT, notice)
+        return True
+
+    async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
+        self.wallet.update(Grant(grant.credits, grant.booked))
+        self.last_grant_at = time.monotonic()
 
     def route(
-        self, req: GenerateRequest, reply: str, workers: list[WorkerState]
-    ) -> ScheduleRequest:
-        """The pure part of a routing decision (hash, overlap, rank), timed."""
-        started = time.perf_counter()
-        block_size = workers[0].registration.block_size
-        hashes = self.hasher(block_size).hash_tokens(req.token_ids or [])
-        query = self._query(req, block_size, hashes, {w.worker_id for w in workers})
-        ranked = self.policy.rank(query, [w.view() for w in workers], self.rng)
-        best = ranked[0].worker_id
-        self._remember(query, best, hashes, req.model)
-        overlap = query.overlaps.get(best, 0)
-        elapsed = time.perf_counter() - started
-        decision = RouteDecision(
+        self, req: GenerateRequest, reply: str, block_size: int
+    ) -> tuple[ScheduleRequest, Routed] | None:
+        """The core's decision wrapped for the scheduler (no I/O)."""
+        token_ids = req.token_ids or []
+        hashes = self.core.hash_tokens(token_ids, block_size, req.cache_salt)
+        # ignore_eos: the engine generates exactly max_tokens, so that is the output length
+        hint = req.expected_output_tokens or (req.max_tokens if req.sampling.ignore_eos else None)
+        expected = self.core.expected_output(req.max_tokens, hint)
+        routed = self.core.route(
             request_id=req.request_id,
             model=req.model,
-            worker_id=best,
-            overlap_blocks=overlap,
-            prompt_blocks=len(hashes.primary),
-            candidates=ranked,
-            policy=self.policy.name,
-            decided_at=time.time(),
-            decision_us=elapsed * 1e6,
-            prefix_hash=hashes.primary[overlap - 1] if overlap else None,
+            hashes=hashes,
+            prompt_tokens=len(token_ids),
+            block_size=block_size,
+            expected_output_tokens=expected,
+            now=time.time(),
+            priority=req.priority,
         )
-        self.metrics.decision_latency.record(elapsed, {"policy": decision.policy})
-        return ScheduleRequest(
+        if routed is None:
+            return None
+        decision = routed.decision
+        latency_s = decision.decision_us / 1e6
+        self.metrics.decision_latency.record(latency_s, {"policy": decision.policy})
+        submit = ScheduleRequest(
             request=req,
             reply_subject=reply,
             decision=decision,
             block_size=block_size,
             block_hashes=hashes.primary,
+            expected_output_tokens=expected,
+            router_id=self.config.router_id,
         )
+        return submit, routed
 
-    def _query(self, req: GenerateRequest, block_size: int, hashes, serving: set) -> RouteQuery:
-        overlaps, any_tier = self._overlaps(hashes.primary, hashes.check)
-        return RouteQuery(
-            request_id=req.request_id,
-            prompt_tokens=len(req.token_ids or []),
-            block_size=block_size,
-            block_hashes=hashes.primary,
-            overlaps={w: n for w, n in overlaps.items() if w in serving},
-            host_overlaps={w: n for w, n in any_tier.items() if w in serving},
-            expected_output_tokens=req.max_tokens,
-            priority=req.priority,
-        )
+    async def on_dispatched(self, dispatched: Dispatched, _: Delivery) -> None:
+        self.core.on_dispatched(dispatched.request_id, dispatched.worker_id, time.time())
 
-    def _remember(self, query: RouteQuery, worker_id: str, hashes, model: str) -> None:
-        """Everything that learns from the choice: the policy, the in-flight overlay, the
-        pending count until the next load report, and lazy verification."""
-        self.policy.on_dispatched(query, worker_id)
-        if hashes.primary:
-            self.inflight.record(worker_id, hashes.primary, hashes.check, time.time())
-        chosen = self.registry.get(worker_id)
-        if chosen is not None:
-            chosen.assigned_since_report += 1
-        routed = Routed(
-            worker_id,
-            hashes.primary,
-            query.overlaps.get(worker_id, 0),
-            query.block_size,
-            max(query.overlaps.values(), default=0),
-            model,
-        )
-        self.verifier.remember(query.request_id, routed)
-
-    def _overlaps(self, primary: list[int], check: list[int]) -> tuple[dict, dict]:
-        """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
-        what this replica has in flight (assumed to land on the GPU)."""
-        if not primary:
-            return {}, {}
-        feeder = self.follower.feeder
+    async def on_progress(self, progress: RequestProgress, _: Delivery) -> None:
         now = time.time()
-        gpu = self.inflight.merge(feeder.gpu_index.overlap(primary, check), primary, check, now)
-        if feeder.gpu is None:
-            return gpu, gpu
-        any_tier = dict(feeder.index.overlap(primary, check))
-        for worker, blocks in gpu.items():
-            any_tier[worker] = max(any_tier.get(worker, 0), blocks)
-        return gpu, any_tier
+        usage = progress.usage
+        if progress.phase == "finished" and usage is not None:
+            verdict = self.core.on_finished(
+                progress.request_id,
+                progress.worker_id,
+                now,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
+            if verdict is not None:
+                self._count(verdict)
+        elif progress.phase in ("finished", "failed", "aborted"):
+            self.core.on_finished(progress.request_id, progress.worker_id, now)
 
-    async def on_completion(self, final: FinalReply, _: Delivery) -> None:
-        verdict = self.verifier.verify(final.request_id, final.worker_id, final.usage.cached_tokens)
-        if verdict is None:
-            return
+    def _count(self, verdict: Verdict) -> None:
         m = self.metrics
         attrs = {"worker_id": verdict.worker_id, "model": verdict.model}
         m.recomputed_tokens.add(verdict.recomputed_tokens, attrs)
@@ -194,7 +224,6 @@ class Router:
             m.predicted_hits.add(1, attrs)
         if verdict.false_hit:
             m.false_hits.add(1, attrs)
-            self.follower.feeder.evict_locally(verdict.worker_id, verdict.stale_hashes, time.time())
         elif verdict.missed_hit:
             m.missed_hits.add(1, attrs)
 
@@ -203,65 +232,117 @@ class Router:
             ack = await self.bus.request(
                 subjects.SCHED_SUBMIT, submit, Ack, timeout=self.config.submit_timeout_s
             )
+        except PayloadTooLarge as err:
+            await self._reject(submit, ErrorCode.PAYLOAD_TOO_LARGE, str(err))
+            return
         except BusError as err:
             message = f"scheduler unavailable: {err}"
-            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE, message)
+            await self._reject(submit, ErrorCode.UNAVAILABLE, message)
             return
         if not ack.accepted:
+            code = ack.code or ErrorCode.UNAVAILABLE
             message = f"scheduler refused: {ack.reason}"
-            await self._fail(submit.reply_subject, submit.request, ErrorCode.UNAVAILABLE, message)
+            await self._reject(submit, code, message, retry_after_s=ack.retry_after_s)
+
+    async def _reject(
+        self,
+        submit: ScheduleRequest,
+        code: ErrorCode,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        self.core.forget(submit.request.request_id)
+        await self._fail(submit.reply_subject, submit.request, code, message, retry_after_s)
 
     def _resolve_prompt(self, req: GenerateRequest, worker: WorkerState) -> GenerateRequest:
         if req.token_ids is not None:
             return req
         tokenizer = load_tokenizer(worker.registration.tokenizer)
-        text = req.text if req.text is not None else render_chat(req.messages or [])
+        text = req.text if req.text is not None else tokenizer.render_chat(req.messages or [])
         ids = tokenizer.encode(text)
         if not ids:
             raise ValueError("the prompt tokenizes to nothing")
         return structs.replace(req, token_ids=ids, text=None, messages=None)
 
-    async def _fail(self, reply: str, req: GenerateRequest, code: ErrorCode, message: str) -> None:
+    async def _fail(
+        self,
+        reply: str,
+        req: GenerateRequest,
+        code: ErrorCode,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
         log.info("request %s: %s: %s", req.request_id, code.value, message)
-        error = ErrorReply(code=code, message=message, request_id=req.request_id, service="router")
+        error = ErrorReply(
+            code=code,
+            message=message,
+            request_id=req.request_id,
+            service="router",
+            retry_after_s=retry_after_s,
+        )
         await self.bus.publish(reply, error)
 
 
 class RouterService:
-    """One router replica: fleet view, local index follower, request subscription."""
+    """One router replica: fleet view, index follower, request and feedback subscriptions."""
 
     def __init__(self, ctx: ServiceContext, config: RouterConfig) -> None:
         self.ctx = ctx
-        self.registry = WorkerRegistry()
+        self.router = Router(config, ctx.bus)
+        self.core = self.router.core
         self.redis = None
         if config.redis_url:
             self.redis = aioredis.from_url(
                 config.redis_url, socket_timeout=2, socket_connect_timeout=2
             )
-        self.follower = IndexFollower(ctx.bus, PrefixIndex(config.ttl_s), redis=self.redis)
-        self.router = Router(config, ctx.bus, self.registry, self.follower)
-        self.fleet = FleetWatcher(ctx.bus, self.registry, on_change=self._on_fleet_change)
+        self.follower = IndexFollower(ctx.bus, self.core.feeder, redis=self.redis)
+        self.fleet = FleetWatcher(ctx.bus, self.core.fleet, on_change=self._on_fleet_change)
+        self.router.fleet_ready = self.fleet.ready
 
     def _on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
-            self.follower.forget_worker(worker_id)
-            self.router.inflight.forget(worker_id)
+            self.core.remove(worker_id)
+
+    async def _tick(self, stop: asyncio.Event) -> None:
+        hello = RouterHello(router_id=self.router.config.router_id)
+        next_hello = 0.0
+        while not stop.is_set():
+            self.core.tick(time.time())
+            now = time.monotonic()
+            if now >= next_hello:
+                next_hello = now + HELLO_S
+                await self.ctx.bus.publish(subjects.ROUTER_PRESENCE, hello)
+            if now - self.router.last_grant_at > GRANT_TTL_S:
+                self.router.wallet.drop()  # no word from a scheduler: queue everything
+            try:
+                await asyncio.wait_for(stop.wait(), TICK_S)
+            except TimeoutError:
+                pass
 
     async def run(self) -> None:
-        bus = self.ctx.bus
+        bus, router = self.ctx.bus, self.router
         await self.follower.start()
-        await bus.subscribe(subjects.COMPLETIONS, FinalReply, self.router.on_completion)
+        await bus.subscribe(
+            subjects.router_dispatched(router.config.router_id), Dispatched, router.on_dispatched
+        )
+        await bus.subscribe(
+            subjects.router_credits(router.config.router_id), CreditGrant, router.on_credits
+        )
+        for phase in ("finished", "failed", "aborted"):
+            await bus.subscribe(subjects.progress(phase), RequestProgress, router.on_progress)
         # Concurrent: a request waits for the scheduler's ack without holding up the next one;
-        # the routing decision itself runs without an await, so policy state stays consistent.
+        # the decision itself runs without an await, so the core stays consistent.
         await bus.subscribe(
             subjects.REQUESTS_WILDCARD,
             GenerateRequest,
-            self.router.on_request,
+            router.on_request,
             queue=subjects.ROUTER_QUEUE,
             concurrent=True,
         )
         try:
-            await self.fleet.run(self.ctx.stop)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.fleet.run(self.ctx.stop))
+                tg.create_task(self._tick(self.ctx.stop))
         finally:
             await self.follower.stop()
             if self.redis is not None:

@@ -1,11 +1,13 @@
 """Scheduler shell: the waiting queue lives here, decided by a pure policy from
-``thunderagent.scheduling`` (the same objects the virtual-time benchmark drives).
+``thunderagent.scheduling`` (the same objects the virtual-time replay drives).
 
-The shell only translates: submissions, load reports, KV events (prefix cached) and request
-progress go in; ``Dispatch`` becomes a hand-off to the worker (request/ack, the next candidate
-when a worker refuses), ``Preempt`` becomes an abort at the worker and a continuation that the
-client sees as one unbroken stream, ``Reject`` becomes an ``ErrorReply``. Nothing a client sent
-is dropped: every submission ends in a worker's ack or an error reply.
+The shell only translates: submissions, load reports, KV events (prefix cached), run progress,
+cancellations and program releases go in (through ``thunderagent.fleet``'s translation and run
+model, shared with the replay); ``Dispatch`` becomes a hand-off to the worker (request/ack, the
+next candidate when a worker refuses) and a ``Dispatched`` notice to the routing replica;
+``Preempt`` becomes an abort at the worker and a continuation that the client sees as one
+unbroken stream; ``Reject`` becomes an ``ErrorReply``. Every submission ends in a worker's ack,
+an error reply, or a cancellation the client asked for.
 """
 
 from __future__ import annotations
@@ -13,26 +15,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from msgspec import structs
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import WorkerRegistry
-from thunderagent.scheduler.kv_watch import follow_stored_blocks
-from thunderagent.scheduling import Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
-from thunderagent.scheduling.registry import SCHEDULERS
+from thunderagent.fleet import Run, WorkerRegistry, continuation, sched_request, worker_room
+from thunderagent.prefix_index.feed import stored_hashes
+from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject, SchedRequest
+from thunderagent.scheduling.credits import CreditIssuer
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
+    CancelRequest,
+    CreditGrant,
+    DirectDispatch,
+    Dispatched,
     ErrorCode,
     ErrorReply,
+    KvEventBatch,
     LoadReport,
     Preempted,
     ProgramRelease,
     RequestProgress,
+    RouterHello,
     ScheduleRequest,
     WorkerGenerate,
     subjects,
@@ -42,17 +50,27 @@ from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.scheduler")
+DRAIN_WINDOW_S = 10.0
+GRANT_EVERY_S = 1.0
+"""Every router gets a fresh grant this often even when nothing changed: its credits expire
+when a scheduler falls silent."""
+MAX_EARLY = 10_000
+EARLY_PROGRESS_S = 5.0
+"""A run's progress may beat the router's report of its direct dispatch; it is kept this long
+for the report to arrive."""
 
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
     scheduler: str = "thunder"
-    """A name from ``thunderagent.scheduling.registry.SCHEDULERS``."""
+    """A name from ``thunderagent.scheduling.SCHEDULERS``."""
     params: dict = field(default_factory=dict)
     """Knob overrides for it (``SchedParams`` fields)."""
     handoff_timeout_s: float = 2.0
-    max_queue: int = 100_000
-    """Requests waiting beyond this are refused at submit (the router tells the client)."""
+    max_waiting_per_model: int = 4096
+    """Requests of one model waiting for a worker beyond this are refused with ``overloaded``
+    and a retry hint: at thousands of requests the queue takes minutes to drain, and clients
+    backing off beats unbounded memory here."""
     max_sleep_s: float = 0.05
     """Longest wait between polls when nothing happens (load reports also wake the loop)."""
 
@@ -62,8 +80,9 @@ class Pending:
     submit: ScheduleRequest
     context: otel_context.Context
     output: list[int] = field(default_factory=list)
-    """Output tokens streamed before a preemption (a continuation carries them)."""
+    """Output tokens the client received before a preemption (a continuation carries them)."""
     worker_id: str = ""
+    """Where the current run is (empty while it waits)."""
 
 
 class SchedulerService:
@@ -73,7 +92,13 @@ class SchedulerService:
         self.clock = clock
         self.core = SCHEDULERS.create(config.scheduler, **config.params)
         self.pending: dict[str, Pending] = {}
+        self.waiting = Counter[str]()
+        """model -> requests not on a worker yet (the bounded global queue)."""
+        self.dispatches: deque[float] = deque(maxlen=1024)
+        """Recent dispatch times: the drain rate behind a retry hint."""
         self.registry = WorkerRegistry()
+        self.issuer = CreditIssuer()
+        self._early: dict[str, list[RequestProgress]] = {}
         self.wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._depth = meter("thunderagent.scheduler").create_observable_gauge(
@@ -84,54 +109,95 @@ class SchedulerService:
 
     # ---- inputs ----------------------------------------------------------------------------
     async def on_submit(self, submit: ScheduleRequest, delivery: Delivery) -> None:
-        rid = submit.request.request_id
-        if len(self.pending) >= self.config.max_queue or rid in self.pending:
-            reason = "queue full" if rid not in self.pending else f"duplicate request id {rid}"
+        rid, model = submit.request.request_id, submit.request.model
+        refusal = None
+        if rid in self.pending:
+            refusal = Ack(accepted=False, reason=f"duplicate request id {rid}")
+        elif self.waiting[model] >= self.config.max_waiting_per_model:
+            refusal = Ack(
+                accepted=False,
+                reason=f"{self.waiting[model]} requests of {model} are already waiting",
+                code=ErrorCode.OVERLOADED,
+                retry_after_s=self._drain_time(self.waiting[model]),
+            )
+        if refusal is not None:
             if delivery.reply:
-                await self.bus.publish(delivery.reply, Ack(accepted=False, reason=reason))
+                await self.bus.publish(delivery.reply, refusal)
             return
-        self.pending[rid] = Pending(submit, otel_context.get_current())
-        self.core.submit(self._sched_request(submit, []), self.clock())
+        pending = self.pending[rid] = Pending(submit, otel_context.get_current())
+        self.waiting[model] += 1
+        self.core.submit(self._sched_request(pending), self.clock())
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
         self.poll_now()  # no loop hop: a request with room goes out in this same callback
 
-    def _sched_request(self, submit: ScheduleRequest, output: list[int]) -> SchedRequest:
+    async def on_direct(self, direct: DirectDispatch, _: Delivery) -> None:
+        """A router dispatched on credit: book the run as one of ours."""
+        submit = direct.submit
+        rid = submit.request.request_id
+        self.issuer.book(submit.router_id, direct.worker_id)
+        if rid in self.pending:
+            return  # told twice
+        pending = self.pending[rid] = Pending(
+            submit, otel_context.get_current(), worker_id=direct.worker_id
+        )
+        self.core.admitted(self._sched_request(pending), direct.worker_id, self.clock())
+        self.dispatches.append(self.clock())
+        for progress in self._early.pop(rid, []):
+            await self.on_progress(progress, None)  # type: ignore[arg-type]
+        self.wake.set()
+
+    def _forget_early(self, now: float) -> None:
+        """Progress whose direct dispatch never came (a request that ended otherwise)."""
+        for rid in [r for r, ps in self._early.items() if now - ps[0].ts > EARLY_PROGRESS_S]:
+            del self._early[rid]
+
+    async def on_hello(self, hello: RouterHello, _: Delivery) -> None:
+        if self.issuer.hello(hello.router_id, self.clock()):
+            self._grant(force=True)
+
+    def _grant(self, *, force: bool = False) -> None:
+        """Lend the routers the room the scheduling core has now (only changed shares)."""
+        grants = self.issuer.grants(self.core.rooms(), force=force)
+        now = self.clock()
+        for router, g in grants.items():
+            grant = CreditGrant(
+                router_id=router, credits=dict(g.credits), booked=dict(g.booked), issued_at=now
+            )
+            self._spawn(self.bus.publish(subjects.router_credits(router), grant))
+
+    def _drain_time(self, waiting: int) -> float:
+        """Seconds until ``waiting`` requests are dispatched at the recent rate (at least 1)."""
+        now = self.clock()
+        recent = [t for t in self.dispatches if now - t <= DRAIN_WINDOW_S]
+        rate = len(recent) / DRAIN_WINDOW_S
+        return round(max(1.0, waiting / rate if rate else DRAIN_WINDOW_S), 1)
+
+    def _leaves_queue(self, pending: Pending) -> None:
+        model = pending.submit.request.model
+        self.waiting[model] = max(0, self.waiting[model] - 1)
+
+    def _sched_request(self, pending: Pending) -> SchedRequest:
+        submit = pending.submit
         req = submit.request
-        deadline = req.deadline_ms / 1e3 if req.deadline_ms is not None else None
-        return SchedRequest(
+        return sched_request(
             request_id=req.request_id,
             arrival=submit.decision.decided_at,
-            prompt_tokens=len(req.token_ids or []) + len(output),
-            expected_output_tokens=max(1, req.max_tokens - len(output)),
-            candidates=[(c.worker_id, c.overlap_blocks) for c in submit.decision.candidates],
+            run=Run(len(req.token_ids or []), req.max_tokens, len(pending.output)),
+            expected_output_tokens=submit.expected_output_tokens or req.max_tokens,
+            decision=submit.decision,
             block_size=submit.block_size,
             block_hashes=submit.block_hashes,
             priority=req.priority,
             program_id=req.program_id,
-            deadline=deadline,
-            generated_tokens=len(output),
+            deadline=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
         )
 
     def on_load(self, load: LoadReport) -> None:
         state = self.registry.get(load.worker_id)
-        if state is None:
-            return
-        reg = state.registration
-        self.core.update_worker(
-            WorkerRoom(
-                worker_id=load.worker_id,
-                running=load.running,
-                queued=load.queued,
-                kv_used_blocks=load.kv_used_blocks,
-                kv_total_blocks=load.kv_total_blocks or reg.kv_capacity_blocks,
-                max_running=reg.max_running_requests,
-                role=reg.role.value,
-                active_blocks=load.num_tokens // max(reg.block_size, 1),
-            ),
-            self.clock(),
-        )
-        self.wake.set()
+        if state is not None:
+            self.core.update_worker(worker_room(state), self.clock())
+            self.wake.set()
 
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
@@ -139,16 +205,35 @@ class SchedulerService:
             self.wake.set()
 
     async def on_progress(self, progress: RequestProgress, _: Delivery) -> None:
-        now = self.clock()
+        now, rid = self.clock(), progress.request_id
+        pending = self.pending.get(rid)
+        if pending is None and now - progress.ts < EARLY_PROGRESS_S:
+            early = self._early.setdefault(rid, [])  # its direct dispatch may be on its way
+            early.append(progress)
+            if len(self._early) > MAX_EARLY:
+                self._early.pop(next(iter(self._early)))
+            return
         if progress.phase == "started":
-            self.core.on_started(progress.request_id, progress.worker_id, now)
-        elif progress.phase == "transferred":
-            self.core.on_transfer_done(progress.request_id, progress.worker_id, now)
-        elif progress.phase in ("finished", "failed"):
-            pending = self.pending.get(progress.request_id)
-            if pending is not None and pending.worker_id == progress.worker_id:
-                del self.pending[progress.request_id]
-            self.core.on_finished(progress.request_id, progress.worker_id, now)
+            self.core.on_started(rid, progress.worker_id, now)
+        elif progress.phase == "transferred":  # PD: the decode worker runs the rest
+            if pending is not None:
+                pending.worker_id = progress.worker_id
+            self.core.on_transfer_done(rid, progress.worker_id, now)
+        elif pending is not None and pending.worker_id == progress.worker_id:
+            del self.pending[rid]  # ends of runs this scheduler no longer tracks are stale
+            self.core.on_finished(rid, progress.worker_id, now)
+        self.wake.set()
+
+    async def on_cancel(self, cancel: CancelRequest, _: Delivery) -> None:
+        pending = self.pending.pop(cancel.request_id, None)
+        if pending is None:
+            return  # it ended already
+        waiting = self.core.cancel(cancel.request_id, self.clock())
+        if waiting:
+            self._leaves_queue(pending)
+        log.info("request %s cancelled (%s)", cancel.request_id, cancel.reason or "client")
+        if not waiting and pending.worker_id:
+            self._spawn(self._abort(pending.worker_id, cancel.request_id, "cancelled"))
         self.wake.set()
 
     async def on_release(self, release: ProgramRelease, _: Delivery) -> None:
@@ -157,18 +242,26 @@ class SchedulerService:
             release_program(release.program_id, self.clock())
             self.wake.set()
 
-    def on_blocks_stored(self, worker_id: str, hashes: list[int]) -> None:
-        self.core.on_prefix_cached(worker_id, hashes, self.clock())
+    async def on_kv_batch(self, batch: KvEventBatch, _seq: int) -> None:
+        for hashes in stored_hashes(batch):
+            self.core.on_prefix_cached(batch.worker_id, hashes, self.clock())
         self.wake.set()
 
     # ---- the loop -------------------------------------------------------------------------
     def poll_now(self) -> None:
         for action in self.core.poll(self.clock()):
             self._spawn(self._carry_out(action))
+        self._grant()
 
     async def run(self, stop: asyncio.Event) -> None:
+        next_regrant = 0.0
         while not stop.is_set():
             self.poll_now()
+            if self.clock() >= next_regrant:
+                next_regrant = self.clock() + GRANT_EVERY_S
+                self.issuer.expire(self.clock())
+                self._grant(force=True)
+                self._forget_early(time.time())
             wake_at = self.core.next_wakeup(self.clock())
             timeout = self.config.max_sleep_s
             if wake_at is not None:
@@ -190,6 +283,10 @@ class SchedulerService:
         pending = self.pending.get(action.request_id)
         if pending is None:
             return
+        if not isinstance(action, Preempt):  # it leaves the queue
+            self._leaves_queue(pending)
+        if isinstance(action, Dispatch):
+            self.dispatches.append(self.clock())
         token = otel_context.attach(pending.context)
         try:
             if isinstance(action, Dispatch):
@@ -209,17 +306,13 @@ class SchedulerService:
             c.worker_id for c in submit.decision.candidates if c.worker_id != worker_id
         ]
         overlap = {c.worker_id: c.overlap_blocks for c in submit.decision.candidates}
-        request = submit.request
-        if pending.output:  # a continuation: the prompt now ends with what was generated
-            request = structs.replace(
-                request,
-                token_ids=[*(request.token_ids or []), *pending.output],
-                max_tokens=max(1, request.max_tokens - len(pending.output)),
-            )
+        request = continuation(submit.request, pending.output)
         reasons = []
         with _tracer.start_as_current_span("scheduler dispatch") as span:
             span.set_attribute("thunderagent.request_id", rid)
             for attempt, wid in enumerate(order):
+                pending.worker_id = wid
+                await self._tell_router(submit, wid)
                 work = WorkerGenerate(
                     request=request,
                     reply_subject=submit.reply_subject,
@@ -239,7 +332,6 @@ class SchedulerService:
                     reasons.append(f"{wid}: {err}")
                     continue
                 if ack.accepted:
-                    pending.worker_id = wid
                     span.set_attribute("thunderagent.worker_id", wid)
                     if wid != worker_id:  # the policy's choice failed: account where it went
                         self.core.on_finished(rid, worker_id, self.clock())
@@ -250,23 +342,36 @@ class SchedulerService:
         await self._fail(pending, ErrorCode.UNAVAILABLE,
                          "no worker accepted the request: " + "; ".join(reasons))  # fmt: skip
 
-    async def _preempt(self, pending: Pending, worker_id: str, reason: str) -> None:
-        rid = pending.submit.request.request_id
+    async def _tell_router(self, submit: ScheduleRequest, worker_id: str) -> None:
+        if submit.router_id:
+            notice = Dispatched(request_id=submit.request.request_id, worker_id=worker_id)
+            await self.bus.publish(subjects.router_dispatched(submit.router_id), notice)
+
+    async def _abort(self, worker_id: str, rid: str, reason: str) -> Preempted | None:
         try:
-            answer = await self.bus.request(
+            return await self.bus.request(
                 subjects.worker_abort(worker_id),
-                AbortRequest(request_id=rid, reason=f"preempted {reason}"),
+                AbortRequest(request_id=rid, reason=reason),
                 Preempted,
                 timeout=self.config.handoff_timeout_s,
             )
         except BusError as err:
-            log.warning("preempting %s on %s failed (%s): it keeps running", rid, worker_id, err)
+            log.warning("aborting %s on %s failed (%s): it keeps running", rid, worker_id, err)
+            return None
+
+    async def _preempt(self, pending: Pending, worker_id: str, reason: str) -> None:
+        rid = pending.submit.request.request_id
+        pending.worker_id = ""  # the aborted run's end notice is stale from here on
+        answer = await self._abort(worker_id, rid, reason)
+        if answer is None:  # the adapter did not answer: the run goes on there
+            pending.worker_id = worker_id
             return
-        if not answer.found:
-            return  # it finished first: its progress message ends it
+        if not answer.found:  # it finished before the abort reached it
+            self.pending.pop(rid, None)
+            return
         pending.output = list(answer.output_token_ids)
-        pending.worker_id = ""
-        self.core.submit(self._sched_request(pending.submit, pending.output), self.clock())
+        self.waiting[pending.submit.request.model] += 1
+        self.core.submit(self._sched_request(pending), self.clock())
         self.wake.set()
 
     async def _fail(self, pending: Pending, code: ErrorCode, message: str) -> None:
@@ -290,21 +395,35 @@ class SchedulerService:
             out.append(Observation(depth, {"worker_id": state.worker_id}))
         return out
 
+    async def run_service(self, ctx: ServiceContext) -> None:
+        """Subscribe everything and run until ``ctx.stop``."""
+        bus = ctx.bus
+        fleet = FleetWatcher(
+            bus, self.registry, on_change=self.on_fleet_change, on_load=self.on_load
+        )
+        await bus.subscribe(
+            subjects.SCHED_SUBMIT, ScheduleRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE
+        )
+        await bus.subscribe(subjects.PROGRESS_WILDCARD, RequestProgress, self.on_progress)
+        await bus.subscribe(subjects.SCHED_CANCEL, CancelRequest, self.on_cancel)
+        await bus.subscribe(subjects.SCHED_DIRECT, DirectDispatch, self.on_direct)
+        await bus.subscribe(subjects.ROUTER_PRESENCE, RouterHello, self.on_hello)
+        await bus.subscribe(subjects.PROGRAM_RELEASE, ProgramRelease, self.on_release)
+        await bus.ensure_kv_events_stream()
+        consumer = await bus.consume(
+            subjects.KV_EVENTS_STREAM,
+            subjects.KV_EVENTS_WILDCARD,
+            KvEventBatch,
+            self.on_kv_batch,
+            new_only=True,
+        )
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(fleet.run(ctx.stop))
+                tg.create_task(self.run(ctx.stop))
+        finally:
+            await consumer.stop()
 
-async def main(ctx: ServiceContext, config: SchedulerConfig, hold: dict | None = None) -> None:
-    service = SchedulerService(config, ctx.bus)
-    if hold is not None:
-        hold["runtime"] = service
-    fleet = FleetWatcher(
-        ctx.bus, service.registry, on_change=service.on_fleet_change, on_load=service.on_load
-    )
-    bus = ctx.bus
-    await bus.subscribe(
-        subjects.SCHED_SUBMIT, ScheduleRequest, service.on_submit, queue=subjects.SCHEDULER_QUEUE
-    )
-    await bus.subscribe(subjects.SCHED_PROGRESS, RequestProgress, service.on_progress)
-    await bus.subscribe(subjects.PROGRAM_RELEASE, ProgramRelease, service.on_release)
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(fleet.run(ctx.stop))
-        tg.create_task(follow_stored_blocks(bus, service.on_blocks_stored, ctx.stop))
-        tg.create_task(service.run(ctx.stop))
+
+async def main(ctx: ServiceContext, config: SchedulerConfig) -> None:
+    await SchedulerService(config, ctx.bus).run_service(ctx)

@@ -14,14 +14,21 @@ as it would on SGLang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Removed, Request
 from thunderagent.sglang import kv_wire
+from thunderagent.sglang.load import get_load_payload
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+from thunderagent.simengine.salts import SaltBook
+
+if TYPE_CHECKING:  # the pool pulls in numpy and NIXL; engines without one never load them
+    from thunderagent.simengine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,8 @@ class GenerateInput:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
+    cache_salt: str | None = None
+    """Tenant namespace (SGLang's ``cache_salt``): blocks are shared only within one salt."""
 
 
 @dataclass(slots=True)
@@ -67,8 +76,12 @@ class _Stream:
     sent: int = 0
 
 
-def to_wire(events: list[CacheEvent], block_size: int) -> list[kv_wire.AnyKvEvent]:
-    """Engine cache events -> SGLang 0.5.23 KV events."""
+def to_wire(
+    events: list[CacheEvent],
+    block_size: int,
+    salt_of: Callable[[int], str | None] = lambda key: None,
+) -> list[kv_wire.AnyKvEvent]:
+    """Engine cache events -> SGLang 0.5.23 KV events (``salt_of``: a block's tenant salt)."""
     out: list[kv_wire.AnyKvEvent] = []
     for ev in events:
         if isinstance(ev, AllCleared):
@@ -84,6 +97,7 @@ def to_wire(events: list[CacheEvent], block_size: int) -> list[kv_wire.AnyKvEven
                     block_size=block_size,
                     lora_id=None,
                     medium=ev.medium.value,
+                    cache_salt=salt_of(ev.block_hashes[0]) if ev.block_hashes else None,
                 )
             )
     return out
@@ -97,6 +111,7 @@ class EngineDriver:
         publisher: ZmqKvEventPublisher | None = None,
         speedup: float = 1.0,
         link_bytes_per_s: float = 25e9,
+        kv_pool: KvPool | None = None,
     ) -> None:
         self.profile = profile
         self.core = EngineCore(profile)
@@ -109,10 +124,19 @@ class EngineDriver:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._epoch = time.monotonic()
+        self.kv_pool = kv_pool
+        """Real bytes per cached block, registered with NIXL (None: blocks are counts only)."""
+        self._in_step = False
+        self._between: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self.salts = SaltBook()
 
     @property
     def capacity_blocks(self) -> int:
         return self.core.cache.capacity
+
+    @property
+    def context_length(self) -> int:
+        return self.profile.model.context_length
 
     @property
     def max_running(self) -> int:
@@ -123,15 +147,8 @@ class EngineDriver:
         return (time.monotonic() - self._epoch) * self.speedup
 
     def load(self) -> dict:
-        load = self.core.load()
-        return {
-            "num_reqs": load.num_running,
-            "num_waiting_reqs": load.num_waiting,
-            "num_tokens": load.num_tokens,
-            "kv_used_blocks": load.kv_used_blocks,
-            "kv_total_blocks": load.kv_total_blocks,
-            "cached_blocks": load.cached_blocks,
-        }
+        """SGLang's ``/get_load`` entry for this engine (one data-parallel rank)."""
+        return get_load_payload(self.core.load())
 
     def flush(self) -> bool:
         flushed = self.core.flush(self.now())
@@ -141,10 +158,30 @@ class EngineDriver:
     async def generate(self, req: GenerateInput) -> AsyncIterator[TokenEvent]:
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already running")
+        if len(req.input_ids) + req.max_new_tokens > self.context_length:
+            raise EngineRejected(
+                f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the model's context length ({self.context_length} tokens)"
+            )
         output = [output_token(i) for i in range(req.max_new_tokens)]
         token_ids = req.input_ids + output
-        keys = kv_wire.sglang_block_hashes(token_ids, self.block_size)
+        # SGLang seeds a salted request's block hashes with its salt: no tenant shares a block
+        seed = kv_wire.sglang_salt_parent(req.cache_salt) if req.cache_salt else None
+        keys = kv_wire.sglang_block_hashes(token_ids, self.block_size, seed)
         request = Request(req.rid, len(req.input_ids), keys, req.max_new_tokens, token_ids)
+        if req.cache_salt:
+            self.salts.hold(keys, req.cache_salt)
+        try:  # aclosing: a client that goes away aborts the run at once, not at GC
+            async with contextlib.aclosing(self._run_request(req, request, output)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if req.cache_salt:
+                self.salts.release(keys, self.core.cache.__contains__)
+
+    async def _run_request(
+        self, req: GenerateInput, request: Request, output: list[int]
+    ) -> AsyncIterator[TokenEvent]:
         rejected = self.core.add(request, self.now())
         if rejected is not None:
             raise EngineRejected(
@@ -173,6 +210,32 @@ class EngineDriver:
         self._publish(self.core.drain_events())
         seconds = blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
         return blocks, seconds
+
+    async def between_steps(self, change: Callable[[], Any]) -> Any:
+        """Run a cache change made outside any request (a KV export or import) between two
+        engine steps, then publish its events: a step's events go out when the step ends, so a
+        change made while one is in flight would otherwise be published before events that
+        happened earlier."""
+        if not self._in_step:
+            return self._change_now(change)
+        future = asyncio.get_running_loop().create_future()
+        self._between.append((change, future))
+        return await future
+
+    def _change_now(self, change: Callable[[], Any]) -> Any:
+        result = change()
+        self._publish(self.core.drain_events())
+        return result
+
+    def _run_between(self) -> None:
+        queued, self._between = self._between, []
+        for change, future in queued:
+            if future.cancelled():  # its caller gave up before the change ran: skip it
+                continue
+            try:
+                future.set_result(self._change_now(change))
+            except Exception as err:
+                future.set_exception(err)
 
     def abort(self, rid: str) -> bool:
         """Drop a running request (SGLang's /abort_request); its stream ends with an abort."""
@@ -204,9 +267,15 @@ class EngineDriver:
                 started = time.monotonic()
                 outcome = self.core.step(self.now())
                 target = started + outcome.duration / self.speedup
-                await asyncio.sleep(max(0.0, target - time.monotonic()))
+                self._in_step = True
+                try:
+                    await asyncio.sleep(max(0.0, target - time.monotonic()))
+                finally:
+                    self._in_step = False
                 self._deliver(outcome)
                 self._publish(outcome.events)
+                self._run_between()
+            self._run_between()
 
     def _deliver(self, outcome) -> None:
         for rid, count in outcome.tokens.items():
@@ -233,9 +302,22 @@ class EngineDriver:
             del self._streams[fin.request_id]
 
     def _publish(self, events: list[CacheEvent]) -> None:
+        if self.kv_pool is not None and events:
+            self.kv_pool.follow(events)
         if self.publisher is not None and events:
-            if not self.publisher.publish(to_wire(events, self.block_size)):
+            wire = to_wire(events, self.block_size, self.salts.salt_of)
+            if not self.publisher.publish(wire):
                 log.warning("KV event queue full: a batch was dropped (subscribers will resync)")
+        if len(self.salts):
+            self._forget_salts(events)
+
+    def _forget_salts(self, events: list[CacheEvent]) -> None:
+        cached = self.core.cache.__contains__
+        for ev in events:
+            if isinstance(ev, Removed):
+                self.salts.forget(ev.block_hashes, cached)
+            elif isinstance(ev, AllCleared):
+                self.salts.forget(self.salts.keys(), cached)
 
     async def close(self) -> None:
         if self._loop_task is not None:

@@ -30,12 +30,31 @@ class SimEngineConfig:
     speedup: float = 1.0
     host_blocks: int = 0
     link_gbps: float = 25.0
+    kv_pool: bool = False
+    """Keep real KV bytes per cached block in host memory registered with NIXL (migration)."""
+    kv_pool_scale: int = 1
+    """Divide the profile's KV bytes per block by this for the pool (small test pools)."""
+    kv_blocks: int | None = None
+    """KV capacity in blocks instead of the profile's memory formula."""
+    kv_pull_gbps: float = 0.0
+    """Pace KV pulls to this link speed in GB/s; 0: as fast as NIXL copies."""
+    instant: bool = False
+    """Zero compute time: every ``/generate`` gets one token at once (``instant.py``)."""
 
 
 async def _serve(config: SimEngineConfig) -> None:
     profile = get_profile(config.profile).with_engine(
         block_size=config.block_size, host_blocks=config.host_blocks
     )
+    if config.kv_blocks is not None:
+        profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
+    kv_pool = None
+    if config.kv_pool:
+        from thunderagent.simengine.kv_pool import pool_for
+
+        kv_pool = pool_for(profile, scale=config.kv_pool_scale)
+        log.info("KV pool: %d blocks x %d bytes, NIXL agent %s", kv_pool.slots,
+                 kv_pool.slot_bytes, kv_pool.name)  # fmt: skip
     publisher = None
     if config.kv_events_config:
         publisher = ZmqKvEventPublisher.from_cli(config.kv_events_config)
@@ -44,10 +63,13 @@ async def _serve(config: SimEngineConfig) -> None:
         publisher=publisher,
         speedup=config.speedup,
         link_bytes_per_s=config.link_gbps * 1e9,
+        kv_pool=kv_pool,
     )
     info = EngineInfo(
         model=config.model, block_size=config.block_size, kv_events_config=config.kv_events_config
     )
+    info.kv_pull_gbps = config.kv_pull_gbps
+    info.instant = config.instant
     app = SimEngineApp(engine, info).app
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -16,13 +16,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from thunderagent.simengine import instant
 from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
+from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
-from thunderagent.telemetry import extract_context
+from thunderagent.telemetry import extract_context, start_span_if_sampled
 from thunderagent.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,10 @@ class EngineInfo:
     model: str
     block_size: int
     kv_events_config: str | None = None
+    kv_pull_gbps: float = 0.0
+    """Pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies."""
+    instant: bool = False
+    """``--engine instant``: answer ``/generate`` at once with one token (``instant.py``)."""
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -59,6 +66,12 @@ class SimEngineApp:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/import_kv", self.import_kv)
         r.add_get("/v1/models", self.models)
+        self.mover: KvMover | None = None
+        if engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
+            pace = info.kv_pull_gbps * 1e9 or None
+            self.mover = KvMover(engine, engine.kv_pool, pace_bytes_per_s=pace)
+            self.mover.add_routes(self.app)
+            self.app.on_cleanup.append(self._close_mover)
         OpenAIRoutes(engine, info.model).add_to(self.app)
 
     async def health(self, _: web.Request) -> web.Response:
@@ -72,10 +85,20 @@ class SimEngineApp:
                 "page_size": self.info.block_size,
                 "max_running_requests": self.engine.max_running,
                 "max_total_num_tokens": self.engine.capacity_blocks * self.info.block_size,
+                "context_length": self.engine.context_length,
+                "max_req_input_len": self.engine.context_length - 1,
+                # not an SGLang field: the simulated model's vocabulary, so the adapter can
+                # check token ids (with SGLang it reads it from the model's tokenizer)
+                "vocab_size": self.engine.profile.model.vocab_size,
                 "kv_events_config": self.info.kv_events_config,
                 "version": "thunderagent-simengine",
+                "kv_transfer": self.mover.info() if self.mover else None,
             }
         )
+
+    async def _close_mover(self, _: web.Application) -> None:
+        if self.mover is not None:
+            await self.mover.close()
 
     async def model_info(self, _: web.Request) -> web.Response:
         return web.json_response(
@@ -83,7 +106,7 @@ class SimEngineApp:
         )
 
     async def get_load(self, _: web.Request) -> web.Response:
-        return web.json_response([{"dp_rank": 0, **self.engine.load()}])
+        return web.json_response([self.engine.load()])
 
     async def flush_cache(self, _: web.Request) -> web.Response:
         if not self.engine.flush():
@@ -123,6 +146,8 @@ class SimEngineApp:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
+        if self.info.instant:
+            return await self._instant(request, received)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -140,6 +165,20 @@ class SimEngineApp:
             if body.get("stream"):
                 return await self._stream(request, parsed, first, events, received)
             return await self._whole(parsed, first, events, received)
+
+    async def _instant(self, request: web.Request, received: float) -> web.Response:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as err:
+            return _bad(f"body is not JSON: {err}")
+        parsed = self._parse_generate(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        stream = bool(body.get("stream"))
+        with start_span_if_sampled(_tracer, "engine generate", request.headers, SpanKind.SERVER):
+            payload = await instant.answer(self.engine, parsed, received, stream=stream)
+        kind = "text/event-stream" if stream else "application/json"
+        return web.Response(body=payload, content_type=kind)
 
     def _parse_generate(self, body: Any) -> GenerateInput | web.Response:
         if not isinstance(body, dict):
@@ -160,8 +199,13 @@ class SimEngineApp:
         max_new = params.get("max_new_tokens", 128)
         if not isinstance(max_new, int) or max_new <= 0:
             return _bad("sampling_params.max_new_tokens must be a positive integer")
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return _bad("cache_salt must be a string (batches are not supported)")
         rid = body.get("rid") or uuid.uuid4().hex
-        return GenerateInput(rid=str(rid), input_ids=ids, max_new_tokens=max_new)
+        return GenerateInput(
+            rid=str(rid), input_ids=ids, max_new_tokens=max_new, cache_salt=salt or None
+        )
 
     def _chunk(
         self, req: GenerateInput, out_ids: list[int], ev, started: float, first_at: float | None

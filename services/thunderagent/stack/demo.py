@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from thunderagent.client import Completion, RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
 from thunderagent.stack.up import Stack, StackConfig
+from thunderagent.stats import percentile
 
 WORDS = (
     "cache prefix router worker prefill decode batch token block hash index replica queue "
@@ -91,10 +92,7 @@ def summarize(result: DemoResult) -> dict:
     done = [c for c in result.completions if c.final is not None]
     prompt = sum(c.final.usage.prompt_tokens for c in done)
     cached = sum(c.final.usage.cached_tokens for c in done)
-    ttfts = sorted(c.client_ttft_ms for c in done)
-
-    def pct(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else 0.0
+    ttfts = [c.client_ttft_ms for c in done]
 
     return {
         "requests": len(done),
@@ -104,7 +102,7 @@ def summarize(result: DemoResult) -> dict:
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cache_reuse": round(cached / prompt, 3) if prompt else 0.0,
-        "ttft_ms": {"p50": round(pct(0.5), 1), "p99": round(pct(0.99), 1)},
+        "ttft_ms": {"p50": round(percentile(ttfts, 50), 1), "p99": round(percentile(ttfts, 99), 1)},
         "e2e_ms_mean": round(statistics.fmean(c.client_e2e_ms for c in done), 1) if done else 0.0,
         "per_worker": dict(sorted(Counter(c.final.worker_id for c in done).items())),
         "first_errors": result.errors[:3],

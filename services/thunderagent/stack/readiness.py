@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from thunderagent.bus import connect
+from thunderagent.bus import Bus, connect
 from thunderagent.schemas import subjects
 
 
@@ -21,7 +21,7 @@ async def wait_until_ready(
 ) -> None:
     """``check`` is called on every poll; it raises when a child process died, so a broken
     service fails the start at once with its log instead of after the timeout."""
-    nc = await connect(nats_url, name="thunderagent-up", deadline_s=timeout_s)
+    nc = await connect(nats_url, name="thunderagent-up", identity="admin", deadline_s=timeout_s)
     try:
         give_up_at = time.monotonic() + timeout_s
         missing = list(services)
@@ -29,7 +29,7 @@ async def wait_until_ready(
             still = []
             for name in missing:
                 try:
-                    await nc.request(subjects.health(name), b"", timeout=0.5)
+                    await nc.request(subjects.health(name), b"", timeout=0.5)  # the probe is raw
                 except Exception:
                     still.append(name)
             missing = still
@@ -39,13 +39,9 @@ async def wait_until_ready(
             if missing:
                 await asyncio.sleep(0.1)
         registered = 0
-        js = nc.jetstream()
+        bucket = await Bus(nc, service="up").bucket(subjects.WORKERS_BUCKET)
         while registered < workers:
-            try:
-                kv = await js.key_value(subjects.WORKERS_BUCKET)
-                registered = len(await kv.keys())
-            except Exception:
-                registered = 0
+            registered = len(await bucket.keys())
             if registered >= workers:
                 break
             check()

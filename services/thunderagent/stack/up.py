@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -17,13 +18,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from thunderagent.bus.connection import CREDS_ENV
 from thunderagent.embedded import (
     ChildProcess,
     NatsServer,
     RedisServer,
+    TlsFiles,
     free_port,
     preferred_port,
     spawn,
+    stack_users,
+    wait_for_port,
+    write_credentials,
 )
 from thunderagent.stack.readiness import wait_until_ready
 
@@ -44,6 +50,33 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-dir", default=None, help="logs and data (default: a new temp folder)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics per service")
+    p.add_argument(
+        "--no-auth", dest="auth", action="store_false",
+        help="a bare development bus: no NATS users (default: one generated login per role and "
+        "per worker, in <run-dir>/creds)",
+    )  # fmt: skip
+    p.add_argument("--tls-cert", default=None, help="NATS over TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="the --tls-cert's private key (PEM)")
+    p.add_argument(
+        "--gateways", type=int, default=1,
+        help="OpenAI-compatible HTTP gateway processes sharing one port (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gateway-port", type=int, default=8000, help="the gateways' HTTP port when free"
+    )
+    p.add_argument(
+        "--kv-pool", action="store_true",
+        help="simulated engines keep real KV bytes in host memory registered with NIXL, so the "
+        "migration service can move prefixes between them (needs nixl)",
+    )  # fmt: skip
+    p.add_argument("--kv-pool-scale", type=int, default=1,
+                   help="divide the KV bytes per block by this in the pools")  # fmt: skip
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV capacity per engine in blocks (default: the profile's)")  # fmt: skip
+    p.add_argument(
+        "--engine", choices=["timed", "instant"], default="timed",
+        help="simulated engines: timed (roofline model) or instant (one token at once)",
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -59,6 +92,20 @@ class StackConfig:
     speedup: float = 1.0
     run_dir: Path | None = None
     metrics: bool = False
+    auth: bool = True
+    """Generate NATS logins (per role, per worker) for an embedded server; False: open bus."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    gateways: int = 0
+    """HTTP gateway processes; ``up`` starts one (its flag's default), benchmarks opt in."""
+    gateway_port: int = 8000
+    kv_pool: bool = False
+    kv_pool_scale: int = 1
+    kv_blocks: int | None = None
+    engine: str = "timed"
+    """Simulated engines' mode: ``timed`` (roofline model) or ``instant`` (zero compute)."""
+    migration_args: list[str] = field(default_factory=list)
+    """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StackConfig:
@@ -74,6 +121,15 @@ class StackConfig:
             speedup=args.speedup,
             run_dir=Path(args.run_dir) if args.run_dir else None,
             metrics=args.metrics,
+            auth=args.auth,
+            tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+            tls_key=Path(args.tls_key) if args.tls_key else None,
+            gateways=args.gateways,
+            gateway_port=args.gateway_port,
+            kv_pool=args.kv_pool,
+            kv_pool_scale=args.kv_pool_scale,
+            kv_blocks=args.kv_blocks,
+            engine=args.engine,
         )
 
 
@@ -89,6 +145,10 @@ class Stack:
     servers: list[NatsServer | RedisServer] = field(default_factory=list)
     engine_urls: list[str] = field(default_factory=list)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    creds_dir: Path | None = None
+    """One credentials file per login (mode 0600); None: the bus has no authentication."""
+    _saved_creds_env: str | None = None
+    gateway_url: str = ""
 
     @classmethod
     def start(cls, config: StackConfig) -> Stack:
@@ -106,6 +166,8 @@ class Stack:
                     check=stack.raise_if_a_child_died,
                 )
             )
+            if stack.gateway_url:
+                wait_for_port(int(stack.gateway_url.rsplit(":", 1)[1]), timeout_s=30)
         except BaseException:
             stack.stop()
             raise
@@ -116,8 +178,8 @@ class Stack:
             self.nats_url = self.config.nats_url
         else:
             # NATS's usual port when free, so `thunderagent request` finds it without --nats
-            nats = NatsServer(self.run_dir / "nats", port=preferred_port(4222)).start()
-            self.servers.append(nats)
+            nats = self._embedded_nats()
+            self.servers.append(nats.start())
             self.nats_url = nats.url
         if self.config.redis_url:
             self.redis_url = self.config.redis_url
@@ -126,6 +188,27 @@ class Stack:
             self.servers.append(redis)
             self.redis_url = redis.url
 
+    def _embedded_nats(self) -> NatsServer:
+        """NATS's usual port when free, logins for every role and worker unless ``--no-auth``;
+        this process's own clients (readiness, demo, benchmarks) find them in the environment."""
+        c = self.config
+        tls = TlsFiles(c.tls_cert, c.tls_key) if c.tls_cert and c.tls_key else None
+        users = stack_users(f"w{i}" for i in range(c.workers)) if c.auth else []
+        if users:
+            self.creds_dir = write_credentials(
+                self.run_dir / "creds", users, ca=tls.trust if tls else None
+            )
+            self._saved_creds_env = os.environ.get(CREDS_ENV)
+            os.environ[CREDS_ENV] = str(self.creds_dir)
+        return NatsServer(self.run_dir / "nats", port=preferred_port(4222), users=users, tls=tls)
+
+    def _creds_env(self, name: str) -> dict[str, str]:
+        """A child's own credentials file (router-1 -> router.json, worker-w0 -> worker-w0.json)."""
+        if self.creds_dir is None or name.startswith("engine-"):
+            return {}
+        identity = name if name.startswith("worker-") else name.split("-")[0]
+        return {CREDS_ENV: str(self.creds_dir / f"{identity}.json")}
+
     def _service(self, name: str, *argv: str) -> None:
         cmd = [sys.executable, "-m", "thunderagent.cli.main", *argv]
         if self.config.metrics and argv[0] != "simengine":
@@ -133,7 +216,7 @@ class Stack:
             self.metrics_ports[name] = port
             cmd += ["--metrics-port", str(port)]
         log_path = self.run_dir / f"{name}.log"
-        self.children.append(spawn(name, cmd, log_path=log_path))
+        self.children.append(spawn(name, cmd, log_path=log_path, env=self._creds_env(name)))
 
     def _start_services(self) -> None:
         c = self.config
@@ -144,6 +227,12 @@ class Stack:
             self._service(
                 f"router-{i}", "router", *nats, "--policy", c.policy, "--redis", self.redis_url
             )
+        self._start_gateways()
+        self._service("migration", "migration", *nats, "--redis", self.redis_url,
+                      *c.migration_args)  # fmt: skip
+        pool = ["--kv-pool", "--kv-pool-scale", str(c.kv_pool_scale)] if c.kv_pool else []
+        if c.kv_blocks is not None:
+            pool += ["--kv-blocks", str(c.kv_blocks)]
         for i in range(c.workers):
             port, events_port, replay_port = free_port(), free_port(), free_port()
             events = json.dumps(
@@ -159,7 +248,8 @@ class Stack:
             self._service(
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,
                 "--profile", c.profile, "--page-size", str(c.block_size),
-                "--kv-events-config", events, "--speedup", str(c.speedup),
+                "--kv-events-config", events, "--speedup", str(c.speedup), *pool,
+                "--engine", c.engine,
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
@@ -167,8 +257,21 @@ class Stack:
                 f"worker-w{i}", "worker", *nats, "--worker-id", f"w{i}", "--engine-url", url
             )
 
+    def _start_gateways(self) -> None:
+        """One port for every gateway process (SO_REUSEPORT): the kernel spreads connections."""
+        if self.config.gateways <= 0:
+            return
+        port = preferred_port(self.config.gateway_port)
+        share = ["--reuse-port"] if self.config.gateways > 1 else []
+        for i in range(self.config.gateways):
+            self._service(
+                f"gateway-{i}", "gateway", "--nats", self.nats_url, "--port", str(port), *share
+            )
+        self.gateway_url = f"http://127.0.0.1:{port}"
+
     def expected_services(self) -> list[str]:
-        return ["index", "scheduler", "router"]
+        gateway = ["gateway"] if self.config.gateways > 0 else []
+        return ["index", "scheduler", "router", "migration", *gateway]
 
     def raise_if_a_child_died(self) -> None:
         dead = self.dead_children()
@@ -194,6 +297,11 @@ class Stack:
             server.stop()
         self.children.clear()
         self.servers.clear()
+        if self.creds_dir is not None and os.environ.get(CREDS_ENV) == str(self.creds_dir):
+            if self._saved_creds_env is None:
+                os.environ.pop(CREDS_ENV, None)
+            else:
+                os.environ[CREDS_ENV] = self._saved_creds_env
 
 
 def describe(stack: Stack) -> str:
@@ -201,12 +309,28 @@ def describe(stack: Stack) -> str:
     lines = [
         f"ThunderAgent is up: {c.workers} simulated workers serving {c.model!r}",
         f"  NATS   {stack.nats_url}",
+    ]
+    if stack.gateway_url:
+        lines.append(f"  OpenAI {stack.gateway_url}/v1  (HTTP gateway)")
+    lines += [
         f"  Redis  {stack.redis_url}",
         f"  logs   {stack.run_dir}",
-        "Try:",
-        f"  thunderagent request --nats {stack.nats_url} --model {c.model} 'Hello, ThunderAgent'",
-        "Ctrl-C stops everything.",
     ]
+    creds = ""
+    if stack.creds_dir is not None:
+        lines.append(f"  creds  {stack.creds_dir}  (one 0600 file per login; clients: client.json)")
+        creds = f" --creds {stack.creds_dir / 'client.json'}"
+    lines += [
+        "Try:",
+        f"  thunderagent request --nats {stack.nats_url}{creds} --model {c.model} "
+        "'Hello, ThunderAgent'",
+    ]
+    if stack.gateway_url:
+        body = {"model": c.model, "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 16}  # fmt: skip
+        lines.append(f"  curl -s {stack.gateway_url}/v1/chat/completions "
+                     f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'")  # fmt: skip
+    lines.append("Ctrl-C stops everything.")
     for name, port in stack.metrics_ports.items():
         lines.insert(4, f"  metrics {name}: http://127.0.0.1:{port}/metrics")
     return "\n".join(lines)

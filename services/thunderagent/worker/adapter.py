@@ -17,7 +17,8 @@ from urllib.parse import urlparse
 import msgspec
 from opentelemetry import trace
 
-from thunderagent.bus import Bus, Delivery
+from thunderagent.bus import Bucket, Bus, Delivery
+from thunderagent.fleet import AcceptedRuns, load_report
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -31,13 +32,15 @@ from thunderagent.schemas import (
     is_valid_worker_id,
     subjects,
 )
+from thunderagent.sglang.load import parse_get_load
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.telemetry.setup import meter
-from thunderagent.tokenizer import BYTES_SPEC
+from thunderagent.tokenizer import BYTES_SPEC, load_tokenizer
 from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.generation import Generation
 from thunderagent.worker.kv_relay import KvRelay
+from thunderagent.worker.migration import WorkerMigration
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.worker")
@@ -56,6 +59,9 @@ class AdapterConfig:
     kv_refresh_s: float = 120.0
     """Re-announce the cached blocks this often: a fifth of the index's default 10-minute TTL,
     so a resident block is re-confirmed several times before it could expire."""
+    max_request_s: float = 600.0
+    """A run still going after this long is aborted at the engine (its slot freed) and the
+    client told why; ten minutes covers any sane generation, a runaway one is caught."""
     kv_events_endpoint: str | None = None
     """Engine's ZMQ KV-event PUB endpoint; None: take it from the engine's ``/server_info``."""
 
@@ -67,7 +73,7 @@ class WorkerAdapter:
         self.config = config
         self.bus = bus
         self.engine = engine
-        self.inflight = 0
+        self.runs = AcceptedRuns()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
         self.running: dict[str, Generation] = {}
@@ -106,6 +112,8 @@ class WorkerAdapter:
             role=self.config.role,
             tokenizer=self.config.tokenizer,
             max_running_requests=int(info.get("max_running_requests") or 0),
+            context_length=_context_length(info),
+            vocab_size=int(info.get("vocab_size") or 0) or _vocab_size(self.config.tokenizer),
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -127,7 +135,7 @@ class WorkerAdapter:
             self.on_kv_import,
             concurrent=True,
         )
-        kv = await workers_bucket(self.bus)
+        bucket = await workers_bucket(self.bus)
         events = await self._kv_event_source()
         relay = None
         if events is not None:
@@ -135,16 +143,21 @@ class WorkerAdapter:
                 self.bus, self.config.worker_id, self.registration.block_size
             )
             await relay.start()
+        migration = WorkerMigration(self.config.worker_id, self.bus, self.engine,
+                                    lambda: self.relay and self.relay.mirror,
+                                    self.registration.block_size)  # fmt: skip
+        await migration.start(events)
         try:
             async with asyncio.TaskGroup() as tg:
+                tg.create_task(migration.run(stop))
                 if relay is not None:
                     tg.create_task(relay.run(*events, stop))
                     tg.create_task(relay.refresh_loop(self.config.kv_refresh_s, stop))
-                tg.create_task(self._lease_loop(kv, stop))
+                tg.create_task(self._lease_loop(bucket, stop))
                 tg.create_task(self._load_loop(stop))
         finally:
             try:
-                await kv.delete(subjects.worker_key(self.config.worker_id))
+                await bucket.delete(subjects.worker_key(self.config.worker_id))
             except Exception:
                 log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
 
@@ -182,12 +195,12 @@ class WorkerAdapter:
             delay = min(delay * 2, 2.0)
         return None
 
-    async def _lease_loop(self, kv, stop: asyncio.Event) -> None:
+    async def _lease_loop(self, bucket: Bucket, stop: asyncio.Event) -> None:
         payload = msgspec.json.encode(self.registration)
         key = subjects.worker_key(self.config.worker_id)
         while not stop.is_set():
             try:
-                await kv.put(key, payload)
+                await bucket.put(key, payload)
             except Exception:
                 log.warning("lease renewal failed", exc_info=True)
             await _sleep_or_stop(stop, self.config.lease_s / 3)
@@ -203,28 +216,13 @@ class WorkerAdapter:
             await _sleep_or_stop(stop, self.config.load_interval_s)
 
     async def read_load(self) -> LoadReport:
-        loads = await self.engine.get_json("/get_load")
-        ranks = loads if isinstance(loads, list) else [loads]
-        total = self.registration.kv_capacity_blocks if self.registration else 0
-
-        def total_of(key: str) -> int:
-            return sum(int(r.get(key, 0) or 0) for r in ranks)
-
-        block = self.registration.block_size if self.registration else 1
-        used_blocks = total_of("kv_used_blocks") or total_of("num_tokens") // max(block, 1)
-        return LoadReport(
-            worker_id=self.config.worker_id,
-            ts=time.time(),
-            running=total_of("num_reqs"),
-            queued=total_of("num_waiting_reqs"),
-            kv_used_blocks=used_blocks,
-            kv_total_blocks=total_of("kv_total_blocks") or total,
-            num_tokens=total_of("num_tokens"),
-            inflight=self.inflight,
-            prefill_backlog_tokens=sum(
-                len(g.work.request.token_ids or []) for g in self.running.values() if not g.started
-            ),
-        )
+        """The engine's ``/get_load`` plus this adapter's own run counts (SGLang reports
+        neither the runs it was handed nor the prefill they still queue)."""
+        reg = self.registration
+        block_size = reg.block_size if reg else 1
+        figures = parse_get_load(await self.engine.get_json("/get_load"), block_size)
+        capacity = reg.kv_capacity_blocks if reg else 0
+        return load_report(self.config.worker_id, time.time(), figures, self.runs, capacity)
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
@@ -236,13 +234,17 @@ class WorkerAdapter:
             return
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
-        generation = Generation(work, self.config.worker_id, self.bus, self.engine)
+        generation = Generation(
+            work, self.config.worker_id, self.bus, self.engine, self.runs,
+            max_request_s=self.config.max_request_s,
+        )  # fmt: skip
         self.running[rid] = generation
-        self.inflight += 1
+        context = len(work.request.token_ids or [])
+        self.runs.accept(generation.engine_rid, context - max(0, work.predicted_cached_tokens))
         try:
             final = await generation.run()
         finally:
-            self.inflight -= 1
+            self.runs.finished(generation.engine_rid)
             self.running.pop(rid, None)
         if final is not None:
             self._count(final, work.request.model)
@@ -260,13 +262,14 @@ class WorkerAdapter:
             await self.bus.publish(delivery.reply, answer)
 
     async def on_abort(self, abort: AbortRequest, delivery: Delivery) -> None:
-        """Preemption: stop the run without telling the client, hand back what it produced."""
+        """Preemption or cancellation: stop the run without telling the client, hand back what
+        it produced (a preempted request resumes from there)."""
         generation = self.running.get(abort.request_id)
         if generation is None:
             answer = Preempted(request_id=abort.request_id, found=False)
         else:
-            log.info("request %s preempted: %s", abort.request_id, abort.reason)
-            await generation.preempt()
+            log.info("request %s stopped: %s", abort.request_id, abort.reason)
+            await generation.stop()
             answer = Preempted(
                 request_id=abort.request_id, found=True, output_token_ids=generation.all_output()
             )
@@ -280,6 +283,23 @@ class WorkerAdapter:
         self._cached_tokens.add(final.usage.cached_tokens, attrs)
         if final.usage.cached_tokens:
             self._hit_requests.add(1, attrs)
+
+
+def _context_length(info: dict) -> int:
+    """SGLang reports ``context_length`` only when it was overridden; ``max_req_input_len``
+    (longest prompt) is one less than the model's context."""
+    if info.get("context_length"):
+        return int(info["context_length"])
+    longest_prompt = int(info.get("max_req_input_len") or 0)
+    return longest_prompt + 1 if longest_prompt else 0
+
+
+def _vocab_size(tokenizer_spec: str) -> int:
+    """The vocabulary of the tokenizer the router uses (0 when it cannot tell)."""
+    try:
+        return int(getattr(load_tokenizer(tokenizer_spec), "vocab_size", 0) or 0)
+    except (OSError, RuntimeError, ValueError):
+        return 0
 
 
 def _connectable(endpoint: str, host: str) -> str:
@@ -296,9 +316,6 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
         pass
 
 
-async def main(ctx: ServiceContext, config: AdapterConfig, hold: dict | None = None) -> None:
+async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
     async with EngineClient(config.engine_url) as engine:
-        adapter = WorkerAdapter(config, ctx.bus, engine)
-        if hold is not None:
-            hold["runtime"] = adapter
-        await adapter.run(ctx.stop)
+        await WorkerAdapter(config, ctx.bus, engine).run(ctx.stop)

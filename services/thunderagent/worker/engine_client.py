@@ -29,10 +29,6 @@ class EngineChunk:
     new_text: str
     meta: dict[str, Any]
 
-    @property
-    def finished(self) -> bool:
-        return self.meta.get("finish_reason") is not None
-
 
 class EngineClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
@@ -81,16 +77,26 @@ class EngineClient:
             return False
 
     async def generate(
-        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineChunk]:
         """Stream ``/generate``. SGLang sends cumulative ``text``/``output_ids`` by default and
-        incremental ones with ``--incremental-streaming-output``; both are turned into deltas."""
-        body = {
+        incremental ones with ``--incremental-streaming-output``; both are turned into deltas.
+
+        ``cache_salt``: the tenant's KV namespace (SGLang's ``GenerateReqInput.cache_salt``): the
+        engine reuses cached prefixes only between requests with the same salt."""
+        body: dict[str, Any] = {
             "rid": rid,
             "input_ids": input_ids,
             "sampling_params": sampling_params,
             "stream": True,
         }
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         headers = inject_headers({"Content-Type": "application/json"})
         # msgspec, not aiohttp's json.dumps: prompts are thousands of ints, on every request
         async with self.session.post(

@@ -1,9 +1,15 @@
-"""One request's run on the engine: stream tokens to the client, report progress to the
-scheduler, stop quietly when the scheduler preempts it.
+"""One run of a request on the engine: stream tokens to the client, report its progress, stop
+quietly when the scheduler preempts or the client cancels it.
 
-A continuation (``output_offset > 0``) carries the tokens the client already has at the end of
-its prompt; its chunks continue the numbering and its usage counts the whole answer, so the
-client sees one unbroken stream across a preemption.
+Runs follow the shared run model (``thunderagent.fleet.runs``): a continuation
+(``output_offset > 0``) carries the tokens the client already has at the end of its prompt, its
+chunks continue the numbering and its usage counts the whole answer, so the client sees one
+unbroken stream across a preemption or a PD hand-off.
+
+PD hand-off, as the scheduler sees it: ``started`` from the prefill worker (first token out),
+then ``transferred`` naming the decode worker (its engine holds the KV now and runs the rest of
+the request as a continuation), then that worker's ``finished``. If the transfer or the hand-off
+fails, the rest runs on the prefill worker instead (no ``transferred``): slower, not lost.
 """
 
 from __future__ import annotations
@@ -13,9 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
 from thunderagent.bus import Bus, BusError
+from thunderagent.fleet import AcceptedRuns, client_output, continuation, engine_request_id
 from thunderagent.schemas import (
     Ack,
     ErrorCode,
@@ -29,7 +34,7 @@ from thunderagent.schemas import (
     WorkerGenerate,
     subjects,
 )
-from thunderagent.worker.engine_client import EngineClient, EngineError
+from thunderagent.worker.engine_client import EngineChunk, EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +45,14 @@ class Generation:
     worker_id: str
     bus: Bus
     engine: EngineClient
+    runs: AcceptedRuns
+    """The adapter's accounting of accepted runs (inflight, prefill backlog)."""
     output: list[int] = field(default_factory=list)
     """Tokens this run produced."""
-    preempted: bool = False
-    started: bool = False
-    """The first token came out: its prefill is no longer queued work on the engine."""
+    stopped: bool = False
+    """Aborted on purpose (preempted or cancelled): end without telling the client."""
+    max_request_s: float = 600.0
+    """No run holds an engine slot longer than this (nor past the request's deadline)."""
     task: asyncio.Task | None = None
 
     @property
@@ -53,35 +61,47 @@ class Generation:
 
     @property
     def engine_rid(self) -> str:
-        """The engine's id for this run: a continuation must not collide with the aborted run,
-        which the engine may not have dropped yet."""
-        offset = self.work.output_offset
-        return f"{self.request_id}#{offset}" if offset else self.request_id
+        return engine_request_id(self.request_id, self.work.output_offset)
 
     def all_output(self) -> list[int]:
-        """Every output token the client has: earlier runs' (the prompt's tail) and this one's."""
-        ids = self.work.request.token_ids or []
-        offset = self.work.output_offset
-        return [*ids[len(ids) - offset :], *self.output] if offset else list(self.output)
+        """Every output token the client has: earlier runs' and this one's."""
+        prompt = self.work.request.token_ids or []
+        return client_output(prompt, self.work.output_offset, self.output)
 
-    async def preempt(self) -> None:
+    async def stop(self) -> None:
         """Stop streaming and abort at the engine (SGLang's ``/abort_request``; closing the
         stream also aborts it there, this just does not wait for the next token to notice)."""
-        self.preempted = True
+        self.stopped = True
         if self.task is not None:
             self.task.cancel()
         await self.engine.abort(self.engine_rid)
 
+    def time_limit_s(self) -> float:
+        """Seconds this run may take: the worker's cap, or less to meet the deadline."""
+        deadline_ms = self.work.request.deadline_ms
+        if deadline_ms is None:
+            return self.max_request_s
+        return min(self.max_request_s, deadline_ms / 1e3 - time.time())
+
     async def run(self) -> FinalReply | None:
         self.task = asyncio.current_task()
+        limit = self.time_limit_s()
         try:
-            if self.work.decode_worker and self.work.request.max_tokens > 1:
-                return await self._prefill_then_hand_off()
-            return await self._run()
+            async with asyncio.timeout(max(limit, 0.0)):
+                if self.work.decode_worker and self.work.request.max_tokens > 1:
+                    return await self._prefill_then_hand_off()
+                return await self._run()
         except asyncio.CancelledError:
-            if not self.preempted:
+            if not self.stopped:
                 raise
             await self._progress("aborted")
+            return None
+        except TimeoutError:  # the time limit: free the engine slot, tell the client why
+            await self.engine.abort(self.engine_rid)
+            why = "its deadline passed" if limit < self.max_request_s else (
+                f"it ran past the worker's limit of {self.max_request_s:g} s"
+            )
+            await self._fail_with(ErrorCode.DEADLINE, f"request stopped: {why}")
             return None
 
     async def _run(self) -> FinalReply | None:
@@ -91,15 +111,15 @@ class Generation:
         text_parts: list[str] = []
         meta: dict = {}
         try:
-            stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req))
+            stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req),
+                                          cache_salt=req.cache_salt)  # fmt: skip
             async for chunk in stream:
                 meta = chunk.meta
                 if not chunk.new_token_ids:
                     continue
                 if first_token_at is None:
                     first_token_at = time.monotonic()
-                    self.started = True
-                    await self._progress("started")
+                    await self._started()
                 if req.stream:
                     await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
                 else:
@@ -111,64 +131,68 @@ class Generation:
         finished = time.monotonic()
         final = self._final(meta, "".join(text_parts), started, first_token_at or finished)
         await self.bus.publish(self.work.reply_subject, final)
-        await self.bus.publish(subjects.COMPLETIONS, final)
-        await self._progress("finished")
+        await self._progress("finished", usage=final.usage)
         return final
 
     async def _prefill_then_hand_off(self) -> FinalReply | None:
         """PD disaggregation: prefill here up to the first token, move the KV to the decode
-        worker, hand it the rest as a continuation (the client's stream goes on from there).
-        If the transfer or the hand-off fails, the rest runs here instead: slower, not lost."""
+        worker, hand it the rest as a continuation (the client's stream goes on from there)."""
         req = self.work.request
         decode = self.work.decode_worker
-        first: list[int] = []
         try:
             prefill = {**_sampling(req), "max_new_tokens": 1}
-            async for chunk in self.engine.generate(self.engine_rid, req.token_ids or [], prefill):
+            salt = req.cache_salt
+            async for chunk in self.engine.generate(
+                self.engine_rid, req.token_ids or [], prefill, cache_salt=salt
+            ):
                 if chunk.new_token_ids:
-                    if not self.started:
-                        self.started = True
-                        await self._progress("started")
+                    await self._started()
                     if req.stream:
                         await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
-                    first.extend(chunk.new_token_ids)
                     self.output.extend(chunk.new_token_ids)
         except (TimeoutError, EngineError, OSError) as err:
             await self._fail(err)
             return None
-        context = [*(req.token_ids or []), *first]
-        rest = self._continuation(context, len(first))
+        rest = self._continuation()
         transfer = KvTransfer(
-            request_id=self.request_id, token_ids=context, source_worker=self.worker_id
+            request_id=self.request_id,
+            token_ids=rest.request.token_ids or [],
+            source_worker=self.worker_id,
         )
         try:
             ack = await self.bus.request(
                 subjects.worker_kv_import(decode), transfer, Ack, timeout=30
             )
-            await self._progress("transferred")
             if ack.accepted:
                 ack = await self.bus.request(subjects.worker_generate(decode), rest, Ack, timeout=5)
             if ack.accepted:
+                await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
                 return None  # the decode worker answers the client from here
             log.warning("PD hand-off of %s to %s refused: %s", self.request_id, decode, ack.reason)
         except BusError as err:
             log.warning("PD hand-off of %s to %s failed: %s", self.request_id, decode, err)
-            await self._progress("transferred")  # no transfer in flight any more
-        return await Generation(rest, self.worker_id, self.bus, self.engine).run()
+        here = Generation(
+            rest, self.worker_id, self.bus, self.engine, self.runs,
+            max_request_s=self.max_request_s,
+        )  # fmt: skip
+        self.runs.accept(here.engine_rid, 0)  # its KV was just computed here: ~nothing to prefill
+        try:
+            return await here.run()
+        finally:
+            self.runs.finished(here.engine_rid)
 
-    def _continuation(self, context: list[int], generated: int) -> WorkerGenerate:
-        req = self.work.request
+    def _continuation(self) -> WorkerGenerate:
+        """The rest of the request after this run's output, as the next run (continuations
+        compose: this run's request already ends with earlier runs' output)."""
         return WorkerGenerate(
-            request=msgspec.structs.replace(
-                req, token_ids=context, max_tokens=req.max_tokens - generated
-            ),
+            request=continuation(self.work.request, self.output),
             reply_subject=self.work.reply_subject,
             predicted_cached_tokens=self.work.predicted_cached_tokens,
             attempt=self.work.attempt,
-            output_offset=self.work.output_offset + generated,
+            output_offset=self.work.output_offset + len(self.output),
         )
 
-    def _chunk(self, chunk) -> TokenChunk:
+    def _chunk(self, chunk: EngineChunk) -> TokenChunk:
         return TokenChunk(
             request_id=self.request_id,
             index=self.work.output_offset + len(self.output),
@@ -197,22 +221,35 @@ class Generation:
             engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
         )
 
+    async def _started(self) -> None:
+        if self.engine_rid in self.runs and not self.output:
+            self.runs.started(self.engine_rid)
+            await self._progress("started")
+
     async def _fail(self, err: Exception) -> None:
         log.warning("request %s failed at the engine: %s", self.request_id, err)
+        await self._fail_with(ErrorCode.ENGINE_ERROR, str(err))
+
+    async def _fail_with(self, code: ErrorCode, message: str) -> None:
         await self._progress("failed")
         error = ErrorReply(
-            code=ErrorCode.ENGINE_ERROR,
-            message=str(err),
-            request_id=self.request_id,
+            code=code, message=message, request_id=self.request_id,
             service=f"worker/{self.worker_id}",
-        )
+        )  # fmt: skip
         await self.bus.publish(self.work.reply_subject, error)
 
-    async def _progress(self, phase: str) -> None:
+    async def _progress(
+        self, phase: str, *, worker_id: str = "", from_worker: str = "", usage: Usage | None = None
+    ) -> None:
         progress = RequestProgress(
-            request_id=self.request_id, worker_id=self.worker_id, phase=phase, ts=time.time()
+            request_id=self.request_id,
+            worker_id=worker_id or self.worker_id,
+            phase=phase,  # type: ignore[arg-type]
+            ts=time.time(),
+            from_worker=from_worker,
+            usage=usage,
         )
-        await self.bus.publish(subjects.SCHED_PROGRESS, progress)
+        await self.bus.publish(subjects.progress(phase), progress)
 
 
 def _sampling(req) -> dict:

@@ -14,7 +14,7 @@ import logging
 import time
 
 from thunderagent.bus import Bus, Delivery
-from thunderagent.bus.streams import ensure_kv_events_stream
+from thunderagent.bus.bus import encode
 from thunderagent.schemas import Ack, AllCleared, KvEvent, KvEventBatch, ResyncRequest, subjects
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import (
@@ -40,7 +40,7 @@ class KvRelay:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        await ensure_kv_events_stream(self.bus.nc.jetstream())
+        await self.bus.ensure_kv_events_stream()
         await self.bus.subscribe(
             subjects.worker_resync(self.worker_id), ResyncRequest, self.on_resync
         )
@@ -123,18 +123,10 @@ class KvRelay:
                 events=events,
                 epoch=self.epoch,
             )
-            await self.bus.nc.jetstream().publish(
-                self._subject, _encode(batch), headers=inject_headers()
-            )
+            await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
 
     async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
         log.info("%s: resync requested (%s)", self.worker_id, request.reason)
         await self._publish([AllCleared(), *self.mirror.dump()])
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
-
-
-def _encode(batch: KvEventBatch) -> bytes:
-    from thunderagent.bus.bus import encode
-
-    return encode(batch)

@@ -6,7 +6,7 @@ from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.state import capture, restore
-from thunderagent.router.verification import Routed, Verifier
+from thunderagent.router_core.verification import Dispatch, Verifier
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch, Medium
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
@@ -111,15 +111,15 @@ def test_feeder_state_survives_a_snapshot_round_trip():
 
 def test_verifier_finds_false_hits_and_the_stale_blocks():
     v = Verifier(capacity=2)
-    v.remember("r1", Routed("w0", [1, 2, 3, 4], predicted_blocks=3, block_size=16))
+    v.remember("r1", Dispatch("w0", [1, 2, 3, 4], predicted_blocks=3, block_size=16))
     verdict = v.verify("r1", "w0", cached_tokens=16)
     assert verdict.false_hit and verdict.stale_hashes == [2, 3]
-    v.remember("r2", Routed("w0", [1, 2], predicted_blocks=0, block_size=16))
+    v.remember("r2", Dispatch("w0", [1, 2], predicted_blocks=0, block_size=16))
     assert v.verify("r2", "w0", cached_tokens=32).missed_hit
     assert v.verify("r2", "w0", cached_tokens=0) is None  # already verified
-    v.remember("a", Routed("w0", [], 0, 16))
-    v.remember("b", Routed("w0", [], 0, 16))
-    v.remember("c", Routed("w0", [], 0, 16))
+    v.remember("a", Dispatch("w0", [], 0, 16))
+    v.remember("b", Dispatch("w0", [], 0, 16))
+    v.remember("c", Dispatch("w0", [], 0, 16))
     assert v.unverified == 1 and v.verify("a", "w0", 0) is None
     assert v.verify("b", "w1", 0) is None  # spilled to another worker: nothing to conclude
 

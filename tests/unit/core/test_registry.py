@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thunderagent.fleet import WorkerRegistry
+from thunderagent.fleet import WorkerRegistry, worker_room, worker_view
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
 
@@ -57,10 +57,12 @@ def test_view_counts_requests_the_engine_has_not_reported_yet():
     r.report(load("a", running=2, queued=0, inflight=5), now=0)
     state = r.get("a")
     state.assigned_since_report = 1
-    view = state.view()
+    view = worker_view(state)
     assert (view.running, view.queued, view.pending, view.outstanding) == (2, 3, 1, 6)
+    room = worker_room(state)  # the scheduler sees the same running and queued counts
+    assert (room.running, room.queued) == (2, 3)
     r.report(load("a", running=2), now=1)
-    assert r.get("a").view().pending == 0
+    assert worker_view(r.get("a")).pending == 0
 
 
 def test_for_model_filters():

@@ -5,14 +5,9 @@ import math
 import pytest
 
 from thunderagent.engine import TimingModel, get_profile
-from thunderagent.replay import (
-    ideal_hit_ratio,
-    load_imbalance,
-    percentile,
-    pooled_hit_ratio,
-    summary_ms,
-)
+from thunderagent.replay import ideal_hit_ratio, load_imbalance, pooled_hit_ratio
 from thunderagent.replay.summary import alone_ttft_s
+from thunderagent.stats import percentile, summary
 
 
 @pytest.mark.parametrize(
@@ -33,7 +28,7 @@ def test_percentile_linear_between_ranks(values: list[float], q: float, want: fl
 
 
 def test_summary_in_milliseconds() -> None:
-    s = summary_ms([0.1, 0.2, 0.3])
+    s = summary([0.1, 0.2, 0.3], 1000.0)
     assert s == pytest.approx({"p50": 200.0, "p90": 280.0, "p99": 298.0, "mean": 200.0})
 
 

@@ -1,4 +1,5 @@
-"""dynamo_kv: hand-computed block costs, pending-prefill estimate, ties, softmax sampling."""
+"""dynamo_kv: Dynamo 1.6.1's default cost over its own slot tracker (book on dispatch, free on
+finish, blocks deduplicated by hash), hand-computed; ties and softmax sampling."""
 
 import math
 import random
@@ -13,10 +14,14 @@ from thunderagent.routing.dynamo_kv import DynamoKv
 BS = 4
 
 
-def q(tokens: int = 16, **kw) -> RouteQuery:
-    hashes = list(range(tokens // BS))
+def q(hashes: list[int], rid: str = "r", now: float = 0.0, **kw) -> RouteQuery:
     return RouteQuery(
-        request_id="r", prompt_tokens=tokens, block_size=BS, block_hashes=hashes, **kw
+        request_id=rid,
+        prompt_tokens=len(hashes) * BS,
+        block_size=BS,
+        block_hashes=hashes,
+        now=now,
+        **kw,
     )
 
 
@@ -26,79 +31,131 @@ def policy(**params) -> DynamoKv:
     return p
 
 
-WORKERS = [
-    WorkerView("a", running=3, active_tokens=40),
-    WorkerView("b", running=1, active_tokens=8),
-    WorkerView("c"),
-]
-QUERY = q(16, overlaps={"a": 3, "c": 1}, host_overlaps={"a": 3, "b": 2, "c": 1})
+ABC = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
+
+
+def test_fresh_costs_hand_computed() -> None:
+    # 4 blocks. a: prefill 4 - 3 = 1, decode 4. b: 4 - 0.75 * 2 = 2.5, decode 4. c: 3 + 4.
+    query = q([0, 1, 2, 3], overlaps={"a": 3, "c": 1}, host_overlaps={"a": 3, "b": 2, "c": 1})
+    p = policy()
+    assert p.costs(query, ABC) == {"a": 5.0, "b": 6.5, "c": 7.0}
+    ranked = p.rank(query, ABC, random.Random(0))
+    assert [c.worker_id for c in ranked] == ["a", "b", "c"]
+    assert [c.score for c in ranked] == [-5.0, -6.5, -7.0]
+    assert [c.overlap_blocks for c in ranked] == [3, 0, 1]
+
+
+def test_dispatch_books_blocks_deduplicated_by_hash() -> None:
+    p = policy()
+    p.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")
+    assert p.active_blocks("a") == 4
+    longer = q([0, 1, 2, 3, 4, 5], rid="r2")
+    # a: 4 active + 2 new = 6 decode blocks; b: 0 + 6. Prefill 24/4 = 6 on both (nothing
+    # reported as waiting on a, so r1's prefill counts as done).
+    assert p.costs(longer, [WorkerView("a"), WorkerView("b")]) == {"a": 12.0, "b": 12.0}
+    no_reuse = policy(assume_kv_reuse=False)
+    no_reuse.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")
+    assert no_reuse.costs(longer, [WorkerView("a")]) == {"a": 6.0 + 4 + 6}
+
+
+def test_finish_frees_blocks_and_refcounts_shared_ones() -> None:
+    p = policy()
+    p.on_dispatched(q([0, 1, 2], rid="r1"), "a")
+    p.on_dispatched(q([0, 1, 9], rid="r2"), "a")
+    assert p.active_blocks("a") == 4  # {0, 1, 2, 9}
+    p.on_finished("r1", "a", 1.0)
+    assert p.active_blocks("a") == 3  # 0 and 1 are still held by r2
+    p.on_finished("r1", "a", 1.0)  # twice: ignored
+    p.on_finished("unknown", "a", 1.0)
+    assert p.active_blocks("a") == 3
+    p.on_finished("r2", "a", 2.0)
+    assert p.active_blocks("a") == 0
+    assert p.costs(q([0, 1, 2]), [WorkerView("a")]) == {"a": 3.0 + 3}
 
 
 @pytest.mark.parametrize(
-    ("weight", "costs", "order"),
+    ("view", "prefill"),
     [
-        # prompt 4 blocks. a: prefill 4-3=1, decode 40/4+4=14. b: prefill 4-0.75*2=2.5,
-        # decode 8/4+4=6. c: prefill 4-1=3, decode 0+4=4.
-        (1.0, {"a": 15.0, "b": 8.5, "c": 7.0}, ["c", "b", "a"]),
-        (2.0, {"a": 16.0, "b": 11.0, "c": 10.0}, ["c", "b", "a"]),
-        (0.0, {"a": 14.0, "b": 6.0, "c": 4.0}, ["c", "b", "a"]),
+        (WorkerView("a"), 0),  # nothing waiting: both first tokens assumed out
+        (WorkerView("a", pending=1), 8),  # r2 routed since the report
+        (WorkerView("a", queued=1, pending=1), 24),  # r1 waits too
+        (WorkerView("a", prefill_tokens=4, pending=1), 12),  # reported backlog 4 + r2's 8
+        (WorkerView("a", prefill_tokens=100), 24),  # never above what is booked
     ],
 )
-def test_costs_hand_computed(weight: float, costs: dict, order: list[str]) -> None:
-    p = policy(overlap_score_weight=weight)
-    assert p.costs(QUERY, WORKERS) == costs
-    ranked = p.rank(QUERY, WORKERS, random.Random(0))
-    assert [c.worker_id for c in ranked] == order
-    assert [c.score for c in ranked] == [-costs[w] for w in order]
-    assert [c.overlap_blocks for c in ranked] == [QUERY.overlaps.get(w, 0) for w in order]
-
-
-def test_queued_and_pending_work_is_estimated_from_routed_prompts() -> None:
+def test_active_prefill_is_booked_tokens_still_before_first_token(
+    view: WorkerView, prefill: int
+) -> None:
     p = policy()
-    p.on_dispatched(q(32, overlaps={"x": 2}), "x")  # first sample: prompt 32, uncached 24 tokens
-    busy = WorkerView("w", queued=2, pending=1, active_tokens=4)
-    # prefill = 3 waiting * 24/4 + 4 = 22; decode = (4 + 1 pending * 32)/4 + 4 = 13
-    assert p.costs(q(16), [busy]) == {"w": 35.0}
+    p.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")  # 16 uncached tokens
+    p.on_dispatched(q([0, 1, 7, 8], rid="r2", overlaps={"a": 2}), "a")  # 16 - 2 * 4 = 8
+    assert p.active_prefill_tokens(view) == prefill
+    # and it is what the prefill side charges: (prefill + 16 prompt) / 4 - 0 credit, decode 6+4
+    other = [5, 6, 10, 11]
+    assert p.costs(q(other), [view]) == {"a": (prefill + 16) / BS + 6 + 4}
+
+
+def test_credit_decay_and_active_request_weight() -> None:
+    p = policy(overlap_score_credit_decay=1.0, decode_active_request_weight=2.0)
+    p.on_dispatched(q([10, 11, 12, 13], rid="r1"), "a")  # 16 prefill tokens booked on a
+    query = q([0, 1, 2, 3], overlaps={"a": 4, "b": 4})
+    views = [WorkerView("a", pending=1), WorkerView("b")]
+    # a: excess prefill 16 tokens = 4 blocks over b, / 4 request blocks = 1 -> credit 4 / 2 = 2;
+    # prefill (16 + 16) / 4 - 2 = 6; decode 4 active + 4 new; one request * 2 -> 16.
+    # b: prefill 4 - 4 = 0; decode 4 -> 4.
+    assert p.costs(query, views) == {"a": 16.0, "b": 4.0}
+
+
+def test_overlap_score_weight_alias() -> None:
+    p = policy(overlap_score_weight=0.0)
+    assert (p.prefill_load_scale, p.overlap_score_credit) == (0.0, 0.0)
+    assert p.costs(q([0, 1], overlaps={"a": 2}), [WorkerView("a")]) == {"a": 2.0}
+    assert policy(overlap_score_weight=2.0).prefill_load_scale == 2.0
+
+
+def test_redispatch_moves_the_booking_and_stale_bookings_expire() -> None:
+    p = policy()
+    p.on_dispatched(q([0, 1], rid="r1", now=0.0), "a")
+    p.on_dispatched(q([0, 1], rid="r1", now=1.0), "b")  # the same request, re-dispatched
+    assert (p.active_blocks("a"), p.active_blocks("b")) == (0, 2)
+    p.on_dispatched(q([5], rid="r2", now=3601.5), "c")  # r1 is older than EXPIRY_DURATION
+    assert (p.active_blocks("b"), p.active_blocks("c")) == (0, 1)
 
 
 def test_ties_broken_by_seeded_rng() -> None:
     p = policy()
-    workers = [WorkerView("a"), WorkerView("b"), WorkerView("c", running=1, active_tokens=4)]
-    firsts = {p.rank(q(), workers, random.Random(s))[0].worker_id for s in range(30)}
+    p.on_dispatched(q([20], rid="busy"), "c")
+    firsts = {p.rank(q([0]), ABC, random.Random(s))[0].worker_id for s in range(30)}
     assert firsts == {"a", "b"}
-    assert p.rank(q(), workers, random.Random(7)) == p.rank(q(), workers, random.Random(7))
-    assert all(p.rank(q(), workers, random.Random(s))[-1].worker_id == "c" for s in range(30))
+    assert p.rank(q([0]), ABC, random.Random(7)) == p.rank(q([0]), ABC, random.Random(7))
+    assert all(p.rank(q([0]), ABC, random.Random(s))[-1].worker_id == "c" for s in range(30))
 
 
 def test_temperature_samples_softmax_of_normalized_costs() -> None:
     p = policy(temperature=0.5)
-    workers = [WorkerView("a"), WorkerView("b", active_tokens=4), WorkerView("c", active_tokens=8)]
-    assert p.costs(q(), workers) == {"a": 8.0, "b": 9.0, "c": 10.0}  # normalized 0, 0.5, 1
+    p.on_dispatched(q([10, 11, 12, 13], rid="rb"), "b")
+    p.on_dispatched(q(list(range(20, 28)), rid="rc"), "c")
+    query = q([0, 1, 2, 3])
+    assert p.costs(query, ABC) == {"a": 8.0, "b": 12.0, "c": 16.0}  # normalized 0, 0.5, 1
     weights = [math.exp(-x / 0.5) for x in (0.0, 0.5, 1.0)]
     expected = {w: x / sum(weights) for w, x in zip("abc", weights, strict=True)}
     rng = random.Random(1234)
     n = 20_000
-    counts = Counter(p.rank(q(), workers, rng)[0].worker_id for _ in range(n))
+    counts = Counter(p.rank(query, ABC, rng)[0].worker_id for _ in range(n))
     for w in "abc":
         assert counts[w] / n == pytest.approx(expected[w], abs=0.015)
-
-
-def test_temperature_with_equal_costs_is_uniform() -> None:
-    p = policy(temperature=1.0)
-    workers = [WorkerView("a"), WorkerView("b")]
-    rng = random.Random(5)
-    counts = Counter(p.rank(q(), workers, rng)[0].worker_id for _ in range(4000))
-    assert counts["a"] / 4000 == pytest.approx(0.5, abs=0.03)
 
 
 @pytest.mark.parametrize(
     ("params", "field"),
     [
-        ({"overlap_score_weight": -1.0}, "overlap_score_weight"),
+        ({"prefill_load_scale": -1.0}, "prefill_load_scale"),
         ({"overlap_score_weight": math.inf}, "overlap_score_weight"),
+        ({"overlap_score_credit": -0.5}, "overlap_score_credit"),
         ({"host_cache_hit_weight": 1.5}, "host_cache_hit_weight"),
         ({"temperature": -0.1}, "temperature"),
-        ({"mean_alpha": 0.0}, "mean_alpha"),
+        ({"assume_kv_reuse": "yes"}, "assume_kv_reuse"),
+        ({"expiry_s": 0}, "expiry_s"),
     ],
 )
 def test_params_are_validated(params: dict, field: str) -> None:

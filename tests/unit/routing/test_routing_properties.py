@@ -12,10 +12,18 @@ from hypothesis import strategies as st
 from thunderagent.routing import POLICIES, RouteQuery, WorkerView
 from thunderagent.routing import cost as cost_module
 
-NAMES = ["round_robin", "sglang_cache_aware", "dynamo_kv", "thunder", "least_loaded"]
+NAMES = [
+    "round_robin",
+    "sglang_cache_aware",
+    "smg_cache_aware",
+    "dynamo_kv",
+    "thunder",
+    "least_loaded",
+]
 PARAMS = {
     "round_robin": [{}],
     "sglang_cache_aware": [{}, {"max_tree_tokens": 64, "balance_abs_threshold": 2}],
+    "smg_cache_aware": [{}, {"index": "events", "booking_ttl_s": 1.0, "overlap_decay": 1.0}],
     "dynamo_kv": [{}, {"temperature": 0.7}],
     "thunder": [{}, {"temperature": 0.3}],
     "least_loaded": [{}],

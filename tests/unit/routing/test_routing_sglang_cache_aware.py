@@ -1,4 +1,5 @@
-"""sglang_cache_aware: imbalance rule, threshold rule, smallest-tree fallback, LRU trees."""
+"""sglang_cache_aware: imbalance rule on its own in-flight counts, threshold rule, smallest-tree
+fallback, LRU trees trimmed every eviction interval."""
 
 import random
 
@@ -11,10 +12,22 @@ from thunderagent.routing.sglang_cache_aware import SglangCacheAware
 BS = 4
 
 
-def q(hashes: list[int]) -> RouteQuery:
+def q(hashes: list[int], rid: str = "r", now: float = 0.0) -> RouteQuery:
     return RouteQuery(
-        request_id="r", prompt_tokens=len(hashes) * BS, block_size=BS, block_hashes=hashes
+        request_id=rid,
+        prompt_tokens=len(hashes) * BS,
+        block_size=BS,
+        block_hashes=hashes,
+        now=now,
     )
+
+
+def send(p: SglangCacheAware, worker: str, n: int) -> list[str]:
+    """``n`` empty prompts in flight on ``worker`` (they change no tree)."""
+    rids = [f"{worker}-{i}-{p.load(worker)}" for i in range(n)]
+    for rid in rids:
+        p.on_dispatched(q([], rid), worker)
+    return rids
 
 
 def ids(ranked) -> list[str]:
@@ -40,10 +53,28 @@ def policy(**params) -> SglangCacheAware:
 )
 def test_imbalance_rule_overrides_cache(loads: dict[str, int], expected: list[str]) -> None:
     p = policy()
-    p.on_dispatched(q([1, 2, 3, 4]), "a")
-    p.on_dispatched(q([9]), "c")  # c's tree (1 block) is bigger than b's (0)
-    workers = [WorkerView(w, queued=n) for w, n in loads.items()]
+    p.on_dispatched(q([1, 2, 3, 4], "ra"), "a")
+    p.on_dispatched(q([9], "rc"), "c")  # c's tree (1 block) is bigger than b's (0)
+    p.on_finished("ra", "a", 0.0)
+    p.on_finished("rc", "c", 0.0)
+    for w, n in loads.items():
+        send(p, w, n)
+    # the engines' own reports play no part: SGLang counts what it sent
+    workers = [WorkerView(w, queued=500 if w == "b" else 0) for w in loads]
     assert ids(p.rank(q([1, 2, 3, 4]), workers, random.Random(0))) == expected
+
+
+def test_in_flight_count_follows_dispatch_and_finish() -> None:
+    p = policy(balance_abs_threshold=2)
+    a = send(p, "a", 4)
+    workers = [WorkerView("a"), WorkerView("b")]
+    assert ids(p.rank(q([7]), workers, random.Random(0)))[0] == "b"  # 4 - 0 > 2, 4 > 0
+    for rid in a[:2]:
+        p.on_finished(rid, "a", 1.0)
+    p.on_finished("never-sent", "a", 1.0)
+    assert (p.load("a"), p.load("b")) == (2, 0)  # 2 - 0 is not > 2: balanced again
+    p.on_dispatched(q([], a[2]), "b")  # a re-dispatch moves the request
+    assert (p.load("a"), p.load("b")) == (1, 1)
 
 
 def test_threshold_rule_match_rate_must_exceed() -> None:
@@ -75,15 +106,18 @@ def test_smallest_tree_fallback_and_seeded_ties() -> None:
         assert p.rank(fresh, workers, random.Random(s)) == p.rank(fresh, workers, random.Random(s))
 
 
-def test_trees_evict_lru_from_the_leaves() -> None:
+def test_trees_evict_lru_from_the_leaves_every_interval() -> None:
     p = policy(max_tree_tokens=4 * BS)  # 4 blocks per worker
-    p.on_dispatched(q([1, 2, 3]), "a")
-    p.on_dispatched(q([7, 8]), "a")  # 5 > 4: the oldest leaf, block 3, goes
+    p.on_dispatched(q([1, 2, 3], now=0.0), "a")
+    p.on_dispatched(q([7, 8], now=30.0), "a")
+    assert p.tree_blocks("a") == 5  # over the cap until the next eviction (60 s)
+    p.on_dispatched(q([], now=60.0), "b")  # 5 > 4: the oldest leaf, block 3, goes
     assert p.tree_blocks("a") == 4
     assert p.matched_blocks("a", [1, 2, 3]) == 2
     assert p.matched_blocks("a", [7, 8]) == 2
-    p.on_dispatched(q([1, 2]), "a")  # touch 1, 2: now 8 is the oldest leaf
-    p.on_dispatched(q([20]), "a")
+    p.on_dispatched(q([1, 2], now=61.0), "a")  # touch 1, 2: now 8 is the oldest leaf
+    p.on_dispatched(q([20], now=62.0), "a")
+    p.on_dispatched(q([], now=120.0), "b")
     assert p.matched_blocks("a", [7, 8]) == 1
     assert p.matched_blocks("a", [1, 2]) == 2
     assert p.tree_blocks("b") == 0
@@ -96,6 +130,7 @@ def test_trees_evict_lru_from_the_leaves() -> None:
         ({"balance_abs_threshold": -1}, "balance_abs_threshold"),
         ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
         ({"max_tree_tokens": 0}, "max_tree_tokens"),
+        ({"eviction_interval_s": 0}, "eviction_interval_s"),
     ],
 )
 def test_params_are_validated(params: dict, field: str) -> None:

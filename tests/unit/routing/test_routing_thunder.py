@@ -1,4 +1,5 @@
-"""thunder: hand-computed seconds, load-decayed credit, host tier, pressure, p2c, online tuning."""
+"""thunder: hand-computed seconds, load-decayed credit, host tier, KV overflow, load-scaled
+recompute, p2c, online tuning."""
 
 import math
 import random
@@ -64,21 +65,42 @@ def test_credit_decays_with_excess_load() -> None:
     assert unit().rank(query, even, random.Random(0))[0].score == 0.0  # even load: full credit
 
 
-def test_queue_decode_and_pressure_terms() -> None:
-    p = unit(
-        decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, decode_weight=0.1, pressure_penalty_s=2.0
-    )
+def test_queue_decode_and_kv_overflow_terms() -> None:
+    p = unit(decode_s_per_kv_token=0.01, decode_s_per_seq=0.5, decode_weight=0.1)
     p.on_dispatched(q(3), "x")  # uncached mean: 30 tokens
     w = WorkerView(
         "w", running=1, queued=2, active_tokens=910, kv_used_blocks=100, kv_total_blocks=100
     )
     query = q(4, expected_output_tokens=10)
     # own 40 + ahead 2 * 30 = 100; decode 0.1 * 10 * (0.01 * 910 + 0.5 * 3) = 10.6;
-    # pressure: running KV + this prompt = (910 + 40) / (100 * 10) = 95% -> 2 * 0.5 = 1
-    assert p.cost(query, w, min_outstanding=3) == pytest.approx(111.6)
+    # KV: running 910 + this prompt 40 + its output 10 = 960 past 90% of 1000 by 60 tokens,
+    # each recomputed once after a retraction: 60
+    assert p.cost(query, w, min_outstanding=3) == pytest.approx(170.6)
+    # what was sent since the last report holds KV there too: 880 + 40 + 10 is 30 past 900;
+    # own 40, ahead one request at the mean 30, decode 0.1 * 10 * 0.5 * 1
+    sent = WorkerView("w", kv_total_blocks=100, pending=1, pending_kv_tokens=880)
+    assert p.cost(query, sent, min_outstanding=0) == pytest.approx(40 + 30 + 0.5 + 30)
     # a pool full of cached (evictable) blocks alone is no pressure
     idle = WorkerView("w", kv_used_blocks=100, kv_total_blocks=100)
     assert p.cost(q(4), idle, min_outstanding=0) == pytest.approx(40.0)
+
+
+def test_recompute_weighs_more_as_prefill_queues_grow() -> None:
+    p = unit(recompute_gain=1.0, max_recompute_weight=16.0)
+    p.on_dispatched(q(2), "x")  # a typical prefill: 20 tokens
+    idle = [WorkerView("a"), WorkerView("b")]
+    assert p.recompute_weight(idle) == 0.0
+    queued = [
+        WorkerView("a", prefill_tokens=60, pending_prefill_tokens=0),
+        WorkerView("b", prefill_tokens=20, pending_prefill_tokens=0),
+    ]
+    assert p.recompute_weight(queued) == pytest.approx(2.0)  # 40 tokens queued: two prefills
+    # with queues a miss adds work everyone waits for: the holder wins despite its queue
+    query = q(4, overlaps={"a": 4})
+    assert ids(p.rank(query, queued, random.Random(0)))[0] == "a"
+    flat = unit(recompute_gain=0.0)
+    flat.on_dispatched(q(2), "x")
+    assert ids(flat.rank(query, queued, random.Random(0)))[0] == "b"  # own TTFT only: b
 
 
 def test_free_kv_breaks_cost_ties() -> None:
@@ -203,7 +225,8 @@ def test_online_tuner_is_bounded() -> None:
         ({"load_scale": math.nan}, "load_scale"),
         ({"decode_s_per_kv_token": -1e-9}, "decode_s_per_kv_token"),
         ({"pressure_threshold": 1.0}, "pressure_threshold"),
-        ({"pressure_penalty_s": -1.0}, "pressure_penalty_s"),
+        ({"overflow_weight": -1.0}, "overflow_weight"),
+        ({"recompute_gain": -0.5}, "recompute_gain"),
         ({"mean_alpha": 2.0}, "mean_alpha"),
     ],
 )

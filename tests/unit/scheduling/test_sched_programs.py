@@ -61,3 +61,35 @@ def test_paused_step_resumes_on_the_routers_next_candidate() -> None:
     s = crowded()
     got = run(s, step("A-1", "A", 176, [("w0", 11), ("w1", 0)]), 3.0)
     assert got == [Dispatch("A-1", "w1")]
+
+
+def test_every_parked_step_of_a_paused_program_resumes_with_it() -> None:
+    """An open-loop client may send a program's next steps before the first is served: all
+    of them wait with the program and all of them go when it resumes (none is lost)."""
+    s = crowded()
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
+    assert run(s, step("A-2", "A", 192, [("w0", 11)]), 3.1) == []
+    assert s.programs.pending["A"] == ["A-1", "A-2"]
+    s.on_finished("D-0", "w0", 3.2)
+    s.release_program("D", 3.2)
+    assert s.poll(3.2) == [Dispatch("A-1", "w0"), Dispatch("A-2", "w0")]
+    assert s.waiting() == 0
+
+
+def test_a_parked_step_never_waits_past_the_park_bound() -> None:
+    """Under sustained pressure nothing frees memory: after ``program_park_max_s`` the program
+    resumes on its step's first candidate anyway (re-prefilling beats starving)."""
+    s = crowded()
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
+    wake = s.next_wakeup(3.0)
+    assert wake == 3.0 + s.params.program_park_max_s
+    assert s.poll(wake - 0.01) == []
+    assert s.poll(wake) == [Dispatch("A-1", "w0")]
+
+
+def test_cancelling_a_parked_step_leaves_nothing_behind() -> None:
+    s = crowded()
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
+    assert s.cancel("A-1", 3.5) is True
+    assert s.waiting() == 0 and "A" not in s.programs.pending
+    assert s.next_wakeup(3.5) is None

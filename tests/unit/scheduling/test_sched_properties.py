@@ -1,4 +1,7 @@
-"""Across random event sequences every submission leaves exactly once (Dispatch or Reject)."""
+"""Across random event sequences every submission leaves exactly once (Dispatch, Reject or a
+cancellation the client asked for), and nothing waits forever: paused agent programs resume by
+themselves (no release message needed), several steps of one program may wait at once (an
+open-loop client), and preemptions re-submit continuations."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from thunderagent.scheduling import (
 WORKERS = ("w0", "w1", "w2")
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["submit", "submit", "tick", "start", "finish", "cache", "report"]),
+        st.sampled_from(
+            ["submit", "submit", "tick", "start", "finish", "cache", "report", "cancel", "release"]
+        ),
         st.integers(0, 1000),
     ),
     max_size=60,
@@ -28,7 +33,10 @@ ops = st.lists(
 
 class Driver:
     def __init__(self, name: str, pd: bool) -> None:
-        self.s = SCHEDULERS.create(name, preempt_min_remaining_tokens=1, program_watermark=0.5)
+        self.s = SCHEDULERS.create(
+            name, preempt_min_remaining_tokens=1, program_watermark=0.15,
+            program_resume_watermark=0.1,
+        )  # fmt: skip  (tight program memory: pauses and parked steps happen often)
         self.pd, self.now, self.n = pd, 0.0, 0
         self.submits: Counter[str] = Counter()
         self.exits: Counter[str] = Counter()
@@ -94,11 +102,19 @@ class Driver:
         elif op == "report":
             w = WORKERS[x % 3]
             self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 2, self.roles[w]), self.now)
+        elif op == "cancel":
+            waiting = [r for r in sorted(self.submits) if self.exits[r] < self.submits[r]]
+            if waiting:
+                rid = waiting[x % len(waiting)]
+                if self.s.cancel(rid, self.now):
+                    self.exits[rid] += 1
+        elif op == "release":
+            self.s.release_program(f"p{x % 5}", self.now)
         self.apply(self.s.poll(self.now))
 
     def drain(self) -> None:
-        for p in [f"p{i}" for i in range(5)]:
-            self.s.release_program(p, self.now)
+        """Finish what runs and keep time moving, releasing nothing: every waiting request
+        (paused programs' steps included) must leave by itself."""
         for _ in range(10_000):
             if not self.s.waiting() and not self.running:
                 return

@@ -1,0 +1,122 @@
+"""CPU time of the processes under test, read from the kernel: what each service spends per
+request, independent of how the latency came out.
+
+``/proc/<pid>/task/<tid>/schedstat`` gives each thread's time on a CPU in nanoseconds (the
+``utime``/``stime`` ticks of ``/proc/<pid>/stat`` are 10 ms coarse); a process's figure is the sum
+over its threads and over its children (a launcher that forks the real server counts whole).
+Threads or children that exit between two readings take their time with them, so the services
+measured here are long-lived ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+
+def thread_cpu_ns(pid: int) -> int:
+    """On-CPU nanoseconds of every live thread of ``pid`` (0 when it is gone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    try:
+        proc = psutil.Process(pid)
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.Error:
+        return [pid]
+
+
+def tree_cpu_ns(pid: int) -> int:
+    return sum(thread_cpu_ns(p) for p in tree_pids(pid))
+
+
+def user_sys_ticks(pid: int) -> tuple[int, int]:
+    """(user, kernel) clock ticks of ``pid`` and its descendants (``/proc/<pid>/stat``): only
+    their ratio is used, the ticks being coarse."""
+    user = system = 0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            user, system = user + int(fields[11]), system + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return user, system
+
+
+@dataclass
+class CpuMeter:
+    """CPU nanoseconds per named process tree between :meth:`start` and :meth:`stop`."""
+
+    pids: Mapping[str, int]
+    own: bool = True
+    """Also measure this process (the load generator) as ``"loadgen"``."""
+    _start: dict[str, int] = field(default_factory=dict)
+    _ticks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    used_ns: dict[str, int] = field(default_factory=dict)
+    kernel_share: dict[str, float] = field(default_factory=dict)
+    """Share of each process's CPU time spent in the kernel (syscalls: sockets, epoll)."""
+
+    def _read(self) -> dict[str, int]:
+        out = {name: tree_cpu_ns(pid) for name, pid in self.pids.items()}
+        if self.own:
+            out["loadgen"] = time.process_time_ns()
+        return out
+
+    def start(self) -> None:
+        self._ticks = {name: user_sys_ticks(pid) for name, pid in self.pids.items()}
+        self._start = self._read()
+
+    def stop(self) -> dict[str, int]:
+        end = self._read()
+        self.used_ns = {name: max(0, end[name] - self._start.get(name, 0)) for name in end}
+        for name, pid in self.pids.items():
+            user, system = user_sys_ticks(pid)
+            u0, s0 = self._ticks.get(name, (0, 0))
+            total = (user - u0) + (system - s0)
+            self.kernel_share[name] = round((system - s0) / total, 2) if total > 0 else 0.0
+        return self.used_ns
+
+
+def per_request_us(
+    used_ns: Mapping[str, int],
+    requests: int,
+    *,
+    idle_ns_per_s: Mapping[str, float] | None = None,
+    seconds: float = 0.0,
+) -> dict[str, float]:
+    """CPU µs per request of each process, less what it burns idle over the same ``seconds``
+    (load reports, leases, timers) when an idle rate is given."""
+    out: dict[str, float] = {}
+    idle = idle_ns_per_s or {}
+    for name, ns in used_ns.items():
+        net = ns - idle.get(name, 0.0) * seconds
+        out[name] = round(max(0.0, net) / max(1, requests) / 1e3, 1)
+    return out
+
+
+def group(per_process: Mapping[str, float], groups: Iterable[tuple[str, str]]) -> dict:
+    """Sum processes into services by name prefix: ``[("worker", "worker-"), ...]``; a process
+    no prefix matches keeps its own name."""
+    out: dict[str, float] = {}
+    rules = list(groups)
+    for name, value in per_process.items():
+        key = next((g for g, prefix in rules if name.startswith(prefix)), name)
+        out[key] = round(out.get(key, 0.0) + value, 1)
+    return out

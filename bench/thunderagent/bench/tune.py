@@ -1,0 +1,108 @@
+"""Choose a thunder default on generated workloads: capacity at the SLO for each candidate
+setting, against every peer as it ships, on every workload given.
+
+    thunderagent bench tune --traces A.jsonl,B.jsonl --speeds 1,2,3,4 \\
+        --param thunder.recompute_gain=0.5,1,2,4 [--json F]
+
+For each workload it sweeps the speeds, runs thunder (router + its scheduler) once per value
+of the parameter and each peer (direct dispatch), and reports each one's capacity (the highest
+swept speed meeting the SLO with nothing lost) and goodput. The recommended value maximises the
+worst capacity ratio to the best peer across workloads (ties: the larger sum of goodputs).
+The real traces are for judging a default chosen here, not for choosing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from thunderagent.bench.replay import default_slo_ms, scheduler_for
+from thunderagent.engine import TimingModel, get_profile
+from thunderagent.replay import Replay, ReplayConfig, load_trace
+from thunderagent.replay.summary import summarize
+
+PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
+
+
+def _values(text: str) -> tuple[str, str, list[float]]:
+    key, _, raw = text.partition("=")
+    policy, _, field = key.partition(".")
+    return policy, field, [float(v) for v in raw.split(",")]
+
+
+def capacity(entries: list[dict]) -> float:
+    met = [e["speed"] for e in entries if e["slo_met"]]
+    return max(met) if met else 0.0
+
+
+def run_one(trace, profile, policy: str, params: dict, speed: float, slo_ms: float) -> dict:
+    cfg = ReplayConfig(
+        profile=profile, policy=policy, policy_params=params,
+        scheduler=scheduler_for(policy, None),
+    )  # fmt: skip
+    started = time.perf_counter()
+    result = Replay(cfg, profile.engine.block_size).run(trace, speed)
+    timing = TimingModel(profile)
+    return summarize(
+        result, policy=policy, speed=speed, timing=timing,
+        chunk=profile.engine.chunked_prefill_size, ideal=0.0, pooled=0.0,
+        wall_s=time.perf_counter() - started, slo_ms=slo_ms,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="thunderagent bench tune", description=__doc__.split("\n")[0])
+    p.add_argument("--traces", required=True, help="comma list of Mooncake traces")
+    p.add_argument("--speeds", default="1,2,3,4")
+    p.add_argument("--param", required=True, help="thunder.FIELD=V1,V2,...")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    policy, field, values = _values(args.param)
+    speeds = [float(s) for s in args.speeds.split(",")]
+    profile = get_profile(args.profile).with_engine(block_size=args.block_size)
+    timing = TimingModel(profile)
+    report: dict = {"param": f"{policy}.{field}", "values": values, "workloads": {}}
+    for path in args.traces.split(","):
+        trace = load_trace(path, block_size=args.block_size)
+        slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
+        runs: dict[str, list[dict]] = {}
+        for v in values:
+            runs[f"{policy}@{v:g}"] = [
+                run_one(trace, profile, policy, {field: v}, s, slo) for s in speeds
+            ]
+        for peer in args.peers.split(","):
+            runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]
+        caps = {name: capacity(entries) for name, entries in runs.items()}
+        best_peer = max(caps[peer] for peer in args.peers.split(","))
+        report["workloads"][Path(path).stem] = {
+            "slo_ms": slo,
+            "capacity": caps,
+            "best_peer_capacity": best_peer,
+            "goodput": {n: [round(e["goodput_rps"], 3) for e in es] for n, es in runs.items()},
+            "ttft_p99_ms": {n: [round(e["ttft_p99_all_ms"]) for e in es] for n, es in runs.items()},
+        }
+        print(f"{Path(path).stem}: SLO {slo / 1000:.2f} s, capacity {caps}", flush=True)
+    scores = {}
+    for v in values:
+        name = f"{policy}@{v:g}"
+        ratios = [
+            w["capacity"][name] / w["best_peer_capacity"] if w["best_peer_capacity"] else 0.0
+            for w in report["workloads"].values()
+        ]
+        goodput = sum(sum(w["goodput"][name]) for w in report["workloads"].values())
+        scores[v] = (min(ratios), goodput)
+    best = max(values, key=lambda v: scores[v])
+    report["scores"] = {f"{v:g}": {"worst_ratio": s[0], "goodput": s[1]} for v, s in scores.items()}
+    report["recommended"] = best
+    print(json.dumps({"scores": report["scores"], "recommended": best}, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

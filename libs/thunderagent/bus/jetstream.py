@@ -1,0 +1,231 @@
+"""JetStream through the bus: the KV-event stream and the workers key-value bucket.
+
+Services never touch nats-py's JetStream API: they publish to a stream with an ack
+(``stream_publish``), consume it from a sequence (``consume``: ordered and ephemeral for replicas,
+durable with explicit acks for the index service), and read or write the workers bucket
+(``bucket``). A message that does not decode is dead-lettered with its reason and skipped: the
+consumer's position still advances, so one bad record never stalls a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from thunderagent.bus.errors import DECODE_ERRORS
+from thunderagent.schemas import subjects
+
+log = logging.getLogger(__name__)
+
+KV_EVENTS_MAX_AGE_S: Final = 3600.0
+"""A router replica replays from the Redis snapshot's sequence: one hour of history covers any
+snapshot interval with a wide margin; older events are only needed if Redis was lost, and then a
+resync from the adapters rebuilds the index anyway."""
+
+KV_EVENTS_MAX_BYTES: Final = 1 << 30
+
+WORKERS_BUCKET_TTL_S: Final = 120.0
+"""Garbage collection only: leases are enforced by readers from ``lease_s`` and renewals. One
+fixed value, because every process creates the bucket with the same config or not at all."""
+
+StreamHandler = Callable[[Any, int], Awaitable[None]]
+"""``handler(decoded message, stream sequence)``."""
+
+
+def kv_events_stream_config() -> StreamConfig:
+    return StreamConfig(
+        name=subjects.KV_EVENTS_STREAM,
+        subjects=[subjects.KV_EVENTS_WILDCARD],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=KV_EVENTS_MAX_AGE_S,
+        max_bytes=KV_EVENTS_MAX_BYTES,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class BucketEntry:
+    """One change of a bucket key; ``value`` is None when the key was deleted."""
+
+    key: str
+    value: bytes | None
+
+
+class Bucket:
+    """A key-value bucket (the workers' registrations): put, delete, list and watch."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self._kv.put(key, value)
+
+    async def delete(self, key: str) -> None:
+        await self._kv.delete(key)
+
+    async def keys(self) -> list[str]:
+        try:
+            return list(await self._kv.keys())
+        except Exception as err:  # nats-py raises NoKeysError for an empty bucket
+            if type(err).__name__ == "NoKeysError":
+                return []
+            raise
+
+    async def watch(self, stop: asyncio.Event) -> AsyncIterator[BucketEntry | None]:
+        """Every current key, then None (the initial values are done), then every change."""
+        watcher = await self._kv.watchall()
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=0.5)
+                except Exception as err:  # nats-py raises its own TimeoutError subclass
+                    if isinstance(err, TimeoutError) or type(err).__name__ == "TimeoutError":
+                        continue
+                    raise
+                if entry is None:
+                    yield None
+                elif entry.operation in ("DEL", "PURGE") or not entry.value:
+                    yield BucketEntry(entry.key, None)
+                else:
+                    yield BucketEntry(entry.key, entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+
+class StreamConsumer:
+    """A running consumer; ``stop`` unsubscribes (the durable keeps its position)."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):  # the connection may be closing
+            await self._sub.unsubscribe()
+
+
+class JetStreamMixin:
+    """JetStream methods of ``Bus`` (``nc``, ``publish``-style encoding and ``reject`` come from
+    the Bus itself)."""
+
+    nc: Any
+
+    async def ensure_kv_events_stream(self) -> None:
+        """Create the KV-event stream if it does not exist (same config from every process)."""
+        js = self.nc.jetstream()
+        try:
+            await js.stream_info(subjects.KV_EVENTS_STREAM)
+            return
+        except NotFoundError:
+            pass
+        try:
+            await js.add_stream(kv_events_stream_config())
+        except Exception as err:  # created concurrently by another process: fine if it exists
+            await js.stream_info(subjects.KV_EVENTS_STREAM)
+            log.debug("stream created concurrently: %s", err)
+
+    async def stream_publish(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None = None
+    ) -> int:
+        """Publish into a stream and wait for its ack; returns the stream sequence."""
+        ack = await self.nc.jetstream().publish(subject, payload, headers=headers)
+        return ack.seq
+
+    async def stream_last_seq(self, stream: str) -> int:
+        info = await self.nc.jetstream().stream_info(stream)
+        return info.state.last_seq
+
+    async def consume(
+        self,
+        stream: str,
+        subject: str,
+        message_type: Any,
+        handler: StreamHandler,
+        *,
+        start_seq: int = 0,
+        new_only: bool = False,
+        durable: str | None = None,
+    ) -> StreamConsumer:
+        """Deliver ``stream``'s messages on ``subject`` from ``start_seq`` (0: the beginning;
+        ``new_only``: from now on) to ``handler(message, seq)``, in order.
+
+        Without ``durable`` the consumer is ordered and ephemeral (a replica that rebuilds its
+        state from a snapshot). With it, acks are explicit and the consumer is recreated at
+        ``start_seq``: the caller's snapshot, not the server, decides where to resume.
+        """
+        js = self.nc.jetstream()
+        decoder = msgspec.json.Decoder(message_type)
+        if new_only:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+        elif start_seq:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+            )
+        else:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+
+        async def on_msg(msg: Any) -> None:
+            seq = msg.metadata.sequence.stream
+            try:
+                decoded = decoder.decode(msg.data)
+            except DECODE_ERRORS as err:
+                await self._reject_stream(msg, f"invalid {message_type.__name__}: {err}")
+            else:
+                await handler(decoded, seq)
+            if durable:
+                await msg.ack()
+
+        if durable:
+            config.ack_policy = AckPolicy.EXPLICIT
+            config.max_ack_pending = 100_000
+            with contextlib.suppress(Exception):  # no such consumer yet
+                await js.delete_consumer(stream, durable)
+            sub = await js.subscribe(
+                subject, durable=durable, stream=stream, config=config, cb=on_msg, manual_ack=True
+            )
+        else:
+            sub = await js.subscribe(
+                subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
+            )
+        return StreamConsumer(sub)
+
+    async def _reject_stream(self, msg: Any, reason: str) -> None:
+        from thunderagent.bus.bus import Delivery
+
+        delivery = Delivery(msg.subject, "", dict(msg.headers or {}), msg.data)
+        await self.reject(delivery, reason)  # type: ignore[attr-defined]
+
+    async def bucket(self, name: str, ttl_s: float = WORKERS_BUCKET_TTL_S) -> Bucket:
+        """Open a key-value bucket, creating it when this process is the first to need it."""
+        js = self.nc.jetstream()
+        config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s)
+        for _ in range(20):
+            try:
+                return Bucket(await js.key_value(name))
+            except BucketNotFoundError:
+                pass
+            try:
+                return Bucket(await js.create_key_value(config))
+            except Exception as err:  # another process created it between our two calls
+                log.debug("creating %s: %s", name, err)
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"cannot open or create the {name} bucket")

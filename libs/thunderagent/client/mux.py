@@ -1,0 +1,230 @@
+"""One request's trip over NATS: publish on the model's request subject with a reply subject
+from a shared inbox, read the replies, and (optionally) cancel the request if it is abandoned.
+
+All requests of a process share one wildcard subscription (``<inbox>.*``) and are told apart by
+the last token of their reply subject, as nats-py's own request/reply does: a subscription per
+request would cost a SUB and an UNSUB per request on the server and on this event loop. Used by
+``ThunderClient`` and the HTTP gateway alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, MaxPayloadError, OutboundBufferLimitError
+
+from thunderagent.bus.errors import DECODE_ERRORS
+from thunderagent.schemas import (
+    REPLY_DECODER,
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    ReplyMessage,
+    subjects,
+)
+from thunderagent.telemetry import inject_headers
+
+if TYPE_CHECKING:
+    from thunderagent.bus import Bus
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+
+
+class Inbox:
+    """Replies of one request: a deque and at most one waiter (lighter than asyncio.Queue)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, msg) -> None:
+        self._items.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def pop(self):
+        return self._items.popleft() if self._items else None
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class ReplyMux:
+    """The shared reply subscription: hands each message to the inbox of its request."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self._inboxes: dict[str, Inbox] = {}
+        self._ids = itertools.count()
+        self._sub = None
+        self._starting: asyncio.Lock | None = None
+
+    @classmethod
+    def on(cls, bus: Bus) -> ReplyMux:
+        """The mux over a service's bus connection."""
+        return cls(bus.nc)
+
+    async def start(self) -> None:
+        """Subscribe (once; later calls return at once)."""
+        if self._sub is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._sub is None:
+                self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+
+    async def _on_msg(self, msg) -> None:
+        inbox = self._inboxes.get(msg.subject[len(self.prefix) + 1 :])
+        if inbox is not None:  # else: the request was abandoned; drop what still comes
+            inbox.put(msg)
+
+    def open(self) -> tuple[str, Inbox]:
+        token = str(next(self._ids))
+        inbox = self._inboxes[token] = Inbox()
+        return f"{self.prefix}.{token}", inbox
+
+    def close(self, reply_subject: str) -> None:
+        self._inboxes.pop(reply_subject[len(self.prefix) + 1 :], None)
+
+    def __len__(self) -> int:
+        return len(self._inboxes)
+
+
+Spawn = Callable[[Awaitable[None]], object]
+
+
+class Call:
+    """One request in flight. ``close()`` always runs; with ``spawn`` given, a request that was
+    published and got no final or error reply is cancelled there (a ``CancelRequest`` published
+    from a task made by ``spawn``), so the stack stops the work.
+
+    Errors become ``ErrorReply`` answers naming ``service``: a request over the bus's payload
+    limit, a closed connection, no router (NATS's 503), an undecodable reply, and no reply for
+    ``idle_timeout_s`` (``timeout_code``)."""
+
+    def __init__(
+        self,
+        mux: ReplyMux,
+        request: GenerateRequest,
+        *,
+        idle_timeout_s: float,
+        spawn: Spawn | None = None,
+        service: str = "client",
+        timeout_code: ErrorCode = ErrorCode.DEADLINE,
+    ) -> None:
+        self.mux = mux
+        self.request = request
+        self.idle_timeout_s = idle_timeout_s
+        self.service = service
+        self.timeout_code = timeout_code
+        self.reply_subject, self._inbox = mux.open()
+        self._spawn = spawn
+        self.published = False
+        self.finished = False
+        self.cancel_reason = "client disconnected"
+
+    async def start(self, headers: dict[str, str] | None = None) -> ReplyMessage:
+        """Publish the request (with ``headers``, else the current trace context) and wait for
+        its first reply."""
+        error = await self.publish(headers)
+        if error is not None:
+            self.finished = True
+            return error
+        return await self.next()
+
+    async def publish(self, headers: dict[str, str] | None = None) -> ErrorReply | None:
+        """Publish the request; an ``ErrorReply`` when it could not be."""
+        nc = self.mux.nc
+        payload = _encode(self.request)
+        limit = nc.max_payload
+        if limit and len(payload) > limit:
+            return self._error(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request of {len(payload)} bytes is too large for NATS: it exceeds the bus "
+                f"limit of {limit} bytes",
+            )
+        if headers is None:
+            headers = inject_headers()
+        try:
+            await nc.publish(subjects.requests(self.request.model), payload,
+                             reply=self.reply_subject, headers=headers or None)  # fmt: skip
+        except MaxPayloadError as err:
+            return self._error(ErrorCode.PAYLOAD_TOO_LARGE, f"request too large for NATS: {err}")
+        except (ConnectionClosedError, OutboundBufferLimitError) as err:
+            return self._error(ErrorCode.UNAVAILABLE, f"NATS unavailable: {err!r}")
+        self.published = True
+        return None
+
+    def next_nowait(self) -> ReplyMessage | None:
+        msg = self._inbox.pop()
+        return None if msg is None else self._decode(msg)
+
+    async def next(self) -> ReplyMessage:
+        msg = self._inbox.pop()
+        if msg is None:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    msg = await self._inbox.get()
+            except TimeoutError:
+                self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
+                return self._error(self.timeout_code, self.cancel_reason)
+        return self._decode(msg)
+
+    def _decode(self, msg) -> ReplyMessage:
+        headers = msg.headers
+        status = headers.get("Status") if headers else None
+        if status == "503" or (not msg.data and status):
+            self.finished = True  # nothing was started: nothing to cancel
+            model = self.request.model
+            return self._error(
+                ErrorCode.UNAVAILABLE, f"no router subscribes to {subjects.requests(model)}"
+            )
+        try:
+            reply = REPLY_DECODER.decode(msg.data)
+        except DECODE_ERRORS as err:
+            return self._error(ErrorCode.INTERNAL, f"undecodable reply: {err}")
+        if isinstance(reply, FinalReply | ErrorReply):
+            self.finished = True
+        return reply
+
+    def _error(self, code: ErrorCode, message: str) -> ErrorReply:
+        return ErrorReply(
+            code=code, message=message, request_id=self.request.request_id, service=self.service
+        )
+
+    def close(self) -> None:
+        """Stop reading replies; cancel the request if it is still running somewhere."""
+        self.mux.close(self.reply_subject)
+        if self._spawn is not None and self.published and not self.finished:
+            cancel = CancelRequest(request_id=self.request.request_id, reason=self.cancel_reason)
+            # A task: close() runs while the handler is being cancelled, where an await could
+            # be interrupted; the publish itself is a buffer append.
+            self._spawn(self._publish_cancel(cancel))
+
+    async def _publish_cancel(self, cancel: CancelRequest) -> None:
+        try:
+            headers = inject_headers()
+            await self.mux.nc.publish(subjects.SCHED_CANCEL, _encode(cancel),
+                                      headers=headers or None)  # fmt: skip
+        except Exception as err:  # connection closing: the scheduler's own timeouts remain
+            log.warning("request %s: cancel not sent: %r", cancel.request_id, err)

@@ -1,0 +1,36 @@
+"""What a request may ask of the workers serving its model, checked where it enters.
+
+A request that no worker can serve is answered at once with the reason, instead of occupying
+an engine slot (SGLang would refuse it only after the queue, or run ``max_tokens=1e9`` for ever).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from thunderagent.fleet.workers import WorkerState
+from thunderagent.schemas import ErrorCode
+
+
+def check_limits(
+    token_ids: Sequence[int], max_tokens: int, workers: Sequence[WorkerState]
+) -> tuple[ErrorCode, str] | None:
+    """None when every limit the workers report holds; else the error code and a message that
+    names the limit. Unknown limits (0 in the registration) are not checked."""
+    contexts = [w.registration.context_length for w in workers if w.registration.context_length]
+    vocabs = [w.registration.vocab_size for w in workers if w.registration.vocab_size]
+    if contexts:
+        context = min(contexts)
+        if len(token_ids) + max_tokens > context:
+            return ErrorCode.CONTEXT_LENGTH, (
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"model's context length ({context} tokens)"
+            )
+    if vocabs and token_ids:
+        vocab = min(vocabs)
+        top = max(token_ids)
+        if top >= vocab:
+            return ErrorCode.BAD_REQUEST, (
+                f"token id {top} is outside the model's vocabulary (ids below {vocab})"
+            )
+    return None

@@ -1,0 +1,314 @@
+"""The router's decision, written once: the router service and the virtual-time replay both run it.
+
+One ``RouterCore`` holds everything a router replica knows and learns:
+
+* the fleet (registrations with leases, latest load reports, runs sent since each report);
+* the prefix index fed by KV-event batches (``feeder``: every tier, and a GPU-only view once a
+  host tier shows up) plus the in-flight overlay of prompts just dispatched, which covers the
+  time until the engine's events arrive;
+* the routing policy and its rng, the lazy verifier, the running mean of output lengths and the
+  feedback window the online tuner learns from.
+
+Life of a request: ``route`` (hash, overlaps, rank: no state changes) -> ``on_dispatched`` with
+the worker that actually took the run (the scheduler's choice, which may not be the first
+candidate) -> ``on_finished`` when the run ends (verification, policy bookings, output mean).
+``tick`` expires TTLs and, once per ``feedback_interval_s``, gives the policy its feedback.
+Every method takes the caller's clock; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from thunderagent.fleet import WorkerRegistry, worker_view
+from thunderagent.hashing import BlockHasher, BlockHashes
+from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
+from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
+from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes
+from thunderagent.router_core.verification import Dispatch, Verdict, Verifier
+from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback
+from thunderagent.routing.cost import RunningMean
+from thunderagent.scheduling.credits import may_dispatch_directly
+from thunderagent.schemas import KvEventBatch, LoadReport, RouteDecision, WorkerRegistration
+
+
+@dataclass(kw_only=True)
+class RouterParams:
+    """Everything that shapes a router's decisions; the same object configures the service and
+    the replay."""
+
+    policy: str = "thunder"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the policy's documented defaults (``--param FIELD=VALUE``)."""
+    seed: int | None = None
+    """Seed of the tie-breaking rng (None: random)."""
+    index_ttl_s: float | None = DEFAULT_TTL_S
+    """Prefix-index TTL (None: entries live until removed)."""
+    inflight_ttl_s: float = INFLIGHT_TTL_S
+    feedback_interval_s: float = 1.0
+    """How often the policy's ``observe`` gets the window's measurements."""
+    prior_output_tokens: int = 128
+    """Output length assumed before any request has finished."""
+    output_alpha: float = 0.02
+    """EMA weight of finished output lengths (~50 requests of memory)."""
+    verify_capacity: int = 50_000
+    """Dispatched runs remembered for verification (and routed ones awaiting dispatch)."""
+
+
+@dataclass(slots=True)
+class Routed:
+    """The core's answer for one request; ``decision`` is what goes on the wire."""
+
+    decision: RouteDecision
+    query: RouteQuery
+    hashes: BlockHashes
+    model: str
+    confirmed: dict[str, int]
+    """Per worker, the prefix its engine has reported holding (the overlaps in ``query`` add
+    the in-flight overlay: prompts dispatched moments ago)."""
+
+    def may_dispatch_directly(self, deadline: float | None, program_id: str | None) -> bool:
+        """Whether the first candidate may take it on the router's credit (``credits.py``)."""
+        first = self.decision.worker_id
+        return may_dispatch_directly(
+            deadline=deadline,
+            program_id=program_id,
+            confirmed_blocks=self.confirmed.get(first, 0),
+            predicted_blocks=self.query.overlaps.get(first, 0),
+        )
+
+
+@dataclass(slots=True)
+class FeedbackWindow:
+    """Predicted vs found cached tokens of the runs verified since the last ``observe``."""
+
+    predicted_tokens: int = 0
+    hit_tokens: int = 0
+
+    def false_hit_rate(self) -> float:
+        if not self.predicted_tokens:
+            return 0.0
+        return max(0.0, 1.0 - self.hit_tokens / self.predicted_tokens)
+
+
+class RouterCore:
+    def __init__(
+        self, params: RouterParams | None = None, *, timer: Callable[[], float] | None = None
+    ) -> None:
+        """``timer``: a monotonic clock in seconds to time each decision with (the service
+        passes ``time.perf_counter``); None records 0."""
+        self.params = p = params or RouterParams()
+        self.timer = timer
+        self.fleet = WorkerRegistry()
+        self.feeder = IndexFeeder(PrefixIndex(p.index_ttl_s))
+        self.inflight = InflightPrefixes(p.inflight_ttl_s)
+        self.policy = POLICIES.create(p.policy, **p.policy_params)
+        self.rng = random.Random(p.seed)
+        self.verifier = Verifier(p.verify_capacity)
+        self.window = FeedbackWindow()
+        self.outputs = RunningMean(p.output_alpha, prior=float(p.prior_output_tokens))
+        self._routed: OrderedDict[str, Routed] = OrderedDict()
+        self._hashers: dict[tuple[int, str | None], BlockHasher] = {}
+        self._next_feedback: float | None = None
+
+    # ---- fleet and index inputs ----------------------------------------------------------
+
+    def register(self, registration: WorkerRegistration, now: float) -> bool:
+        return self.fleet.register(registration, now)
+
+    def report(self, load: LoadReport, now: float) -> bool:
+        return self.fleet.report(load, now)
+
+    def remove(self, worker_id: str) -> None:
+        """The worker left (deregistered or lease lapsed): forget its cache and bookings."""
+        self.fleet.remove(worker_id)
+        self.feeder.forget(worker_id)
+        self.inflight.forget(worker_id)
+
+    def expire(self, now: float) -> list[str]:
+        gone = self.fleet.expire(now)
+        for worker_id in gone:
+            self.remove(worker_id)
+        return gone
+
+    def apply_kv(self, batch: KvEventBatch, now: float) -> FeedOutcome:
+        """A worker's cache events; blocks it reports gone also leave the in-flight overlay
+        (a prefix evicted or moved away must not attract requests for the overlay's TTL)."""
+        outcome = self.feeder.apply(batch, now)
+        self.inflight.drop_removed(batch)
+        return outcome
+
+    # ---- hashing -------------------------------------------------------------------------
+
+    def hash_tokens(
+        self, token_ids: Sequence[int], block_size: int, salt: str | None = None
+    ) -> BlockHashes:
+        """The prompt's chained block hashes; a salt (tenant) opens its own namespace."""
+        key = (block_size, salt)
+        hasher = self._hashers.get(key)
+        if hasher is None:
+            hasher = self._hashers[key] = BlockHasher(block_size, salt if salt else 0)
+        return hasher.hash_tokens(token_ids)
+
+    # ---- the decision --------------------------------------------------------------------
+
+    def expected_output(self, max_tokens: int, hint: int | None = None) -> int:
+        """The client's estimate when it gives one, else the running mean, within the budget."""
+        guess = hint if hint is not None else round(self.outputs.get())
+        return max(1, min(guess, max_tokens))
+
+    def route(
+        self,
+        *,
+        request_id: str,
+        model: str,
+        hashes: BlockHashes,
+        prompt_tokens: int,
+        block_size: int,
+        expected_output_tokens: int,
+        now: float,
+        priority: int = 0,
+    ) -> Routed | None:
+        """Rank the workers serving ``model`` for this prompt; None when none serves it. Only
+        remembers the answer until ``on_dispatched``: ranking itself changes no state."""
+        states = self.fleet.for_model(model)
+        if not states:
+            return None
+        started = self.timer() if self.timer is not None else 0.0
+        serving = {s.worker_id for s in states}
+        gpu, any_tier, confirmed = self._overlaps(hashes, now)
+        query = RouteQuery(
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            block_hashes=hashes.primary,
+            overlaps={w: n for w, n in gpu.items() if w in serving},
+            host_overlaps={w: n for w, n in any_tier.items() if w in serving},
+            expected_output_tokens=expected_output_tokens,
+            priority=priority,
+            now=now,
+        )
+        ranked = self.policy.rank(query, [worker_view(s) for s in states], self.rng)
+        best = ranked[0].worker_id
+        overlap = query.overlaps.get(best, 0)
+        decision = RouteDecision(
+            request_id=request_id,
+            model=model,
+            worker_id=best,
+            overlap_blocks=overlap,
+            prompt_blocks=len(hashes.primary),
+            candidates=ranked,
+            policy=self.policy.name,
+            decided_at=now,
+            decision_us=(self.timer() - started) * 1e6 if self.timer is not None else 0.0,
+            prefix_hash=hashes.primary[overlap - 1] if overlap else None,
+        )
+        routed = Routed(decision, query, hashes, model, confirmed)
+        self._routed[request_id] = routed
+        if len(self._routed) > self.params.verify_capacity:
+            self._routed.popitem(last=False)
+        return routed
+
+    def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict, dict]:
+        """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
+        what this replica has in flight (assumed to land on the GPU), and the GPU prefix the
+        engines have confirmed."""
+        primary, check = hashes
+        if not primary:
+            return {}, {}, {}
+        feeder = self.feeder
+        confirmed = feeder.gpu_index.overlap(primary, check)
+        gpu = self.inflight.merge(confirmed, primary, check, now)
+        if feeder.gpu is None:
+            return gpu, gpu, confirmed
+        any_tier = dict(feeder.index.overlap(primary, check))
+        for worker, blocks in gpu.items():
+            any_tier[worker] = max(any_tier.get(worker, 0), blocks)
+        return gpu, any_tier, confirmed
+
+    # ---- what happened to it -------------------------------------------------------------
+
+    def on_dispatched(self, request_id: str, worker_id: str, now: float) -> bool:
+        """A run of the request went to ``worker_id``: book it there. False when this replica
+        did not route the request (another replica did, or it was forgotten)."""
+        routed = self._routed.pop(request_id, None)
+        if routed is None:
+            return False
+        query, hashes = routed.query, routed.hashes
+        self.policy.on_dispatched(query, worker_id)
+        if hashes.primary:
+            self.inflight.record(worker_id, hashes.primary, hashes.check, now)
+        usable = max(0, (query.prompt_tokens - 1) // query.block_size)
+        predicted = min(query.overlaps.get(worker_id, 0), usable)
+        state = self.fleet.get(worker_id)
+        if state is not None:
+            state.assigned_since_report += 1
+            uncached = query.prompt_tokens - predicted * query.block_size
+            state.assigned_prefill_since_report += uncached
+            state.assigned_kv_since_report += query.prompt_tokens
+        best = min(max(query.overlaps.values(), default=0), usable)
+        self.verifier.remember(
+            request_id,
+            Dispatch(
+                worker_id=worker_id,
+                hashes=hashes.primary,
+                predicted_blocks=predicted,
+                block_size=query.block_size,
+                best_blocks=best,
+                model=routed.model,
+            ),
+        )
+        return True
+
+    def on_finished(
+        self,
+        request_id: str,
+        worker_id: str,
+        now: float,
+        *,
+        cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> Verdict | None:
+        """A run left ``worker_id``. A completed run (``cached_tokens`` given) is verified: a
+        false hit drops the stale blocks from this replica's index."""
+        self._routed.pop(request_id, None)
+        self.policy.on_finished(request_id, worker_id, now)
+        if completion_tokens is not None:
+            self.outputs.add(completion_tokens)
+        if cached_tokens is None:
+            self.verifier.forget(request_id)
+            return None
+        verdict = self.verifier.verify(request_id, worker_id, cached_tokens)
+        if verdict is None:
+            return None
+        self.window.predicted_tokens += verdict.predicted_tokens
+        self.window.hit_tokens += min(verdict.actual_tokens, verdict.predicted_tokens)
+        if verdict.false_hit:
+            self.feeder.evict_locally(worker_id, verdict.stale_hashes, now)
+        return verdict
+
+    def forget(self, request_id: str) -> None:
+        """The request will not be dispatched (rejected, failed before any worker took it)."""
+        self._routed.pop(request_id, None)
+
+    # ---- time ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> bool:
+        """Periodic work; True when the policy got feedback this time."""
+        if self._next_feedback is None:
+            self._next_feedback = now + self.params.feedback_interval_s
+        if now < self._next_feedback:
+            return False
+        self._next_feedback = now + self.params.feedback_interval_s
+        self.feeder.expire(now)
+        depths = {
+            s.worker_id: (v := worker_view(s)).running + v.queued for s in self.fleet.all()
+        }
+        feedback = RoutingFeedback(queue_depths=depths, false_hit_rate=self.window.false_hit_rate())
+        self.policy.observe(feedback)
+        self.window = FeedbackWindow()
+        return True

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway in front of the NATS request subject."""

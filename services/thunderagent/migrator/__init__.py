@@ -1,0 +1,1 @@
+"""The migration service: hot prefixes replicated and moved between workers."""

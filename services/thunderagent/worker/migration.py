@@ -1,0 +1,341 @@
+"""The adapter's side of a KV move ordered by the migration service.
+
+* ``kv_export`` (source): find the prefix in the mirror of the engine's cache (our hash of its
+  deepest block -> the engine's chain of block hashes), pin it at the engine and describe it.
+* ``kv_pull`` (target): take the prefix into the engine's cache, then the engine's own KV events
+  announce the new holder (nothing is published here).
+* ``kv_release`` (source): unpin, and for a migration free the prefix at the engine.
+
+Two transports, chosen per engine from ``/server_info``'s ``kv_transfer``:
+
+* ``nixl``: the simulated engine with a KV pool exports and imports the blocks themselves
+  (``/kv/export``, ``/kv/pull``, ``/kv/release``; the target NIXL-reads the source's memory).
+* ``warmup``: any other engine (stock SGLang has no KV import path): the target prefills the
+  prefix (``/generate``, ``max_new_tokens=1``). The source's tokens come from a token tap on its
+  engine's KV events (every ``BlockStored`` carries them). It cannot free a prefix selectively,
+  so a migration there leaves the source's copy to its LRU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from thunderagent.bus import Bus, Delivery
+from thunderagent.schemas import (
+    KvExportOffer,
+    KvExportRequest,
+    KvPullRequest,
+    KvPullResult,
+    KvRelease,
+    KvReleaseResult,
+    subjects,
+)
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.mirror import KvMirror
+from thunderagent.sglang.zmq_subscriber import Received, Restarted, ZmqKvEventSubscriber
+from thunderagent.worker.engine_client import EngineClient, EngineError
+
+log = logging.getLogger(__name__)
+
+
+class TokenTap:
+    """Engine block hash -> its token ids, from the engine's KV events: what a warm-up needs to
+    name a prefix to another engine. Tokens are kept packed (4 bytes each, ~150 bytes per
+    16-token block with the dict entry) and bounded: the least recently stored go first."""
+
+    def __init__(self, block_size: int, max_blocks: int = 200_000) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.blocks: OrderedDict[int, bytes] = OrderedDict()
+
+    def apply(self, events: list[kv_wire.AnyKvEvent]) -> None:
+        size = self.block_size
+        for ev in events:
+            if isinstance(ev, kv_wire.BlockStored):
+                if len(ev.token_ids) != len(ev.block_hashes) * size:
+                    continue
+                packed = array("I", ev.token_ids).tobytes()
+                width = size * 4
+                for i, h in enumerate(ev.block_hashes):
+                    self.blocks[h] = packed[i * width : (i + 1) * width]
+                    self.blocks.move_to_end(h)
+            elif isinstance(ev, kv_wire.BlockRemoved):
+                for h in ev.block_hashes:
+                    self.blocks.pop(h, None)
+            elif isinstance(ev, kv_wire.AllBlocksCleared):
+                self.blocks.clear()
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+    def tokens(self, chain: list[int]) -> list[int] | None:
+        out = array("I")
+        for h in chain:
+            packed = self.blocks.get(h)
+            if packed is None:
+                return None
+            out.frombytes(packed)
+        return out.tolist()
+
+    async def run(self, endpoint: str, replay: str | None, topic: str, stop: asyncio.Event) -> None:
+        async with ZmqKvEventSubscriber(endpoint, replay_endpoint=replay, topic=topic) as sub:
+            consume = asyncio.create_task(self._consume(sub))
+            await stop.wait()
+            consume.cancel()
+
+    async def _consume(self, sub: ZmqKvEventSubscriber) -> None:
+        async for notice in sub:
+            if isinstance(notice, Received):
+                self.apply(list(notice.batch.events))
+            elif isinstance(notice, Restarted):
+                self.blocks.clear()
+
+
+def engine_chain(mirror: KvMirror, prefix_hash: int) -> list[int] | None:
+    """The engine's block hashes of the prefix whose deepest block is ``prefix_hash`` (ours),
+    root first; None when the mirror does not hold it. A scan: moves are rare, lookups are not
+    worth a second index over every block."""
+    deepest = next((h for h, b in mirror.blocks.items() if b.primary == prefix_hash), None)
+    chain: list[int] = []
+    h = deepest
+    while h is not None:
+        block = mirror.blocks.get(h)
+        if block is None:
+            return None  # the chain is broken (an event was lost): nothing safe to move
+        chain.append(h)
+        h = block.parent_engine_hash
+    chain.reverse()
+    return chain or None
+
+
+class WorkerMigration:
+    def __init__(
+        self,
+        worker_id: str,
+        bus: Bus,
+        engine: EngineClient,
+        mirror: Callable[[], KvMirror | None],
+        block_size: int,
+    ) -> None:
+        self.worker_id = worker_id
+        self.bus = bus
+        self.engine = engine
+        self.mirror = mirror
+        self.block_size = block_size
+        self.kv_transfer: dict[str, Any] | None = None
+        """The engine's NIXL capability (``/server_info``), None: warm-up only."""
+        self.tap: TokenTap | None = None
+        self._events: tuple[str, str | None, str] | None = None
+        self._chains: dict[str, list[int]] = {}
+
+    async def start(self, events: tuple[str, str | None, str] | None) -> None:
+        info = await self.engine.get_json("/server_info")
+        self.kv_transfer = info.get("kv_transfer") or None
+        if self.kv_transfer is None and events is not None:
+            self.tap = TokenTap(self.block_size)
+            self._events = events
+        w = self.worker_id
+        await self.bus.subscribe(
+            subjects.worker_kv_export(w), KvExportRequest, self.on_export, concurrent=True
+        )
+        await self.bus.subscribe(
+            subjects.worker_kv_pull(w), KvPullRequest, self.on_pull, concurrent=True
+        )
+        await self.bus.subscribe(
+            subjects.worker_kv_release(w), KvRelease, self.on_release, concurrent=True
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self.tap is not None and self._events is not None:
+            await self.tap.run(*self._events, stop)
+
+    # ---- source --------------------------------------------------------------------------
+    async def on_export(self, req: KvExportRequest, delivery: Delivery) -> None:
+        offer = await self.export(req)
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, offer)
+
+    async def export(self, req: KvExportRequest) -> KvExportOffer:
+        def refuse(reason: str) -> KvExportOffer:
+            return KvExportOffer(
+                migration_id=req.migration_id, worker_id=self.worker_id, blocks=0, reason=reason
+            )
+
+        mirror = self.mirror()
+        chain = engine_chain(mirror, req.prefix_hash) if mirror is not None else None
+        if chain is None:
+            return refuse("the prefix is not in this worker's cache")
+        if self.kv_transfer is not None:
+            body = {"export_id": req.migration_id, "block_hashes": chain, "hold_s": req.hold_s}
+            try:
+                got = await self._post("/kv/export", body)
+            except EngineError as err:
+                return refuse(f"engine export failed: {err}")
+            self._chains[req.migration_id] = got["block_hashes"]
+            return KvExportOffer(
+                migration_id=req.migration_id,
+                worker_id=self.worker_id,
+                blocks=got["blocks"],
+                block_size=got["block_size"],
+                token_ids=got["token_ids"],
+                transport="nixl",
+                nixl_agent=got["nixl_agent"],
+                nixl_metadata=_b64(got["nixl_metadata"]),
+                block_addrs=got["block_addrs"],
+                block_bytes=got["block_bytes"],
+                checksums=got["checksums"],
+                block_hashes=got["block_hashes"],
+            )
+        tokens = self.tap.tokens(chain) if self.tap is not None else None
+        if tokens is None:
+            return refuse("the prefix's tokens are unknown here (no KV events seen for it)")
+        self._chains[req.migration_id] = chain
+        return KvExportOffer(
+            migration_id=req.migration_id,
+            worker_id=self.worker_id,
+            blocks=len(chain),
+            block_size=self.block_size,
+            token_ids=tokens,
+            transport="warmup",
+        )
+
+    async def on_release(self, req: KvRelease, delivery: Delivery) -> None:
+        result = await self.release(req)
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, result)
+
+    async def release(self, req: KvRelease) -> KvReleaseResult:
+        chain = self._chains.pop(req.migration_id, None) if req.migration_id else None
+        if chain is None and req.drop:
+            mirror = self.mirror()
+            chain = engine_chain(mirror, req.prefix_hash) if mirror is not None else None
+        if self.kv_transfer is None:
+            reason = "this engine cannot free a prefix selectively" if req.drop else ""
+            return KvReleaseResult(
+                migration_id=req.migration_id,
+                worker_id=self.worker_id,
+                released=chain is not None,
+                reason=reason,
+            )
+        body = {"export_id": req.migration_id, "block_hashes": chain or [], "drop": req.drop}
+        try:
+            got = await self._post("/kv/release", body)
+        except EngineError as err:
+            return KvReleaseResult(
+                migration_id=req.migration_id,
+                worker_id=self.worker_id,
+                released=False,
+                reason=str(err),
+            )
+        return KvReleaseResult(
+            migration_id=req.migration_id,
+            worker_id=self.worker_id,
+            released=got["released"],
+            dropped_blocks=got["dropped_blocks"],
+        )
+
+    # ---- target --------------------------------------------------------------------------
+    async def on_pull(self, req: KvPullRequest, delivery: Delivery) -> None:
+        result = await self.pull(req)
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, result)
+
+    async def pull(self, req: KvPullRequest) -> KvPullResult:
+        offer = req.offer
+        if offer.blocks <= 0 or not offer.token_ids:
+            return self._failed(req, "the offer holds no blocks")
+        if offer.block_size != self.block_size:
+            return self._failed(req, f"block size {offer.block_size} != ours {self.block_size}")
+        same_pool = (
+            self.kv_transfer is not None
+            and offer.transport == "nixl"
+            and offer.block_bytes == self.kv_transfer.get("block_bytes")
+        )
+        try:
+            if same_pool:
+                return await self._pull_nixl(req)
+            return await self._warm_up(req)
+        except (EngineError, OSError, TimeoutError, aiohttp.ClientError) as err:
+            return self._failed(req, f"engine: {err}")
+
+    async def _pull_nixl(self, req: KvPullRequest) -> KvPullResult:
+        offer = req.offer
+        body = {
+            "export_id": req.migration_id,
+            "token_ids": offer.token_ids,
+            "nixl_metadata": base64.b64encode(offer.nixl_metadata).decode(),
+            "block_hashes": offer.block_hashes,
+            "block_addrs": offer.block_addrs,
+            "block_bytes": offer.block_bytes,
+            "checksums": offer.checksums,
+            "timeout_s": req.timeout_s,
+        }
+        got = await self._post("/kv/pull", body)
+        return KvPullResult(
+            migration_id=req.migration_id,
+            worker_id=self.worker_id,
+            ok=True,
+            transport="nixl",
+            moved_blocks=got["moved_blocks"],
+            present_blocks=got["present_blocks"],
+            bytes=got["bytes"],
+            transfer_s=got["transfer_s"],
+            verified=got["verified"],
+        )
+
+    async def _warm_up(self, req: KvPullRequest) -> KvPullResult:
+        """Prefill the prefix here: one token out, the prompt's blocks stay cached."""
+        started = time.perf_counter()
+        rid = f"warmup-{req.migration_id}-{uuid.uuid4().hex[:6]}"
+        meta: dict = {}
+        async for chunk in self.engine.generate(rid, req.offer.token_ids, {"max_new_tokens": 1}):
+            meta = chunk.meta or meta
+        cached = int(meta.get("cached_tokens", 0))
+        present = min(cached // self.block_size, req.offer.blocks)
+        return KvPullResult(
+            migration_id=req.migration_id,
+            worker_id=self.worker_id,
+            ok=True,
+            transport="warmup",
+            moved_blocks=req.offer.blocks - present,
+            present_blocks=present,
+            transfer_s=time.perf_counter() - started,
+        )
+
+    def _failed(self, req: KvPullRequest, reason: str) -> KvPullResult:
+        log.warning("pull %s from %s failed: %s", req.migration_id, req.source_worker, reason)
+        return KvPullResult(
+            migration_id=req.migration_id, worker_id=self.worker_id, ok=False, reason=reason
+        )
+
+    async def _post(self, path: str, body: dict) -> dict:
+        """POST to the engine; every failure (refusal, connection lost) is an EngineError."""
+        try:
+            async with self.engine.session.post(self.engine.base_url + path, json=body) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            raise EngineError(0, f"{path}: {err!r}") from err
+        try:
+            got = json.loads(text)
+        except ValueError:
+            got = None
+        if status != 200 or not isinstance(got, dict):
+            error = got.get("error") if isinstance(got, dict) else None
+            message = error.get("message") if isinstance(error, dict) else text[:300]
+            raise EngineError(status, f"{path}: {message}")
+        return got
+
+
+def _b64(text: str) -> bytes:
+    return base64.b64decode(text)

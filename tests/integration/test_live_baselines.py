@@ -1,0 +1,39 @@
+"""bench live's HTTP baselines for real: sglang-router 0.3.2 and SMG 1.13.0 started as the
+benchmark starts them, in front of simulated engines, driven by its load generator with reused
+and with fresh client connections, then stopped with their whole process group."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.integration.inproc import inproc_stack
+from thunderagent.bench import live
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("baseline", ["sglang-router", "smg"])
+async def test_baseline_serves_the_load_generator(nats_server, tmp_path, baseline: str) -> None:
+    if live.baseline_missing(baseline):
+        pytest.skip(live.baseline_missing(baseline))
+    prompt = live.block_tokens(1, 64) + live.block_tokens(2, 64)
+    requests = [live.LiveRequest(i, i * 0.02, prompt, 3) for i in range(6)]
+    async with inproc_stack(nats_server.url) as stack:
+        urls = [await stack.start_engine(f"e{i}", kv_events=False) for i in range(2)]
+        results = {}
+        for mode in live.CONNECTIONS:
+            proc, url = live.start_router(baseline, urls, tmp_path / f"{baseline}.log")
+            try:
+                await live.wait_http(url)
+                results[mode] = (await live.run_http(url, baseline, requests, mode)).summary()
+            finally:
+                await asyncio.to_thread(live.stop_router, proc)
+            assert proc.poll() is not None
+    log = (tmp_path / f"{baseline}.log").read_text()[-2000:]
+    for summary in results.values():
+        assert (summary["completed"], summary["errors"]) == (6, 0), log
+        assert summary["added_latency_ms"]["p50"] >= 0  # the engine's own TTFT came through
+        # the same prompt again: cache_aware keeps it where its prefix is cached
+        assert summary["prefix_hit_ratio"] > 0.5, log

@@ -1,0 +1,160 @@
+"""KV moves between two simulated engines over their NIXL-registered host pools, through the
+engines' own HTTP endpoints (no NATS): bytes arrive equal, a failed pull leaves nothing behind,
+an export that is never released unpins itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from thunderagent.embedded import free_port
+from thunderagent.engine import get_profile
+from thunderagent.simengine.driver import EngineDriver
+from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl, pool_for
+from thunderagent.simengine.server import EngineInfo, SimEngineApp
+
+try:
+    load_nixl()
+except NixlUnavailable as err:  # pragma: no cover - depends on the machine
+    pytest.skip(f"NIXL moves need nixl: {err}", allow_module_level=True)
+
+pytestmark = pytest.mark.integration
+BLOCK = 16
+PROFILE = get_profile("tiny").with_engine(block_size=BLOCK, kv_blocks_override=32)
+
+
+@dataclass
+class Engine:
+    driver: EngineDriver
+    url: str
+    runner: web.AppRunner
+
+    @property
+    def pool(self):
+        return self.driver.kv_pool
+
+    def slot_bytes(self, key: int) -> np.ndarray:
+        return self.pool.view(self.pool.slot_of[key]).copy()
+
+
+@contextlib.asynccontextmanager
+async def engines(n: int = 2) -> AsyncIterator[list[Engine]]:
+    out: list[Engine] = []
+    try:
+        for _ in range(n):
+            driver = EngineDriver(PROFILE, kv_pool=pool_for(PROFILE))
+            runner = web.AppRunner(SimEngineApp(driver, EngineInfo("m", BLOCK)).app)
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            out.append(Engine(driver, f"http://127.0.0.1:{port}", runner))
+        yield out
+    finally:
+        for e in out:
+            await e.runner.cleanup()
+            await e.driver.close()
+
+
+def prefix(blocks: int, seed: int = 1) -> list[int]:
+    return [(seed * 131 + i) % 30_000 + 4 for i in range(blocks * BLOCK)]
+
+
+async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, await r.json()
+
+
+def pull_body(offer: dict, export_id: str = "m1") -> dict:
+    return {"export_id": export_id, "timeout_s": 10, **offer}
+
+
+async def test_a_pulled_prefix_arrives_byte_equal_and_is_cached() -> None:
+    async with engines() as (src, dst):
+        tokens = prefix(8)
+        src.driver.import_kv(tokens)
+        keys = [k for k in src.pool.slot_of]
+        assert len(keys) == 8
+        code, offer = await post(src.url, "/kv/export", {"export_id": "m1", "block_hashes": keys})
+        assert code == 200 and offer["blocks"] == 8 and offer["token_ids"] == tokens
+        assert [src.driver.core.cache.refcount(k) for k in keys] == [1] * 8
+        code, result = await post(dst.url, "/kv/pull", pull_body(offer))
+        assert code == 200, result
+        assert result["moved_blocks"] == 8 and result["present_blocks"] == 0
+        assert result["bytes"] == 8 * dst.pool.slot_bytes and result["verified"]
+        assert set(dst.driver.core.cache.contents()) == set(keys)
+        for key in keys:  # the very bytes, and the checksum every engine agrees on
+            assert np.array_equal(dst.slot_bytes(key), src.slot_bytes(key))
+            assert dst.pool.checksum(dst.pool.slot_of[key]) == src.pool.expected_checksum(key)
+        assert dst.driver.core.cache.reserved == 0
+        code, rel = await post(src.url, "/kv/release", {"export_id": "m1", "drop": True})
+        assert code == 200 and rel == {"released": True, "dropped_blocks": 8}
+        assert src.driver.core.cache.contents() == {} and src.pool.used == 0
+
+
+async def test_blocks_the_target_already_has_are_not_copied_again() -> None:
+    async with engines() as (src, dst):
+        tokens = prefix(6)
+        src.driver.import_kv(tokens)
+        dst.driver.import_kv(tokens[: 2 * BLOCK])
+        keys = list(src.pool.slot_of)
+        _, offer = await post(src.url, "/kv/export", {"export_id": "m2", "block_hashes": keys})
+        code, result = await post(dst.url, "/kv/pull", pull_body(offer, "m2"))
+        assert code == 200, result
+        assert (result["present_blocks"], result["moved_blocks"]) == (2, 4)
+        assert set(dst.driver.core.cache.contents()) == set(keys)
+        code, rel = await post(src.url, "/kv/release", {"export_id": "m2"})
+        assert rel == {"released": True, "dropped_blocks": 0}
+        assert [src.driver.core.cache.refcount(k) for k in keys] == [0] * 6
+
+
+async def test_a_corrupted_block_fails_the_pull_and_leaves_nothing_behind() -> None:
+    async with engines() as (src, dst):
+        tokens = prefix(5)
+        src.driver.import_kv(tokens)
+        dst.driver.import_kv(tokens[:BLOCK])
+        keys = list(src.pool.slot_of)
+        _, offer = await post(src.url, "/kv/export", {"export_id": "m3", "block_hashes": keys})
+        src.pool.view(src.pool.slot_of[keys[3]])[100] ^= 0xFF  # flipped after the checksum
+        before = dst.driver.core.cache.contents()
+        used = dst.pool.used
+        code, result = await post(dst.url, "/kv/pull", pull_body(offer, "m3"))
+        assert code == 502 and "differ" in result["error"]["message"]
+        assert dst.driver.core.cache.contents() == before
+        assert dst.driver.core.cache.reserved == 0 and dst.pool.used == used
+        assert dst.driver.core.cache.refcount(keys[0]) == 0
+
+
+async def test_an_unreachable_source_fails_the_pull_cleanly() -> None:
+    async with engines() as (src, dst):
+        src.driver.import_kv(prefix(4))
+        keys = list(src.pool.slot_of)
+        _, offer = await post(src.url, "/kv/export", {"export_id": "m4", "block_hashes": keys})
+        offer["block_addrs"] = [1 << 40] * 4  # outside anything the source registered
+        code, result = await post(dst.url, "/kv/pull", pull_body(offer, "m4"))
+        assert code == 502, result
+        assert dst.driver.core.cache.contents() == {} and dst.pool.used == 0
+        assert dst.driver.core.cache.reserved == 0
+
+
+async def test_an_export_nobody_releases_unpins_itself() -> None:
+    async with engines(1) as (src,):
+        src.driver.import_kv(prefix(3))
+        keys = list(src.pool.slot_of)
+        body = {"export_id": "m5", "block_hashes": keys, "hold_s": 0.05}
+        code, _ = await post(src.url, "/kv/export", body)
+        assert code == 200
+        assert src.driver.core.cache.refcount(keys[0]) == 1
+        for _ in range(100):
+            if src.driver.core.cache.refcount(keys[0]) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert [src.driver.core.cache.refcount(k) for k in keys] == [0, 0, 0]
+        code, result = await post(src.url, "/kv/export", {"export_id": "x", "block_hashes": [7]})
+        assert code == 404 and "not cached" in result["error"]["message"]

@@ -1,0 +1,79 @@
+"""bench live: baseline selection, the routers' launch lines (shipped defaults, nothing tuned),
+deterministic request building and the report's shape (old keys kept, new ones added)."""
+
+import argparse
+
+import pytest
+
+from thunderagent.bench import live
+from thunderagent.replay.traces import TraceRequest
+
+
+def test_parse_baselines_accepts_a_comma_separated_list() -> None:
+    assert live.parse_baselines("sglang-router,smg") == ["sglang-router", "smg"]
+    assert live.parse_baselines(" smg , smg ") == ["smg"]
+    for bad in ("nginx", "smg,nginx", ",", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="choose from sglang-router, smg"):
+            live.parse_baselines(bad)
+    args = live._parser().parse_args(["--trace", "t", "--baseline", "sglang-router,smg"])
+    assert args.baseline == ["sglang-router", "smg"] and args.client_connections == "both"
+    assert live._parser().parse_args(["--trace", "t"]).baseline == []
+
+
+@pytest.mark.parametrize("baseline", ["sglang-router", "smg"])
+def test_router_argv_is_cache_aware_with_defaults(baseline: str) -> None:
+    argv = live.router_argv(baseline, 8000, 9000, ["http://e0", "http://e1"])
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--worker-urls") + 1 :] == ["http://e0", "http://e1"]
+    flags = {a for a in argv if a.startswith("--")}
+    # only where to listen is set: every routing knob keeps its shipped default
+    assert flags == {
+        "--host", "--port", "--prometheus-host", "--prometheus-port", "--policy", "--worker-urls"
+    }  # fmt: skip
+    assert (argv[argv.index("--port") + 1], argv[argv.index("--prometheus-port") + 1]) == (
+        "8000",
+        "9000",
+    )
+
+
+def test_system_names_keep_the_plain_name_for_keepalive() -> None:
+    assert live.system_name("sglang-router", "keepalive") == "sglang-router"
+    assert live.system_name("smg", "fresh") == "smg/fresh-connections"
+
+
+def test_build_requests_equal_blocks_equal_tokens() -> None:
+    trace = [
+        TraceRequest("a", 0.0, prompt_len=1024, output_len=50, block_ids=[7, 8]),
+        TraceRequest("b", 1.0, prompt_len=1500, output_len=3, block_ids=[7, 8, 9]),
+        TraceRequest("c", 2.0, prompt_len=512, output_len=5, block_ids=[1]),
+    ]
+    reqs = live.build_requests(trace, rate=1.0, duration=2.0, tokens_per_block=8, max_out=16)
+    assert [r.at for r in reqs] == [0.0, 1.0]  # rate x duration caps the count
+    assert len(reqs[0].token_ids) == 16 and len(reqs[1].token_ids) == 1500 * 8 // 512
+    assert reqs[1].token_ids[:16] == reqs[0].token_ids  # shared blocks, shared prefix
+    assert [r.max_tokens for r in reqs] == [16, 3]
+    assert live.block_tokens(7, 8) == live.block_tokens(7, 8) != live.block_tokens(8, 8)
+
+
+def summary(ttft: float, hit: float) -> dict:
+    dist = {"p50": ttft, "p90": ttft, "p99": 2 * ttft, "mean": ttft}
+    return {"ttft_ms": dist, "e2e_ms": dist, "added_latency_ms": dist, "prefix_hit_ratio": hit}
+
+
+def test_report_adds_ratios_for_every_baseline_and_keeps_the_old_key() -> None:
+    args = live._parser().parse_args(["--trace", "/x/trace.jsonl", "--baseline", "smg"])
+    systems = {
+        "thunderagent": summary(10.0, 0.2),
+        "sglang-router": summary(20.0, 0.4),
+        "smg/fresh-connections": summary(5.0, 0.1),
+        "smg": {"skipped": "smg is not installed"},
+    }
+    report = live.build_report(args, systems)
+    assert report["trace"] == "trace.jsonl" and report["systems"] is systems
+    assert report["client"] == {"tcp_nodelay": True, "connections": "both"}
+    assert report["ratios_thunderagent_over_sglang_router"]["ttft_ms.p50"] == 0.5
+    assert set(report["ratios_thunderagent_over"]) == {"sglang-router", "smg/fresh-connections"}
+    assert report["ratios_thunderagent_over"]["smg/fresh-connections"]["prefix_hit_ratio"] == 2.0
+    only_ours = live.build_report(args, {"thunderagent": summary(1.0, 0.1)})
+    assert "ratios_thunderagent_over" not in only_ours
+    assert "ratios_thunderagent_over_sglang_router" not in only_ours

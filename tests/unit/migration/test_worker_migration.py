@@ -1,0 +1,48 @@
+"""The adapter's migration helpers: resolving our prefix hash to the engine's chain through the
+mirror, and the token tap that lets a warm-up name a prefix to an engine without KV import."""
+
+from __future__ import annotations
+
+from thunderagent.hashing import BlockHasher
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.mirror import KvMirror
+from thunderagent.worker.migration import TokenTap, engine_chain
+
+BS = 4
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> kv_wire.BlockStored:
+    return kv_wire.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+    )
+
+
+def test_engine_chain_walks_from_our_deepest_hash_to_the_root() -> None:
+    mirror = KvMirror(BS)
+    tokens = list(range(100, 116))
+    mirror.apply([stored([11, 12], None, tokens[:8]), stored([13, 14], 12, tokens[8:])])
+    ours = BlockHasher(BS).hash_tokens(tokens).primary
+    assert engine_chain(mirror, ours[3]) == [11, 12, 13, 14]
+    assert engine_chain(mirror, ours[1]) == [11, 12]
+    assert engine_chain(mirror, 12345) is None
+    del mirror.blocks[12]  # a lost event broke the chain: nothing is moved
+    assert engine_chain(mirror, ours[3]) is None
+
+
+def test_token_tap_follows_stores_removals_and_clears() -> None:
+    tap = TokenTap(BS, max_blocks=3)
+    tap.apply([stored([1, 2], None, list(range(8))), stored([3], 2, [8, 9, 10, 11])])
+    assert tap.tokens([1, 2, 3]) == list(range(12))
+    tap.apply([kv_wire.BlockRemoved(block_hashes=[3], medium="GPU")])
+    assert tap.tokens([1, 2, 3]) is None and tap.tokens([1, 2]) == list(range(8))
+    tap.apply([stored([5, 6], 2, list(range(20, 28)))])  # bounded: block 1 is the oldest
+    assert 1 not in tap.blocks and tap.tokens([5, 6]) == list(range(20, 28))
+    tap.apply([stored([7], None, [1, 2, 3])])  # a malformed store is skipped
+    assert 7 not in tap.blocks
+    tap.apply([kv_wire.AllBlocksCleared()])
+    assert tap.blocks == {}

@@ -1,0 +1,99 @@
+"""The router core: what it books where, what it learns from run ends, what it forgets."""
+
+from __future__ import annotations
+
+from thunderagent.hashing import BlockHasher
+from thunderagent.router_core import RouterCore, RouterParams
+from thunderagent.schemas import (
+    BlocksRemoved,
+    BlocksStored,
+    KvEventBatch,
+    LoadReport,
+    WorkerRegistration,
+)
+
+BS = 16
+HASHER = BlockHasher(BS)
+
+
+def core(**params) -> RouterCore:
+    c = RouterCore(RouterParams(policy="thunder", seed=1, **params))
+    for w in ("w0", "w1"):
+        reg = WorkerRegistration(
+            worker_id=w, model="m", engine_url="", block_size=BS, kv_capacity_blocks=1000,
+            lease_s=10.0, registered_at=1.0,
+        )  # fmt: skip
+        c.register(reg, 0.0)
+        c.report(LoadReport(worker_id=w, ts=0.0, running=0, queued=0, kv_used_blocks=0,
+                            kv_total_blocks=1000, prefill_backlog_tokens=0), 0.0)  # fmt: skip
+    return c
+
+
+def route(c: RouterCore, rid: str, tokens: list[int], now: float = 1.0):
+    return c.route(
+        request_id=rid, model="m", hashes=c.hash_tokens(tokens, BS), prompt_tokens=len(tokens),
+        block_size=BS, expected_output_tokens=16, now=now,
+    )  # fmt: skip
+
+
+PROMPT = list(range(100, 100 + 8 * BS)) + [1]
+
+
+def test_bookings_follow_the_worker_that_got_the_request() -> None:
+    c = core()
+    first = route(c, "a", PROMPT)
+    other = next(
+        x.worker_id for x in first.decision.candidates if x.worker_id != first.decision.worker_id
+    )
+    c.on_dispatched("a", other, 1.0)  # the scheduler spilled it to its second choice
+    again = route(c, "b", PROMPT)
+    assert again.query.overlaps == {other: 8}, "the overlay credits where it actually went"
+    assert c.fleet.get(other).assigned_since_report == 1
+    assert c.fleet.get(other).assigned_prefill_since_report == len(PROMPT)
+
+
+def test_a_false_hit_drops_the_blocks_the_engine_did_not_have() -> None:
+    c = core()
+    hashes = HASHER.hash_tokens(PROMPT)
+    c.apply_kv(KvEventBatch(worker_id="w0", seq=0, ts=0.0, events=[
+        BlocksStored(hashes=hashes.primary, check_hashes=hashes.check)]), 0.5)  # fmt: skip
+    routed = route(c, "a", PROMPT)
+    assert routed.query.overlaps["w0"] == 8 and routed.confirmed["w0"] == 8
+    c.on_dispatched("a", "w0", 1.0)
+    verdict = c.on_finished("a", "w0", 2.0, cached_tokens=3 * BS, completion_tokens=16)
+    assert verdict.false_hit and verdict.stale_hashes == hashes.primary[3:8]
+    assert c.feeder.index.overlap(hashes.primary, hashes.check) == {"w0": 3}
+    assert c.window.predicted_tokens == 8 * BS and c.window.hit_tokens == 3 * BS
+
+
+def test_reported_evictions_also_leave_the_in_flight_overlay() -> None:
+    c = core()
+    routed = route(c, "a", PROMPT)
+    worker = routed.decision.worker_id
+    c.on_dispatched("a", worker, 1.0)
+    assert route(c, "b", PROMPT).query.overlaps[worker] == 8
+    hashes = HASHER.hash_tokens(PROMPT)
+    c.apply_kv(KvEventBatch(worker_id=worker, seq=0, ts=2.0,
+                            events=[BlocksRemoved(hashes=hashes.primary)]), 2.0)  # fmt: skip
+    assert route(c, "c", PROMPT, now=2.1).query.overlaps == {}
+
+
+def test_the_policy_gets_feedback_once_per_window() -> None:
+    c = core(feedback_interval_s=1.0)
+    scale = c.policy.load_scale
+    assert not c.tick(0.0)  # the first tick starts the window
+    c.report(LoadReport(worker_id="w0", ts=0.5, running=50, queued=0, kv_used_blocks=0,
+                        kv_total_blocks=1000), 0.5)  # fmt: skip
+    assert not c.tick(0.5)
+    assert c.tick(1.0)  # depths 50 vs 0: imbalanced, the credit decays faster
+    assert c.policy.load_scale < scale
+
+
+def test_expected_output_follows_finished_runs_unless_the_client_says() -> None:
+    c = core(prior_output_tokens=100, output_alpha=0.5)
+    assert c.expected_output(max_tokens=4096) == 100
+    c.on_finished("x", "w0", 1.0, completion_tokens=300)  # the first sample replaces the prior
+    c.on_finished("y", "w0", 1.0, completion_tokens=100)
+    assert c.expected_output(max_tokens=4096) == 200
+    assert c.expected_output(max_tokens=50) == 50  # never past the budget
+    assert c.expected_output(max_tokens=4096, hint=7) == 7
