@@ -84,9 +84,11 @@ class InprocStack:
         port: int | None = None,
         events_config: str | None = None,
         host_blocks: int = 0,
+        instant: bool = False,
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
-        addresses (a restart: same URL, empty cache, event sequence from 0)."""
+        addresses (a restart: same URL, empty cache, event sequence from 0); ``instant``: the
+        zero-compute mode (one token at once)."""
         if kv_events and events_config is None:
             events_config = json.dumps(
                 {
@@ -105,6 +107,7 @@ class InprocStack:
             speedup=speedup,
         )
         info = EngineInfo(model=MODEL, block_size=engine.block_size, kv_events_config=events_config)
+        info.instant = instant
         app = SimEngineApp(engine, info).app
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -115,6 +118,13 @@ class InprocStack:
         self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
         self._engine_setup[worker_id] = (runner, port, events_config, profile, block_size, speedup)
         return self.engine_urls[worker_id]
+
+    async def kill_engine(self, worker_id: str) -> None:
+        """The engine goes away mid-stream: its HTTP server closes every connection."""
+        runner = self._engine_setup[worker_id][0]
+        await runner.cleanup()
+        self._runners.remove(runner)
+        await self.engines[worker_id].close()
 
     async def restart_engine(self, worker_id: str) -> None:
         """Stop the engine and start a fresh one on the same HTTP and ZMQ addresses."""
@@ -194,6 +204,7 @@ async def start_full_stack(
     roles: list[str] | None = None,
     adapter: dict | None = None,
     scheduler_config: dict | None = None,
+    with_scheduler: bool = True,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -247,14 +258,13 @@ async def start_full_stack(
     sched_config = SchedulerConfig(
         scheduler=scheduler, params=scheduler_params or {}, **(scheduler_config or {})
     )
-    await stack.start_service(
-        "scheduler",
-        lambda ctx, service: service.run_service(ctx),
-        build=lambda ctx: SchedulerService(sched_config, ctx.bus),
-    )
-    router_config = RouterConfig(
-        params=RouterParams(policy=policy, seed=1), redis_url=redis_url
-    )
+    if with_scheduler:
+        await stack.start_service(
+            "scheduler",
+            lambda ctx, service: service.run_service(ctx),
+            build=lambda ctx: SchedulerService(sched_config, ctx.bus),
+        )
+    router_config = RouterConfig(params=RouterParams(policy=policy, seed=1), redis_url=redis_url)
     await stack.start_service(
         "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, router_config)
     )

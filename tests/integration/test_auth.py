@@ -221,6 +221,35 @@ async def test_a_worker_publishes_only_its_own_events_load_and_registration(auth
         await admin.close()
 
 
+async def test_a_load_report_must_name_the_worker_whose_subject_it_came_on(auth_server):
+    """NATS keeps w0 to worker.w0.load; the fleet watcher keeps the report's worker_id to the
+    subject, so w0 cannot renew w1's lease or rewrite its load either."""
+    from thunderagent.fleet import WorkerRegistry
+    from thunderagent.shell import FleetWatcher
+
+    server, creds = auth_server
+    admin, _ = await _as(server, creds, "admin")
+    w0, _ = await _as(server, creds, "worker-w0")
+    dead = await _collect(admin, subjects.dead_letter("fleet"))
+    stop = asyncio.Event()
+    watcher = FleetWatcher(Bus(admin, service="fleet"), WorkerRegistry())
+    task = asyncio.create_task(watcher.run(stop))
+    try:
+        await asyncio.wait_for(watcher.ready.wait(), 10)
+        load = LoadReport(worker_id="w1", ts=time.time(), running=0, queued=0,
+                          kv_used_blocks=0, kv_total_blocks=1)  # fmt: skip
+        await w0.publish(subjects.worker_load("w0"), encode(load))  # names w1
+        own = msgspec.structs.replace(load, worker_id="w0")
+        await w0.publish(subjects.worker_load("w0"), encode(own))
+        await _settle(w0, admin)
+        assert dead == [subjects.dead_letter("fleet")], dead  # the spoofed one only
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await w0.close()
+        await admin.close()
+
+
 def test_the_rendered_block_quotes_jetstream_subjects():
     block = render_authorization(stack_users(["w0"]))
     assert '"$JS.API.>"' in block
@@ -329,10 +358,15 @@ def _request(nats_url: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_up_serves_requests_with_auth_on(tmp_path):
-    proc, found = _start_up(tmp_path)
+def test_up_serves_requests_with_auth_and_tls_on(tmp_path):
+    """Logins are on by default (tests/integration/test_processes.py runs the plain default);
+    here with TLS as well, every service and the client over tls:// with the printed CA."""
+    cert, key = self_signed(tmp_path / "tls")
+    proc, found = _start_up(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         nats_url, creds = found["NATS"], Path(found["creds"])
+        assert nats_url.startswith("tls://127.0.0.1:"), nats_url
+        assert json.loads((creds / "client.json").read_text())["ca"] == str(cert)
         assert creds == tmp_path / "run" / "creds"
         names = {p.stem for p in creds.iterdir()}
         assert {"admin", "client", "router", "scheduler", "index", "worker-w0",
@@ -344,7 +378,12 @@ def test_up_serves_requests_with_auth_on(tmp_path):
             assert ok.returncode == 0, ok.stdout + ok.stderr
             final = json.loads(ok.stdout.strip().splitlines()[-1])
             assert final["type"] == "final" and final["usage"]["completion_tokens"] == 8
-        anonymous = _request(nats_url, "no credentials")
+        login = json.loads((creds / "client.json").read_text())
+        no_ca = tmp_path / "no-ca.json"
+        no_ca.write_text(json.dumps({"user": login["user"], "password": login["password"]}))
+        untrusting = _request(nats_url, "--creds", str(no_ca), "the system CAs do not know it")
+        assert untrusting.returncode == 3 and "CERTIFICATE_VERIFY_FAILED" in untrusting.stderr
+        anonymous = _request(nats_url, "--nats-ca", str(cert), "no credentials")
         assert anonymous.returncode == 3 and "refused" in anonymous.stderr, anonymous.stderr
     finally:
         proc.send_signal(signal.SIGTERM)

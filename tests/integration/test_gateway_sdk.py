@@ -42,12 +42,17 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def gateway_stack(
-    nats_url: str, *, workers: int = 1, speedup: float = 50.0, config: GatewayConfig | None = None
+    nats_url: str,
+    *,
+    workers: int = 1,
+    speedup: float = 50.0,
+    config: GatewayConfig | None = None,
+    **stack_kw,
 ) -> AsyncIterator[Running]:
     """The stack, its gateway, and the fleet loaded into the gateway (models listed)."""
     async with inproc_stack(nats_url) as stack:
         await start_full_stack(stack, workers=workers, policy="thunder", profile=PROFILE,
-                               block_size=16, speedup=speedup)  # fmt: skip
+                               block_size=16, speedup=speedup, **stack_kw)  # fmt: skip
         config = config or GatewayConfig(port=0)
         svc = await stack.start_service(
             "gateway", lambda ctx, gw: gw.run(ctx.stop), build=lambda ctx: Gateway(ctx.bus, config)
@@ -184,6 +189,34 @@ async def test_error_statuses_the_stack_produces(nats_server):
         with pytest.raises(openai.InternalServerError) as down:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
         assert down.value.status_code == 503 and "no router" in down.value.message
+        await client.close()
+
+
+async def test_full_queue_is_a_429_with_retry_after(nats_server):
+    """The scheduler's bounded queue refuses with ``overloaded``: the SDK sees a
+    RateLimitError and the Retry-After header; what was accepted still completes."""
+    async with gateway_stack(
+        nats_server.url, speedup=1.0, scheduler="fcfs", scheduler_params={"max_running": 1},
+        scheduler_config={"max_waiting_per_model": 1},
+    ) as run:  # fmt: skip
+        client = run.client()
+        slow = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=200, extra_body={"ignore_eos": True}
+        )
+        running = asyncio.create_task(slow)
+        await asyncio.sleep(0.5)  # it holds the only slot
+        waiting = asyncio.create_task(
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        )
+        await asyncio.sleep(0.3)  # it fills the queue
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert refused.value.status_code == 429 and refused.value.code == "rate_limit_exceeded"
+        assert "already waiting" in refused.value.message
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        done = await asyncio.gather(running, waiting)
+        assert [len(r.choices) for r in done] == [1, 1]
+        assert done[0].usage.completion_tokens == 200
         await client.close()
 
 
@@ -332,3 +365,19 @@ async def test_replicas_share_the_stack(nats_server):
         assert all(a.usage.completion_tokens == 3 for a in answers)
         for c in clients:
             await c.close()
+
+
+async def test_the_live_benchmark_drives_the_gateway_like_the_baselines(nats_server):
+    """``bench live --via gateway``: token-id prompts over /v1/completions, the engine's own
+    TTFT from the usage chunk, so the added latency is measured as for an HTTP router."""
+    from thunderagent.bench import live
+
+    async with gateway_stack(nats_server.url) as run:
+        block = live.block_tokens(1, 32)
+        requests = [live.LiveRequest(i, i * 0.02, block + [i + 1] * 8, 4) for i in range(6)]
+        result = await live.run_http(run.url, "thunderagent", requests, openai_model=MODEL)
+    summary = result.summary()
+    assert summary["requests"] == summary["completed"] == 6, summary["first_errors"]
+    assert all(o.engine_ttft_ms >= 0 and o.ttft_ms >= o.engine_ttft_ms for o in result.outcomes)
+    assert summary["added_latency_ms"]["p50"] > 0
+    assert summary["prefix_hit_ratio"] > 0  # the shared 32-token block is cached after the first

@@ -84,8 +84,10 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
         router = stack.services["router"].runtime
         blocks = BlockHasher(PAGE).hash_tokens(prefix)
         await wait_for(
-            lambda: router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
-            == {first.final.worker_id: 12},
+            lambda: (
+                router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
+                == {first.final.worker_id: 12}
+            ),
             what="the first request's KV events in the router's index",
         )
         second = await client.generate(

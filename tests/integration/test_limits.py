@@ -66,8 +66,9 @@ async def test_full_queue_answers_overloaded_with_a_retry_hint(nats_server):
         client = await routable(nats_server.url)
         slow = SamplingParams(ignore_eos=True)
         running = asyncio.create_task(
-            client.generate(GenerateRequest(model=MODEL, token_ids=[11] * 8, max_tokens=300,
-                                            sampling=slow))  # fmt: skip
+            client.generate(
+                GenerateRequest(model=MODEL, token_ids=[11] * 8, max_tokens=300, sampling=slow)
+            )
         )
         await asyncio.sleep(0.3)  # it holds the only slot
         waiting = asyncio.create_task(

@@ -83,8 +83,9 @@ def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
 def test_sigterm_stops_every_process(tmp_path):
     proc, nats_url = _start_up(tmp_path, dict(os.environ))
     try:
-        final = _request(nats_url, _client_env(tmp_path, dict(os.environ)),
-                         "hello from the process test")
+        final = _request(
+            nats_url, _client_env(tmp_path, dict(os.environ)), "hello from the process test"
+        )
         assert final["type"] == "final"
         children = _descendants(proc.pid)
         # nats, redis, index, scheduler, router, 2 x (engine + adapter)

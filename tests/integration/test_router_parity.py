@@ -179,8 +179,9 @@ async def live_decisions(
                 batch = step[1]
                 await bus.stream_publish(subjects.kv_events(batch.worker_id), encode(batch))
                 await wait_for(
-                    lambda b=batch, c=router.core.feeder.cursors: b.worker_id in c
-                    and c[b.worker_id].seq == b.seq,
+                    lambda b=batch, c=router.core.feeder.cursors: (
+                        b.worker_id in c and c[b.worker_id].seq == b.seq
+                    ),
                     "a KV batch",
                 )
             else:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
@@ -87,3 +88,38 @@ async def test_restarted_engine_is_resynced(nats_server, redis_server):
         fresh = set(BlockHasher(16).hash_tokens(conversation(0, 4)).primary)
         assert stale <= fresh, "blocks of the old engine's other prompts are still indexed"
         await client.close()
+
+
+async def test_a_repeated_hand_off_is_idempotent(nats_server):
+    """A sender whose ack came late asks again: the same hand-off (same reply subject) is
+    acked without a second run; the same id for another client is refused."""
+    from thunderagent.bus import Bus, connect
+    from thunderagent.schemas import Ack, FinalReply, TokenChunk, WorkerGenerate, subjects
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", block_size=16, speedup=5.0,
+                               with_scheduler=False)  # fmt: skip
+        nc = await connect(nats_server.url, name="handoff-test")
+        bus = Bus(nc, service="handoff-test")
+        got: asyncio.Queue = asyncio.Queue()
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=got.put)
+        request = GenerateRequest(model=MODEL, request_id="h1", token_ids=[5] * 16, max_tokens=40)
+        work = WorkerGenerate(request=request, reply_subject=inbox)
+        first = await bus.request(subjects.worker_generate("w0"), work, Ack, timeout=5)
+        again = await bus.request(subjects.worker_generate("w0"), work, Ack, timeout=5)
+        other = WorkerGenerate(request=request, reply_subject=nc.new_inbox())
+        refused = await bus.request(subjects.worker_generate("w0"), other, Ack, timeout=5)
+        assert first.accepted and again.accepted
+        assert not refused.accepted and "another client" in refused.reason
+        finals, tokens = 0, []
+        while True:
+            msg = await asyncio.wait_for(got.get(), 10)
+            reply = msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
+            if isinstance(reply, FinalReply):
+                finals += 1
+                break
+            tokens.extend(reply.token_ids)
+        await asyncio.sleep(0.3)  # a second run would stream more by now
+        assert finals == 1 and got.empty() and len(tokens) == 40
+        await nc.close()

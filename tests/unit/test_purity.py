@@ -27,6 +27,7 @@ PURE_PACKAGES = [
     "thunderagent.workloads",
 ]
 
+
 def imported_roots(path: Path) -> set[str]:
     roots = set()
     for node in ast.walk(ast.parse(path.read_text())):

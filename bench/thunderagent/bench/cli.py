@@ -28,9 +28,17 @@ BENCHES = {
         "move a prefix's KV between two engines with NIXL through the stack (GB/s, verified)",
     ),
     "gen": ("thunderagent.bench.gen", "write a generated Mooncake trace: agent, bursty, hotspot"),
+    "soak": (
+        "thunderagent.bench.soak",
+        "the stack at a steady rate for a long time: RSS, descriptors, no lost request",
+    ),
     "profile": (
         "thunderagent.bench.profile",
         "where a request's time goes: CPU µs/request per service, py-spy self time, spans",
+    ),
+    "bus": (
+        "thunderagent.bench.busbench",
+        "per-message CPU of the bus (deliveries by trace context, request/reply, headers)",
     ),
     "throughput": (
         "thunderagent.bench.throughput",

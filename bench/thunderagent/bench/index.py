@@ -1,26 +1,36 @@
-"""Prefix-index benchmark: ingest rate and overlap-query latency, beside Dynamo's RadixTree.
+"""Prefix-index benchmark: ingest rate and overlap-query latency, against Dynamo's RadixTree.
 
-    python -m thunderagent.bench.index [--json FILE] [--events N] [--queries N] [--seed S]
-                                       [--rounds R]
+    thunderagent bench index [--json FILE] [--events N] [--queries N] [--bulk N] [--rounds R]
+                             [--seed S] [--modes unpinned,pinned] [--no-dynamo]
 
-Workload (deterministic for a seed): 8 workers; conversations that start from one of a few
-shared system prompts and grow turn by turn, each turn one stored-blocks event on the
-conversation's worker (parent = its last block). A new conversation, or one that moves to
-another worker, stores its whole prefix from the root (re-confirming shared blocks). Queries are
-the first 64 blocks of a known conversation followed by a fresh, uncached turn, plus a few
-prompts under an unknown system prompt. Every hash is computed before timing starts.
+Workload: ``index_workload`` (8 workers, 250k stored-blocks events of prefix-sharing
+conversations: ~1.36 M blocks, ~1.0 M distinct, ~5.4 blocks per event; 10k 64-block queries;
+a bulk stream of 100-block events). Our index runs with TTL (``expire`` every 1,000 events),
+per-worker sequence checks and check hashes on; Dynamo 1.6.1's ``dynamo.llm.RadixTree`` (no TTL:
+its binding has none) gets the same events, in the same order and the same batches (one call per
+event), and the same queries, in the same process.
 
-Our index runs with TTL, per-worker sequence tracking and the check hash all on; ``expire`` is
-called every 1,000 events. When ``dynamo`` (ai-dynamo-runtime) is importable, the identical
-events (as the JSON its binding takes) and queries go through ``dynamo.llm.RadixTree`` in the
-same process, and the two indexes' answers are compared query by query.
+Fairness, as measured here:
 
-Reported: ingest blocks/s (median of ``--rounds`` fresh ingests; best and all rounds in the
-JSON), query p50/p99 over every query of every round (one ``perf_counter_ns`` pair per query,
-index cold in cache for most queries since they hit random conversations), "hot" p50 (each of
-500 queries repeated back to back: the CPU cost without cache misses), and the time to hash an
-8k-token prompt. Dynamo is timed on ``apply_event(worker, json bytes)`` and
-``find_matches(local hashes).scores``.
+* Both are timed over the same window per round: a fresh index, every event, a clock read before
+  the first and after the last call (Dynamo's ``apply_event`` returns after the background
+  thread applied the event: its errors surface synchronously). Rounds alternate ours / Dynamo so
+  machine noise hits both; each figure is the median of ``--rounds`` rounds after a warm-up.
+* What each call includes is named: Dynamo's ``apply_event(worker, json bytes)`` always includes
+  its JSON decode (serde), the FFI and the hand-off to its background thread. Ours is reported
+  twice: ``ingest`` = ``apply_stored`` on already-decoded lists (the index alone), and
+  ``ingest_decoded`` = msgspec-decoding the same event as our ``KvEventBatch`` msgpack first
+  (the decode our index service does). Queries: ours ``overlap(primary, check)``, Dynamo's
+  ``find_matches(local hashes).scores`` (list conversion and result dict included for both).
+* The hand-off is measured on its own: a trivial call (``find_matches([])``) and a 1-block
+  event, p50/p99, pinned and unpinned, next to ours.
+* ``--modes``: each mode re-runs everything with every thread of the process on all CPUs
+  (``unpinned``) or on CPU 0 (``pinned``, as ``taskset -c 0``).
+* Latency: one ``perf_counter_ns`` pair per call. Cold = every query once, in shuffled order
+  (random conversations over the whole index: their blocks are not in CPU cache, except the
+  shared system prompts); hot = each of the first 500 queries 20 times back to back.
+* The workload's own objects are moved out of the cyclic GC's view (``gc.freeze``) before
+  timing, so neither side pays for collecting the benchmark's data.
 """
 
 from __future__ import annotations
@@ -28,233 +38,270 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
+import statistics
 import sys
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+import msgspec
+
+from thunderagent.bench.index_workload import (
+    BULK_BLOCKS,
+    EVENT_DT_S,
+    QUERY_BLOCKS,
+    WORKERS,
+    Workload,
+    build_bulk,
+    build_workload,
+    dynamo_payloads,
+    our_payloads,
+)
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
+from thunderagent.schemas import KvEventBatch
 
-WORKERS = 8
-QUERY_BLOCKS = 64
-SYSTEM_PROMPTS = 24
-MAX_CONVERSATION_BLOCKS = 160
+__all__ = ["build_workload", "main"]
+
 EXPIRE_EVERY = 1_000
 HOT_QUERIES = 500
 HOT_REPEATS = 20
+HANDOFF_CALLS = 20_000
+"""Calls per hand-off measurement (``--handoff-calls``)."""
 HASH_TOKENS = 8192
 HASH_BLOCK_SIZE = 16
-EVENT_DT_S = 0.001
-"""Simulated clock step per event: 200k events span 200 s, inside the default TTL."""
+NAMES = [f"worker-{i}" for i in range(WORKERS)]
+DYNAMO_VERSION = "1.6.1"
 
 
-@dataclass(slots=True)
-class _Conversation:
-    worker: int
-    ids: list[int] = field(default_factory=list)
-    primary: list[int] = field(default_factory=list)
-    check: list[int] = field(default_factory=list)
+def _pct(values: list[int], q: float) -> float:
+    """Percentile of ns samples, in µs."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1_000
 
 
-@dataclass(slots=True)
-class Workload:
-    # events: (worker, seq, primary, check, parent, local ids)
-    events: list[tuple[int, int, list[int], list[int], int | None, list[int]]]
-    queries: list[tuple[list[int], list[int], list[int]]]  # (primary, check, local ids)
-    blocks: int
-    unique_blocks: int
-
-
-def _extend(hasher: BlockHasher, conv: _Conversation, ids: list[int]) -> tuple[list, list]:
-    parent = (conv.primary[-1], conv.check[-1]) if conv.primary else None
-    hashes = hasher.hash_block_ids(ids, parent)
-    conv.ids += ids
-    conv.primary += hashes.primary
-    conv.check += hashes.check
-    return hashes.primary, hashes.check
-
-
-def build_workload(events: int, queries: int, seed: int) -> Workload:
-    """Deterministic events and queries (see the module docstring)."""
-    rng = random.Random(seed)
-    hasher = BlockHasher(block_size=1)  # block ids given directly, as in Mooncake traces
-    fresh = lambda n: [rng.getrandbits(63) for _ in range(n)]  # noqa: E731
-    systems = [_Conversation(-1) for _ in range(SYSTEM_PROMPTS)]
-    for sp in systems:
-        _extend(hasher, sp, fresh(rng.randint(4, 40)))
-    seqs = [0] * WORKERS
-    convs: list[_Conversation] = []
-    active: list[_Conversation] = []
-    out: list = []
-    total = 0
-
-    def emit(conv: _Conversation, primary, check, parent, ids) -> None:
-        nonlocal total
-        out.append((conv.worker, seqs[conv.worker], primary, check, parent, ids))
-        seqs[conv.worker] += 1
-        total += len(primary)
-
-    while len(out) < events:
-        r = rng.random()
-        if r < 0.06 or not active:  # a new conversation under a (skewed) shared system prompt
-            sp = systems[min(int(rng.expovariate(0.25)), SYSTEM_PROMPTS - 1)]
-            conv = _Conversation(
-                rng.randrange(WORKERS), list(sp.ids), list(sp.primary), list(sp.check)
-            )
-            _extend(hasher, conv, fresh(rng.randint(1, 8)))
-            emit(conv, list(conv.primary), list(conv.check), None, list(conv.ids))
-            convs.append(conv)
-            active.append(conv)
-            if len(active) > 3_000:
-                active.pop(rng.randrange(len(active)))
-            continue
-        conv = active[rng.randrange(len(active))]
-        if r < 0.065:  # rebalanced to another worker: re-prefill and store the whole prefix
-            conv.worker = (conv.worker + rng.randint(1, WORKERS - 1)) % WORKERS
-            _extend(hasher, conv, fresh(rng.randint(1, 6)))
-            emit(conv, list(conv.primary), list(conv.check), None, list(conv.ids))
-        else:  # the next turn: new blocks under the conversation's last block
-            parent = conv.primary[-1]
-            ids = fresh(rng.randint(1, 7))
-            primary, check = _extend(hasher, conv, ids)
-            emit(conv, primary, check, parent, ids)
-        if len(conv.ids) >= MAX_CONVERSATION_BLOCKS:
-            active.remove(conv)
-
-    qs = []
-    for _ in range(queries):
-        if rng.random() < 0.05:
-            conv = _Conversation(-1)  # unknown system prompt: a miss at block 0
-        else:
-            conv = rng.choice(convs)
-        keep = min(len(conv.ids), rng.randint(QUERY_BLOCKS // 2, QUERY_BLOCKS))
-        q = _Conversation(-1, conv.ids[:keep], conv.primary[:keep], conv.check[:keep])
-        _extend(hasher, q, fresh(QUERY_BLOCKS - keep))
-        qs.append((q.primary, q.check, q.ids))
-    unique = len({p for e in out for p in e[2]})
-    return Workload(out, qs, total, unique)
-
-
-def _percentile(sorted_ns: list[int], q: float) -> float:
-    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1_000
-
-
-def _timed(
-    w: Workload, rounds: int, build: Callable[[], Callable[[], object]], query: Callable
-) -> tuple[dict, list]:
-    """Ingest ``rounds`` times into a fresh index (median and best rate), then time every query
-    ``rounds`` times over the last index, one ``perf_counter_ns`` pair per query."""
-    rates = []
-    for _ in range(rounds):
-        ingest = build()
-        gc.collect()
-        t0 = time.perf_counter()
-        ingest()
-        rates.append(w.blocks / (time.perf_counter() - t0))
+def _lat(call: Callable[[], object], n: int) -> dict:
     clock = time.perf_counter_ns
-    lat = []
-    answers: list = []
-    for r in range(rounds):
-        for q in w.queries:
-            t = clock()
-            res = query(q)
-            lat.append(clock() - t)
-            if r == 0:
-                answers.append(res)
-    lat.sort()
-    rates.sort()
-    hot = []  # each query repeated back to back: its blocks are in cache, the CPU cost remains
-    for q in w.queries[:HOT_QUERIES]:
+    ns = []
+    for _ in range(n):
+        t = clock()
+        call()
+        ns.append(clock() - t)
+    return {"p50_us": _pct(ns, 0.5), "p99_us": _pct(ns, 0.99)}
+
+
+def _start() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _stop(t: tuple[float, float]) -> tuple[float, float]:
+    """Wall and CPU seconds since ``_start``. CPU time is the whole process's (Dynamo's
+    background thread included): what the work cost, whatever else ran on the machine."""
+    return time.perf_counter() - t[0], time.process_time() - t[1]
+
+
+def set_affinity(cpus: set[int]) -> None:
+    """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # a thread that just exited
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+class Ours:
+    name = "thunderagent"
+
+    def __init__(self, w: Workload, bulk: list) -> None:
+        self.args = [
+            (NAMES[e[0]], e[1], (e[2], e[3]), e[4], i * EVENT_DT_S) for i, e in enumerate(w.events)
+        ]
+        self.blobs = our_payloads(w.events)
+        self.bulk = [(NAMES[e[0]], e[1], (e[2], e[3]), None, 0.0) for e in bulk]
+        self.index = PrefixIndex()
+
+    def ingest(self, decoded: bool | str = False, bulk: bool = False) -> tuple[float, float]:
+        """Wall and CPU seconds to apply every event to a fresh index (TTL on, expire every
+        1,000 events): from the pre-built lists, or (``decoded``) decoding each event's
+        ``KvEventBatch`` first, or (``decoded="only"``) decoding alone."""
+        self.index = None  # type: ignore[assignment]  # free the last one before timing
+        gc.collect()
+        ix = self.index = PrefixIndex()
+        apply, expire = ix.apply_stored, ix.expire
+        if bulk:
+            t = _start()
+            for args in self.bulk:
+                apply(*args)
+            return _stop(t)
+        if decoded == "only":  # the decode alone: what the decoded run spends outside the index
+            decode = msgspec.msgpack.Decoder(KvEventBatch).decode
+            t = _start()
+            for blob in self.blobs:
+                decode(blob)
+            return _stop(t)
+        if decoded:
+            decode = msgspec.msgpack.Decoder(KvEventBatch).decode
+            t = _start()
+            for i, blob in enumerate(self.blobs):
+                b = decode(blob)
+                ev = b.events[0]
+                apply(b.worker_id, b.seq, (ev.hashes, ev.check_hashes), ev.parent_hash, b.ts)
+                if i % EXPIRE_EVERY == 0:
+                    expire(b.ts)
+            return _stop(t)
+        t = _start()
+        for i, args in enumerate(self.args):
+            apply(*args)
+            if i % EXPIRE_EVERY == 0:
+                expire(args[4])
+        return _stop(t)
+
+    def query(self, q: tuple) -> dict[int, int]:
+        return self.index.overlap(q[0], q[1])
+
+    def answer(self, q: tuple) -> dict[int, int]:
+        return {int(k.rsplit("-", 1)[1]): v for k, v in self.query(q).items()}
+
+    def handoff(self, calls: int) -> dict:
+        ix = PrefixIndex()
+        events = iter([("w", seq, ([7], [7]), None, 0.0) for seq in range(calls)])
+        apply = ix.apply_stored
+        return {
+            "trivial_call": _lat(lambda: ix.overlap((), None), calls),
+            "event_1_block": _lat(lambda: apply(*next(events)), calls),
+        }
+
+
+class Dynamo:
+    name = "dynamo"
+
+    def __init__(self, w: Workload, bulk: list) -> None:
+        from dynamo.llm import RadixTree  # type: ignore[import-not-found]
+
+        self.cls = RadixTree
+        self.payloads = dynamo_payloads(w.events)
+        self.bulk = dynamo_payloads(bulk)
+        self.tree = RadixTree()
+
+    def ingest(self, decoded: bool = False, bulk: bool = False) -> tuple[float, float]:
+        self.tree = None
+        gc.collect()
+        tree = self.tree = self.cls()
+        apply = tree.apply_event
+        t = _start()
+        for wid, data in self.bulk if bulk else self.payloads:
+            apply(wid, data)
+        return _stop(t)
+
+    def query(self, q: tuple) -> dict:
+        return self.tree.find_matches(q[2]).scores
+
+    def answer(self, q: tuple) -> dict[int, int]:
+        return {wid: depth for (wid, _dp), depth in self.query(q).items() if depth}
+
+    def handoff(self, calls: int) -> dict:
+        """Per-call cost through the binding: a trivial call, and a 1-block event (bytes
+        encoded beforehand, as ours gets its lists)."""
+        tree = self.cls()
+        blocks = [{"block_hash": 7, "tokens_hash": 7}]
+        events = iter(
+            [
+                json.dumps(
+                    {"event_id": seq, "dp_rank": 0, "data": {"stored": {"blocks": blocks}}}
+                ).encode()
+                for seq in range(calls)
+            ]
+        )
+        apply = tree.apply_event
+        return {
+            "trivial_call": _lat(lambda: tree.find_matches([]), calls),
+            "event_1_block": _lat(lambda: apply(0, next(events)), calls),
+        }
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def _queries(side, qs: list, order: list[int]) -> tuple[dict, dict]:
+    clock = time.perf_counter_ns
+    cold = []
+    for i in order:
+        q = qs[i]
+        t = clock()
+        side.query(q)
+        cold.append(clock() - t)
+    hot = []
+    for q in qs[:HOT_QUERIES]:
         for _ in range(HOT_REPEATS):
             t = clock()
-            query(q)
+            side.query(q)
             hot.append(clock() - t)
-    hot.sort()
-    return {
-        "ingest_blocks_per_s": rates[len(rates) // 2],
-        "ingest_blocks_per_s_best": rates[-1],
-        "ingest_blocks_per_s_rounds": rates,
-        "query_p50_us": _percentile(lat, 0.50),
-        "query_p99_us": _percentile(lat, 0.99),
-        "query_mean_us": sum(lat) / len(lat) / 1_000,
-        "query_hot_p50_us": _percentile(hot, 0.50),
-    }, answers
+    return (
+        {"p50_us": _pct(cold, 0.5), "p99_us": _pct(cold, 0.99)},
+        {"p50_us": _pct(hot, 0.5), "p99_us": _pct(hot, 0.99)},
+    )
 
 
-def run_ours(w: Workload, rounds: int) -> tuple[dict, list[dict[int, int]]]:
-    names = [f"worker-{i}" for i in range(WORKERS)]
-    holder: list[PrefixIndex] = []
-
-    def build() -> Callable[[], None]:
-        holder.clear()
-        index = PrefixIndex()  # default TTL on; sequence tracking and check hashes always on
-        holder.append(index)
-        apply = index.apply_stored
-        expire = index.expire
-
-        def ingest() -> None:
-            for i, (wid, seq, primary, check, parent, _ids) in enumerate(w.events):
-                now = i * EVENT_DT_S
-                apply(names[wid], seq, (primary, check), parent, now)
-                if i % EXPIRE_EVERY == 0:
-                    expire(now)
-
-        return ingest
-
-    def query(q: tuple) -> dict[str, int]:
-        return holder[0].overlap(q[0], q[1])
-
-    stats, answers = _timed(w, rounds, build, query)
-    index = holder[0]
-    t = time.perf_counter()
-    blob = encode(index.snapshot())
-    stats["snapshot_encode_s"] = time.perf_counter() - t
-    stats["snapshot_bytes"] = len(blob)
-    stats["indexed_entries"] = len(index)
-    stats["index_stats"] = {k: getattr(index.stats, k) for k in index.stats.__dataclass_fields__}
-    return stats, [{int(k.rsplit("-", 1)[1]): v for k, v in a.items()} for a in answers]
+def _median(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
 
 
-def run_dynamo(w: Workload, rounds: int) -> tuple[dict, list[dict[int, int]]] | str:
-    """Dynamo's RadixTree on the same workload, or the reason it could not run."""
-    try:
-        from dynamo.llm import RadixTree  # type: ignore[import-not-found]
-    except Exception as exc:  # ImportError, or a broken native extension
-        return f"dynamo not importable: {exc!r} (pip install ai-dynamo-runtime==1.6.1)"
-    payloads = []
-    for wid, seq, primary, _check, parent, ids in w.events:
-        blocks = [{"block_hash": p, "tokens_hash": t} for p, t in zip(primary, ids, strict=True)]
-        event = {
-            "event_id": seq,
-            "dp_rank": 0,
-            "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
+def run_mode(
+    sides: list, w: Workload, bulk_blocks: int, rounds: int, seed: int, calls: int
+) -> dict:
+    """Warm up, then ``rounds`` rounds; each round ingests and queries on every side in turn."""
+    per = {
+        s.name: {
+            k: []
+            for k in ("ingest", "ingest_cpu", "ingest_decoded", "decode", "bulk", "cold", "hot")
         }
-        payloads.append((wid, json.dumps(event).encode()))
-    holder: list = []
-
-    def build() -> Callable[[], None]:
-        holder.clear()
-        tree = RadixTree()
-        holder.append(tree)
-        apply = tree.apply_event
-
-        def ingest() -> None:
-            for wid, data in payloads:
-                apply(wid, data)
-
-        return ingest
-
-    def query(q: tuple) -> dict[int, int]:
-        scores = holder[0].find_matches(q[2]).scores
-        return {wid: depth for (wid, _dp), depth in scores.items() if depth}
-
-    stats, answers = _timed(w, rounds, build, query)
-    stats["timed"] = "apply_event(worker, json bytes); find_matches(local hashes).scores"
-    return stats, answers
+        for s in sides
+    }
+    rng = random.Random(seed)
+    for s in sides:  # warm-up: one ingest and one query pass, not recorded
+        s.ingest()
+        _queries(s, w.queries[:1000], list(range(min(1000, len(w.queries)))))
+    for _ in range(rounds):
+        order = list(range(len(w.queries)))
+        rng.shuffle(order)
+        for s in sides:
+            p = per[s.name]
+            p["bulk"].append(bulk_blocks / s.ingest(bulk=True)[0])
+            if s.name == "thunderagent":
+                p["ingest_decoded"].append(w.blocks / s.ingest(decoded=True)[0])
+                p["decode"].append(s.ingest(decoded="only")[0])
+            wall, cpu = s.ingest()
+            p["ingest"].append(w.blocks / wall)
+            p["ingest_cpu"].append(w.blocks / cpu)
+            cold, hot = _queries(s, w.queries, order)
+            p["cold"].append(cold)
+            p["hot"].append(hot)
+    out = {}
+    for s in sides:
+        p = per[s.name]
+        r = {
+            "ingest_blocks_per_s": statistics.median(p["ingest"]),
+            "ingest_rounds": p["ingest"],
+            "ingest_cpu_blocks_per_s": statistics.median(p["ingest_cpu"]),
+            "bulk_ingest_blocks_per_s": statistics.median(p["bulk"]),
+            "query_cold_p50_us": _median(p["cold"], "p50_us"),
+            "query_cold_p99_us": _median(p["cold"], "p99_us"),
+            "query_hot_p50_us": _median(p["hot"], "p50_us"),
+            "query_hot_p99_us": _median(p["hot"], "p99_us"),
+            "query_cold_rounds": p["cold"],
+            "handoff": s.handoff(calls),
+        }
+        if p["ingest_decoded"]:
+            r["ingest_decoded_blocks_per_s"] = statistics.median(p["ingest_decoded"])
+            r["decode_only_blocks_per_s"] = w.blocks / statistics.median(p["decode"])
+        out[s.name] = r
+    return out
 
 
 def bench_hashing(seed: int, repeats: int = 300) -> dict:
@@ -262,66 +309,136 @@ def bench_hashing(seed: int, repeats: int = 300) -> dict:
     rng = random.Random(seed)
     tokens = [rng.randrange(200_000) for _ in range(HASH_TOKENS)]
     hasher = BlockHasher(HASH_BLOCK_SIZE)
-    out = {"tokens": HASH_TOKENS, "block_size": HASH_BLOCK_SIZE}
+    out: dict = {"tokens": HASH_TOKENS, "block_size": HASH_BLOCK_SIZE}
     for name, inp in (("list", tokens), ("array", array("I", tokens))):
-        runs = []
-        for _ in range(repeats):
-            t = time.perf_counter_ns()
-            hasher.hash_tokens(inp)
-            runs.append(time.perf_counter_ns() - t)
-        runs.sort()
-        out[f"{name}_p50_us"] = _percentile(runs, 0.5)
+        out[f"{name}_p50_us"] = _lat(lambda inp=inp: hasher.hash_tokens(inp), repeats)["p50_us"]
     out["blocks_per_s"] = (HASH_TOKENS // HASH_BLOCK_SIZE) / (out["array_p50_us"] / 1e6)
     return out
 
 
+def _targets(modes: dict) -> list[dict]:
+    """The issue's targets, per mode: (target, measured, met)."""
+    rows = []
+    for mode, r in modes.items():
+        o, d = r["thunderagent"], r.get("dynamo")
+        rows += [
+            _row(
+                mode, "query cold p50 <= 5 us", o["query_cold_p50_us"], o["query_cold_p50_us"] <= 5
+            ),
+            _row(mode, "query hot p50 <= 5 us", o["query_hot_p50_us"], o["query_hot_p50_us"] <= 5),
+            _row(
+                mode,
+                "ingest >= 1.5 M blocks/s",
+                o["ingest_blocks_per_s"],
+                o["ingest_blocks_per_s"] >= 1.5e6,
+            ),
+        ]
+        if d is None:
+            continue
+        pairs = [
+            (
+                "ingest, decode included for both",
+                o["ingest_decoded_blocks_per_s"],
+                d["ingest_blocks_per_s"],
+                True,
+            ),
+            (
+                "bulk ingest (100-block events)",
+                o["bulk_ingest_blocks_per_s"],
+                d["bulk_ingest_blocks_per_s"],
+                True,
+            ),
+        ] + [
+            (f"query {k} {p}", o[f"query_{k}_{p}_us"], d[f"query_{k}_{p}_us"], False)
+            for k in ("cold", "hot")
+            for p in ("p50", "p99")
+        ]
+        for name, ours, theirs, higher in pairs:
+            ratio = ours / theirs if higher else theirs / ours
+            rows.append(_row(mode, f"ahead of Dynamo: {name}", round(ratio, 2), ratio > 1))
+    return rows
+
+
+def _row(mode: str, target: str, measured: float, met: bool) -> dict:
+    return {"mode": mode, "target": target, "measured": measured, "met": bool(met)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--json", help="write the results as JSON to this file")
-    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--events", type=int, default=250_000)
     ap.add_argument("--queries", type=int, default=10_000)
+    ap.add_argument("--bulk", type=int, default=3_000, help="100-block events in the bulk run")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="ingest rounds / query passes")
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds per mode (median)")
+    ap.add_argument("--modes", default="unpinned,pinned", help="unpinned, pinned or both")
+    ap.add_argument("--no-dynamo", action="store_true", help="measure our index only")
+    ap.add_argument("--handoff-calls", type=int, default=HANDOFF_CALLS)
     args = ap.parse_args(argv)
 
-    t = time.perf_counter()
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
     w = build_workload(args.events, args.queries, args.seed)
-    build_s = time.perf_counter() - t
-    ours, our_answers = run_ours(w, args.rounds)
-    depths = [max(a.values(), default=0) for a in our_answers]
+    bulk = build_bulk(args.bulk, args.seed)
+    sides: list = [Ours(w, bulk)]
+    dynamo_skip = "--no-dynamo" if args.no_dynamo else None
+    if not args.no_dynamo:
+        try:
+            sides.append(Dynamo(w, bulk))
+        except Exception as exc:  # ImportError, or a broken native extension
+            dynamo_skip = f"dynamo not importable: {exc!r} (pip install ai-dynamo-runtime==1.6.1)"
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    gc.freeze()
+    all_cpus = os.sched_getaffinity(0)
+    modes: dict = {}
+    agreement = None
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        set_affinity({min(all_cpus)} if mode == "pinned" else all_cpus)
+        modes[mode] = run_mode(
+            sides, w, len(bulk) * BULK_BLOCKS, args.rounds, args.seed, args.handoff_calls
+        )
+        if agreement is None and len(sides) == 2:
+            agreement = sum(sides[0].answer(q) != sides[1].answer(q) for q in w.queries)
+    set_affinity(all_cpus)
+    ours = sides[0]
+    depths = [max(ours.answer(q).values(), default=0) for q in w.queries]
+    head = modes.get("unpinned") or next(iter(modes.values()))
     result = {
-        "ingest_blocks_per_s": round(ours["ingest_blocks_per_s"]),
-        "query_p50_us": round(ours["query_p50_us"], 2),
-        "query_p99_us": round(ours["query_p99_us"], 2),
-        "ours": ours,
+        "ingest_blocks_per_s": round(head["thunderagent"]["ingest_blocks_per_s"]),
+        "query_p50_us": head["thunderagent"]["query_cold_p50_us"],
+        "query_p99_us": head["thunderagent"]["query_cold_p99_us"],
+        "modes": modes,
+        "targets": _targets(modes),
+        "ours_index": _index_facts(ours.index),
+        "dynamo": {"skipped": dynamo_skip}
+        if dynamo_skip
+        else {"version": DYNAMO_VERSION, "answers_differ": agreement},
         "workload": {
             "workers": WORKERS,
             "events": len(w.events),
             "blocks": w.blocks,
             "unique_blocks": w.unique_blocks,
+            "blocks_per_event": w.blocks / len(w.events),
             "queries": len(w.queries),
             "query_blocks": QUERY_BLOCKS,
             "mean_best_match_blocks": sum(depths) / len(depths),
+            "bulk_events": len(bulk),
+            "bulk_blocks_per_event": BULK_BLOCKS,
             "seed": args.seed,
-            "build_s": round(build_s, 2),
             "rounds": args.rounds,
+            "build_s": round(build_s, 2),
         },
         "hashing": bench_hashing(args.seed),
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": sorted(all_cpus),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "wall_s": round(time.perf_counter() - t0, 1),
+        },
     }
-    dyn = run_dynamo(w, args.rounds)
-    if isinstance(dyn, str):
-        result["dynamo"] = {"skipped": dyn}
-    else:
-        dstats, dyn_answers = dyn
-        dstats["answers_differ"] = sum(
-            a != b for a, b in zip(our_answers, dyn_answers, strict=True)
-        )
-        dstats["ingest_ratio_ours_over_dynamo"] = (
-            ours["ingest_blocks_per_s"] / dstats["ingest_blocks_per_s"]
-        )
-        dstats["query_p50_ratio_dynamo_over_ours"] = dstats["query_p50_us"] / ours["query_p50_us"]
-        result["dynamo"] = dstats
     _print(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -329,39 +446,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _index_facts(index: PrefixIndex) -> dict:
+    t = time.perf_counter()
+    blob = encode(index.snapshot())
+    return {
+        "entries": len(index),
+        "stats": {k: getattr(index.stats, k) for k in index.stats.__dataclass_fields__},
+        "snapshot_encode_s": time.perf_counter() - t,
+        "snapshot_bytes": len(blob),
+    }
+
+
 def _print(r: dict) -> None:
-    wl = r["workload"]
+    wl, m = r["workload"], r["machine"]
     print(
         f"workload: {wl['workers']} workers, {wl['events']:,} events, {wl['blocks']:,} blocks "
-        f"({wl['unique_blocks']:,} unique), {wl['queries']:,} queries x {wl['query_blocks']} "
-        f"blocks (mean best match {wl['mean_best_match_blocks']:.1f}), {wl['rounds']} rounds"
+        f"({wl['unique_blocks']:,} distinct, {wl['blocks_per_event']:.1f} per event), "
+        f"{wl['queries']:,} queries x {wl['query_blocks']} blocks (mean best match "
+        f"{wl['mean_best_match_blocks']:.1f}); bulk {wl['bulk_events']:,} x "
+        f"{wl['bulk_blocks_per_event']}; {wl['rounds']} rounds; load avg "
+        f"{m['loadavg_before'][0]:.1f} -> {m['loadavg_after'][0]:.1f}"
     )
-    hs = r["hashing"]
-    print(
-        f"hashing {hs['tokens']} tokens (block {hs['block_size']}): {hs['list_p50_us']:.0f} us "
-        f"from a list, {hs['array_p50_us']:.0f} us from array('I') "
-        f"({hs['blocks_per_s'] / 1e6:.1f} M blocks/s, primary + check)"
-    )
-    dyn = r["dynamo"]
-    o = r["ours"]
     rows = [
-        ("ingest blocks/s", "ingest_blocks_per_s", True),
-        ("query p50 us", "query_p50_us", False),
-        ("query p99 us", "query_p99_us", False),
-        ("query hot p50 us", "query_hot_p50_us", False),
+        ("ingest blocks/s (index only)", "ingest_blocks_per_s", ",.0f"),
+        ("  same, per CPU second", "ingest_cpu_blocks_per_s", ",.0f"),
+        ("ingest blocks/s (+ decode)", "ingest_decoded_blocks_per_s", ",.0f"),
+        ("decode alone blocks/s", "decode_only_blocks_per_s", ",.0f"),
+        ("bulk ingest blocks/s", "bulk_ingest_blocks_per_s", ",.0f"),
+        ("query cold p50 us", "query_cold_p50_us", ".2f"),
+        ("query cold p99 us", "query_cold_p99_us", ".2f"),
+        ("query hot p50 us", "query_hot_p50_us", ".2f"),
+        ("query hot p99 us", "query_hot_p99_us", ".2f"),
     ]
-    print(f"{'':22}{'thunderagent':>14}{'dynamo':>14}{'ours better by':>16}")
-    for name, key, higher_better in rows:
-        fmt = ",.0f" if higher_better else ".2f"
-        if "skipped" in dyn:
-            print(f"{name:22}{o[key]:>14{fmt}}")
-            continue
-        ratio = o[key] / dyn[key] if higher_better else dyn[key] / o[key]
-        print(f"{name:22}{o[key]:>14{fmt}}{dyn[key]:>14{fmt}}{ratio:>15.2f}x")
+    for mode, res in r["modes"].items():
+        print(f"-- {mode}")
+        print(f"{'':30}{'thunderagent':>14}{'dynamo':>14}")
+        o, d = res["thunderagent"], res.get("dynamo", {})
+        for label, key, fmt in rows:
+            ours = f"{o[key]:{fmt}}" if key in o else "-"
+            theirs = f"{d[key]:{fmt}}" if key in d else "-"
+            print(f"{label:30}{ours:>14}{theirs:>14}")
+        for side, res_side in (("thunderagent", o), ("dynamo", d)):
+            h = res_side.get("handoff")
+            if h:
+                print(
+                    f"{side} per call: trivial p50 {h['trivial_call']['p50_us']:.2f} / p99 "
+                    f"{h['trivial_call']['p99_us']:.2f} us, 1-block event p50 "
+                    f"{h['event_1_block']['p50_us']:.2f} / p99 "
+                    f"{h['event_1_block']['p99_us']:.2f} us"
+                )
+    dyn = r["dynamo"]
     if "skipped" in dyn:
         print(f"dynamo SKIPPED: {dyn['skipped']}")
     else:
         print(f"answers differing from dynamo: {dyn['answers_differ']} of {wl['queries']}")
+    for t in r["targets"]:
+        print(f"[{'met' if t['met'] else 'NOT met'}] {t['mode']}: {t['target']}: {t['measured']:,}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ sglang-router 0.3.2 leaves TCP_NODELAY off on the sockets it accepts, so on a re
 its response headers and first chunk meet Nagle's algorithm and the client's delayed ACK (~40 ms
 on Linux). A fresh connection starts in quick-ACK mode and sees no such stall. Both are measured.
 
-    thunderagent bench live --trace PATH --rate 200 --duration 30 \
+    thunderagent bench live --trace PATH --rate 200 --duration 30 [--via nats|gateway] \
         [--baseline sglang-router,smg] [--client-connections keepalive|fresh|both]
+
+``--via gateway`` sends our requests over HTTP too (OpenAI ``/v1/completions`` through
+``thunderagent gateway``, keep-alive), so the comparison is HTTP to HTTP; the gateway's final
+usage chunk names the engine's own TTFT, so the added latency is measured the same way.
 """
 
 from __future__ import annotations
@@ -168,40 +172,83 @@ async def run_thunderagent(nats_url: str, model: str, requests: list[LiveRequest
     return result
 
 
+def _native_body(req: LiveRequest) -> dict:
+    """SGLang's ``/generate``: what sglang-router and SMG route."""
+    return {
+        "input_ids": req.token_ids,
+        "sampling_params": {"max_new_tokens": req.max_tokens, "ignore_eos": True},
+        "stream": True,
+    }
+
+
+def _native_chunk(chunk: dict, out: Outcome) -> bool:
+    """Fold one ``/generate`` chunk into ``out``; True when it carried tokens."""
+    meta = chunk.get("meta_info", {})
+    out.engine_ttft_ms = float(meta.get("engine_ttft_s", -0.001)) * 1e3
+    out.prompt_tokens = int(meta.get("prompt_tokens", out.prompt_tokens))
+    out.cached_tokens = int(meta.get("cached_tokens", out.cached_tokens))
+    return True
+
+
+def _openai_body(model: str, req: LiveRequest) -> dict:
+    """OpenAI ``/v1/completions`` with token ids, as our gateway takes it."""
+    return {
+        "model": model,
+        "prompt": req.token_ids,
+        "max_tokens": req.max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _openai_chunk(chunk: dict, out: Outcome) -> bool:
+    usage = chunk.get("usage")
+    if usage:
+        out.prompt_tokens = int(usage["prompt_tokens"])
+        out.cached_tokens = int(usage["prompt_tokens_details"]["cached_tokens"])
+        out.engine_ttft_ms = float(chunk.get("x_thunderagent", {}).get("engine_ttft_ms", -1.0))
+    return bool(chunk.get("choices"))
+
+
 async def run_http(
-    url: str, name: str, requests: list[LiveRequest], connections: str = "keepalive"
+    url: str,
+    name: str,
+    requests: list[LiveRequest],
+    connections: str = "keepalive",
+    *,
+    openai_model: str | None = None,
 ) -> SystemResult:
-    """Stream every request through ``url``'s ``/generate``. aiohttp sets TCP_NODELAY on its
-    sockets; ``connections="fresh"`` closes each connection after its request."""
+    """Stream every request through ``url``: SGLang's ``/generate``, or with ``openai_model``
+    OpenAI's ``/v1/completions`` (our gateway). aiohttp sets TCP_NODELAY on its sockets;
+    ``connections="fresh"`` closes each connection after its request."""
     result = SystemResult(name, [Outcome() for _ in requests])
     connector = aiohttp.TCPConnector(limit=0, force_close=connections == "fresh")
+    path, fold = (
+        ("/v1/completions", _openai_chunk) if openai_model else ("/generate", _native_chunk)
+    )
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def send(req: LiveRequest) -> None:
             out = result.outcomes[req.index]
-            body = {
-                "input_ids": req.token_ids,
-                "sampling_params": {"max_new_tokens": req.max_tokens, "ignore_eos": True},
-                "stream": True,
-            }
+            body = _openai_body(openai_model, req) if openai_model else _native_body(req)
             t0 = time.perf_counter()
             try:
-                async with session.post(url + "/generate", json=body) as resp:
+                async with session.post(url + path, json=body) as resp:
                     if resp.status != 200:
                         out.error = f"HTTP {resp.status}: {(await resp.text())[:120]}"
                         return
-                    meta = {}
                     async for raw in resp.content:
                         line = raw.strip()
                         if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
                             continue
-                        if out.ttft_ms < 0:
+                        chunk = json.loads(line[5:])
+                        if "error" in chunk:
+                            out.error = f"stream error: {str(chunk['error'])[:120]}"
+                            return
+                        if fold(chunk, out) and out.ttft_ms < 0:
                             out.ttft_ms = (time.perf_counter() - t0) * 1e3
-                        meta = json.loads(line[5:]).get("meta_info", meta)
                 out.e2e_ms = (time.perf_counter() - t0) * 1e3
-                out.engine_ttft_ms = float(meta.get("engine_ttft_s", -0.001)) * 1e3
-                out.prompt_tokens = int(meta.get("prompt_tokens", 0))
-                out.cached_tokens = int(meta.get("cached_tokens", 0))
             except (aiohttp.ClientError, OSError) as err:
                 out.error = f"{type(err).__name__}: {err}"
 
@@ -273,11 +320,18 @@ def system_name(baseline: str, connections: str) -> str:
     return baseline if connections == "keepalive" else baseline + FRESH_SUFFIX
 
 
-async def wait_http(url: str, timeout_s: float = 60) -> None:
+async def wait_http(url: str, timeout_s: float = 60, *, openai: bool = False) -> None:
+    """Until ``url`` answers a one-token ``/generate`` (or, ``openai``, lists a model)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             try:
+                if openai:
+                    async with s.get(url + "/v1/models") as r:
+                        if r.status == 200 and (await r.json()).get("data"):
+                            return
+                    await asyncio.sleep(0.3)
+                    continue
                 body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
                 async with s.post(url + "/generate", json=body) as r:
                     if r.status == 200:
@@ -315,6 +369,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
     p.add_argument("--policy", default="thunder")
     p.add_argument(
+        "--via",
+        choices=("nats", "gateway"),
+        default="nats",
+        help="send our requests over NATS (ThunderClient) or over HTTP through the OpenAI "
+        "gateway (/v1/completions), as the baselines get theirs",
+    )
+    p.add_argument(
         "--baseline",
         type=parse_baselines,
         default=[],
@@ -338,13 +399,19 @@ def main(argv: list[str] | None = None) -> None:
         trace, args.rate, args.duration, args.tokens_per_block, args.max_output
     )
     config = StackConfig(
-        workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile
-    )
+        workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
+        gateways=1 if args.via == "gateway" else 0,
+    )  # fmt: skip
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)
     systems: dict[str, dict] = {}
     try:
-        ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
+        if args.via == "gateway":
+            asyncio.run(wait_http(stack.gateway_url, openai=True))
+            ours = asyncio.run(run_http(stack.gateway_url, "thunderagent", requests,
+                                        openai_model=config.model))  # fmt: skip
+        else:
+            ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
         systems["thunderagent"] = ours.summary()
         print(json.dumps(systems["thunderagent"]), file=sys.stderr)
         if args.baseline:
@@ -372,6 +439,7 @@ def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
         "tokens_per_block": args.tokens_per_block,
         "max_output": args.max_output,
         "policy": args.policy,
+        "via": args.via,
         "client": {"tcp_nodelay": True, "connections": args.client_connections},
         "systems": systems,
     }

@@ -167,9 +167,10 @@ def http_sender(session: aiohttp.ClientSession, urls: list[str], bodies: list[by
     return send
 
 
-def http_session() -> aiohttp.ClientSession:
-    """Keep-alive, no connection cap (an open loop must not queue in the client)."""
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+def http_session(*, force_close: bool = False) -> aiohttp.ClientSession:
+    """Keep-alive (or a new connection per request), no connection cap (an open loop must not
+    queue in the client)."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=force_close)
     timeout = aiohttp.ClientTimeout(total=30)
     return aiohttp.ClientSession(
         connector=connector, timeout=timeout, skip_auto_headers=["User-Agent"]

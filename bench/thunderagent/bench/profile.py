@@ -31,7 +31,7 @@ from pathlib import Path
 
 import uvloop
 
-from thunderagent.bench import loadgen, procs, pyspy
+from thunderagent.bench import loadgen, perf, procs, pyspy
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.stack.up import Stack, StackConfig
@@ -112,9 +112,11 @@ async def measured(
 
 
 def added(stack: loadgen.LoadResult, direct: loadgen.LoadResult) -> dict:
+    """TTFT percentiles through the system minus straight to the engines (None: no answers).
+    Each is a difference of two measured percentiles, so it can come out slightly negative."""
     a, b = stack.ttft(), direct.ttft()
     if not a or not b:
-        return {"p50": -1.0, "p99": -1.0}
+        return {"p50": None, "p99": None}
     return {
         "p50": round(percentile(a, 50) - percentile(b, 50), 3),
         "p99": round(percentile(a, 99) - percentile(b, 99), 3),
@@ -146,21 +148,40 @@ async def nats_rtt_us(url: str, count: int = 300) -> dict:
 async def profile_services(
     pids: dict[str, int], args: argparse.Namespace, send, out_dir: Path
 ) -> dict:
-    exe = pyspy.available()
-    if exe is None:
-        return {"skipped": "py-spy not found: pip install py-spy"}
+    """One more run of the load under py-spy (Python frames) and perf (on-CPU samples by
+    shared object) on each service process."""
     seconds = args.requests / args.rate + 1.0
-    running = {}
-    for name in PROFILED:
-        if name in pids:
+    spy, perf_exe = (
+        pyspy.available() if args.pyspy else None,
+        perf.available() if args.perf else None,
+    )
+    running: dict[str, list] = {}
+    for name in PROFILED + ("nats-server",):
+        if name not in pids:
+            continue
+        if spy and name != "nats-server":
             out = out_dir / f"{name}.pyspy.txt"
-            running[name] = (pyspy.start(exe, pids[name], seconds, out, args.pyspy_rate), out)
-    await asyncio.sleep(0.5)  # py-spy attaches before the load starts
+            running.setdefault("pyspy", []).append(
+                (name, pyspy.start(spy, pids[name], seconds, out, args.pyspy_rate), out)
+            )
+        if perf_exe:
+            out = out_dir / f"{name}.perf.data"
+            running.setdefault("perf", []).append(
+                (name, perf.start(perf_exe, pids[name], seconds, out), out)
+            )
+    await asyncio.sleep(0.5)  # the profilers attach before the load starts
     await loadgen.open_loop(args.rate, args.requests, send)
-    result = {}
-    for name, (proc, out) in running.items():
+    result: dict[str, dict] = {
+        "pyspy": {} if spy else {"skipped": "py-spy not found: pip install py-spy"},
+        "perf": {} if perf_exe else {"skipped": "perf not found (linux-perf)"},
+    }
+    for name, proc, out in running.get("pyspy", []):
         got = await asyncio.to_thread(pyspy.finish, proc, out, seconds + 30)
-        result[name] = got.as_json() if isinstance(got, pyspy.Profile) else {"error": got}
+        result["pyspy"][name] = got.as_json() if isinstance(got, pyspy.Profile) else {"error": got}
+    for name, proc, out in running.get("perf", []):
+        result["perf"][name] = await asyncio.to_thread(
+            perf.finish, perf_exe, proc, out, seconds + 60
+        )
     return result
 
 
@@ -186,10 +207,10 @@ async def run(stack: Stack, args: argparse.Namespace, receiver: SpanReceiver | N
         report["direct_to_engines"] = direct.json()
         report["added_ttft_ms"] = added(ours.load, direct.load)
         report["nats_request_reply_us"] = await nats_rtt_us(stack.nats_url)
-        if args.pyspy:
+        if args.pyspy or args.perf:
             again = loadgen.prompts(args.requests, args.prompt_tokens, args.unique_tokens, seed=3)
             send = loadgen.thunder_sender(client, model, again)
-            report["pyspy"] = await profile_services(pids, args, send, stack.run_dir)
+            report |= await profile_services(pids, args, send, stack.run_dir)
         if receiver is not None:
             await asyncio.sleep(1.5)  # the last export batches
             report["spans"] = breakdown(receiver.snapshot())
@@ -212,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--idle-s", type=float, default=2.0)
     p.add_argument("--no-pyspy", dest="pyspy", action="store_false")
+    p.add_argument("--no-perf", dest="perf", action="store_false", help="skip perf record")
     p.add_argument("--pyspy-rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument(
         "--trace-ratio",
@@ -272,10 +294,20 @@ def render(report: dict) -> str:
         "CPU µs per request: " + _by_size(ours["cpu_us_per_req"]),
         "CPU µs per request, direct (the KV-event pipeline): " + _by_size(direct["cpu_us_per_req"]),
     ]
+    for name, prof in report.get("perf", {}).items():
+        if isinstance(prof, dict) and "groups_pct" in prof:
+            groups = ", ".join(f"{k} {v}%" for k, v in list(prof["groups_pct"].items())[:5])
+            lines.append(f"perf {name}: {groups}")
     for name, prof in report.get("pyspy", {}).items():
         if isinstance(prof, dict) and "steps_pct" in prof:
             steps = ", ".join(f"{k} {v}%" for k, v in list(prof["steps_pct"].items())[:6])
-            lines.append(f"{name}: {steps}")
+            top = ", ".join(f"{f} {v}%" for f, v in prof["top_self_pct"][:4])
+            lines.append(f"py-spy {name} (Python {100 - prof['outside_python_pct']:.0f}% of "
+                         f"samples): {steps}\n    top: {top}")  # fmt: skip
+    spans = report.get("spans", {}).get("stages_us", {})
+    if spans:
+        lines.append("sampled traces, per stage (µs p50 / p99):")
+        lines += [f"  {k}: {v['p50']} / {v['p99']}" for k, v in spans.items()]
     return "\n".join(lines)
 
 

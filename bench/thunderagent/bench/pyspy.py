@@ -1,10 +1,12 @@
 """Sample running service processes with ``py-spy record`` (PyPI ``py-spy``) and boil the
 collapsed stacks down to self time: the top functions of each process and the share of each
-step of the request path (decode, tracing, NATS client, HTTP, event loop, hashing, routing ...).
+step of the request path (decode, tracing, nats-py, HTTP, asyncio, hashing, routing ...).
 
 A step is named from the innermost Python frame of a sample. Time inside a C extension (msgspec,
-xxhash, uvloop) counts for the Python function that called it, so ``bus`` covers msgspec
-encoding and decoding, and ``event loop`` covers uvloop's own work between callbacks.
+xxhash) counts for the Python function that called it, so ``bus`` covers msgspec encoding and
+decoding, and a socket write counts for nats-py's ``writelines``. nats-py talks to its socket
+through asyncio streams and hands messages to subscriptions through asyncio queues: both count
+as nats-py.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "opentelemetry/context", "opentelemetry/baggage", "opentelemetry/util",
                  "thunderagent/telemetry/")),
     ("metrics", ("opentelemetry/sdk/metrics", "opentelemetry/metrics", "prometheus_client/")),
-    ("NATS client (parse, publish, flush)", ("/nats/",)),
+    ("nats-py (parser, messages, subscription queues, socket writes)",
+     ("/nats/", "asyncio/streams.py", "asyncio/queues.py")),
     ("HTTP (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/")),
-    ("event loop (asyncio, uvloop, tasks)", ("/asyncio/", "/uvloop/")),
+    ("asyncio (tasks, futures, timeouts, events)", ("/asyncio/", "/uvloop/")),
     ("stdlib json", ("/json/",)),
     ("logging", ("/logging/",)),
     ("tokenize", ("thunderagent/tokenizer/",)),
@@ -73,19 +76,28 @@ def _short(func: str, file: str) -> str:
     return f"{func} ({'/'.join(parts[-3:])})"
 
 
+OUTSIDE_PYTHON = ("Runner.run", "run_until_complete", "run_forever")
+"""Innermost frames that mean no Python code was running: uvloop's C loop (its socket I/O and
+callbacks' bookkeeping), a syscall, or (py-spy counts a runnable thread as busy) waiting for a
+core. perf splits that time; these samples are left out of the step shares."""
+
+
 @dataclass
 class Profile:
     samples: int
     top: list[tuple[str, float]]
-    """(function, % of samples as the innermost frame), largest first."""
+    """(function, % of Python samples as the innermost frame), largest first."""
     steps: dict[str, float]
-    """step -> % of samples."""
+    """step -> % of the samples with Python code running."""
+    outside_python_pct: float = 0.0
+    """% of all samples with no Python frame running (see ``OUTSIDE_PYTHON``)."""
 
     def as_json(self) -> dict:
         return {
             "samples": self.samples,
-            "top_self_pct": [[name, pct] for name, pct in self.top],
+            "outside_python_pct": self.outside_python_pct,
             "steps_pct": self.steps,
+            "top_self_pct": [[name, pct] for name, pct in self.top],
         }
 
 
@@ -93,28 +105,33 @@ def parse_collapsed(text: str, top: int = 12) -> Profile:
     """Self time per function and per step from py-spy's ``--format raw`` output."""
     by_func: Counter[str] = Counter()
     by_step: Counter[str] = Counter()
-    total = 0
+    total = outside = 0
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n = int(count)
+        total += n
         leaf = stack.rsplit(";", 1)[-1]
         m = _FRAME.match(leaf)
         func, file = (m["func"], m["file"]) if m else (leaf, "")
+        if func in OUTSIDE_PYTHON:
+            outside += n
+            continue
         by_func[_short(func, file)] += n
         by_step[step_of(file)] += n
-        total += n
-    if not total:
-        return Profile(0, [], {})
+    inside = total - outside
+    if not inside:
+        return Profile(total, [], {}, 100.0 if total else 0.0)
 
     def pct(n: int) -> float:
-        return round(100 * n / total, 1)
+        return round(100 * n / inside, 1)
 
     return Profile(
         samples=total,
         top=[(name, pct(n)) for name, n in by_func.most_common(top)],
         steps={step: pct(n) for step, n in by_step.most_common()},
+        outside_python_pct=round(100 * outside / total, 1),
     )
 
 

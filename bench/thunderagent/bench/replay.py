@@ -3,11 +3,15 @@
     thunderagent bench replay --trace PATH [--workers 8] [--profile NAME] [--policies LIST]
         [--speed X[,Y...]] [--limit N] [--seed S] [--json FILE] [--report FILE.md] [--plot DIR]
         [--scheduler direct] [--load-interval 0.1] [--block-size 512] [--param P.FIELD=VALUE]
+        [--migration off|replicate|nixl] [--migration-param FIELD=VALUE] [--hot-window S,E]
 
 Each (policy, speed) run replays the same arrivals through fresh engines, a fresh prefix index
 and a fresh policy instance (``thunderagent.replay``). The JSON holds one entry per run plus the
 trace, cluster, profile, seed and code version; ``--report`` writes a markdown table and
-``--plot`` PNGs (matplotlib, the ``bench`` extra).
+``--plot`` PNGs (matplotlib, the ``bench`` extra). ``--migration`` runs the live migration
+service's planner in virtual time (``thunderagent.replay.migration``); with a hot window (the
+option, the generator's sidecar ``.meta.json``, or the trace's ``hot`` rows) each entry gets the
+TTFT of the hot requests and of the requests inside and outside the window.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.hashing import BlockHasher
 from thunderagent.replay import (
@@ -32,6 +37,7 @@ from thunderagent.replay import (
     load_trace,
     pooled_hit_ratio,
 )
+from thunderagent.replay.migration import ReplayMigration, hot_summary, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
 from thunderagent.stats import percentile
@@ -116,6 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    migration_cli.add_arguments(p)
     args = p.parse_args(argv)
     names = POLICIES.names()
     args.policy_list = names if args.policies == "all" else args.policies.split(",")
@@ -125,6 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workers < 1 or args.load_interval <= 0:
         p.error("--workers must be >= 1 and --load-interval > 0")
     args.params = _params(args.param)
+    args.migration_params = migration_cli.overrides(args.migration_param, p)
     return args
 
 
@@ -163,6 +171,8 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     timing = TimingModel(profile)
     chunk = profile.engine.chunked_prefill_size
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
+    window = migration_cli.hot_window(args, trace)
+    hot_ids = {r.request_id for r in trace if r.hot}
     doc = {
         "trace": args.trace.name,
         "trace_requests": len(trace),
@@ -179,6 +189,9 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         "load_interval_s": args.load_interval,
         "index_ttl_s": args.index_ttl,
         "policy_params": args.params,
+        "migration": args.migration,
+        "migration_params": args.migration_params,
+        "hot_window_s": list(window) if window else None,
         "seed": args.seed,
         "code_version": code_version(),
         "results": [],
@@ -200,7 +213,9 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 index_ttl=args.index_ttl,
             )
             start = time.perf_counter()
-            result = Replay(cfg, bs).run(trace, speed, lambda n: bar.advance(task, n))
+            replay = Replay(cfg, bs)
+            mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
+            result = replay.run(trace, speed, lambda n: bar.advance(task, n))
             wall = time.perf_counter() - start
             results[(policy, speed)] = result
             entry = summarize(
@@ -214,6 +229,11 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 wall_s=round(wall, 3),
                 slo_ms=slo_ms,
             )
+            entry.update(mig.summary() if mig else move_summary(args.migration))
+            if window is not None:
+                entry["hot"] = hot_summary(
+                    result.records, hot_ids, (window[0] / speed, window[1] / speed)
+                )
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results
@@ -341,6 +361,9 @@ def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> N
         capacity_table(doc),
         "",
     ]
+    if migration_cli.shown(doc):
+        head += [f"Migration: {doc['migration']}; hot window {doc['hot_window_s']} s.", ""]
+        head += [migration_cli.table(doc), ""]
     head += [f"![{p.stem}]({_rel(p, path.parent)})" for p in plots]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(head) + "\n")
@@ -454,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     print(table(doc))
     print()
     print(capacity_table(doc))
+    if migration_cli.shown(doc):
+        print()
+        print(migration_cli.table(doc))
     total = sum(e["wall_s"] for e in doc["results"])
     print(
         f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"

@@ -12,6 +12,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import pairwise
 
 from thunderagent.stats import percentile
 
@@ -90,53 +91,63 @@ class SpanReceiver:
             return list(self.spans)
 
 
-STAGES = (
-    ("client -> router", "client generate", "router requests"),
-    ("router (decode, route, submit) -> scheduler", "router requests", "scheduler sched"),
-    ("scheduler (queue, dispatch) -> adapter", "scheduler sched", "worker"),
-    ("adapter (ack, run setup, HTTP request) -> engine", "worker", "engine generate"),
-)
-"""(stage, span that starts it, span whose start ends it); ``worker`` matches the adapter's
-consumer span of any worker (``worker-w0 worker``)."""
+def _label(span: Span) -> str:
+    """Span name with the worker id left out (``worker-w3 worker`` -> ``worker worker``), so
+    every adapter's hop counts as one stage."""
+    first, _, rest = span.name.partition(" ")
+    return f"worker {rest}" if first.startswith("worker-") else span.name
 
 
-def _matches(span: Span, name: str) -> bool:
-    return span.name == name or (name == "worker" and span.name.endswith(" worker"))
-
-
-def _first(spans: list[Span], name: str) -> Span | None:
-    found = [s for s in spans if _matches(s, name)]
-    return min(found, key=lambda s: s.start_ns) if found else None
+def critical_path(trace: list[Span]) -> list[Span] | None:
+    """The chain of spans from the client's down to the engine's, parent by parent: the hops
+    that one request actually waited on (observers, progress notices and the like are off it),
+    whichever way it was dispatched. None when the trace is incomplete."""
+    by_id = {s.span_id: s for s in trace}
+    engine = [s for s in trace if s.name == "engine generate"]
+    if not engine:
+        return None
+    chain = [min(engine, key=lambda s: s.start_ns)]
+    while chain[-1].parent_span_id:
+        parent = by_id.get(chain[-1].parent_span_id)
+        if parent is None:
+            return None
+        chain.append(parent)
+    chain.reverse()
+    return chain if chain[0].name == "client generate" else None
 
 
 def breakdown(spans: list[Span]) -> dict:
-    """Per stage p50 / p99 in µs over the complete sampled traces, plus the engine's own span
-    and the way back (engine span end -> the client's final reply)."""
+    """Per stage p50 / p99 in µs over the complete sampled traces: from each span on the
+    critical path to the next one's start (that service's work before the hop, plus the hop),
+    the engine's own span, and the way back (engine span end -> the client's final reply)."""
     traces: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         traces[s.trace_id].append(s)
     stages: dict[str, list[float]] = defaultdict(list)
+    paths: dict[str, int] = defaultdict(int)
     complete = 0
     for trace in traces.values():
-        client = _first(trace, "client generate")
-        engine = _first(trace, "engine generate")
-        if client is None or engine is None:
-            continue
-        marks = [(label, _first(trace, a), _first(trace, b)) for label, a, b in STAGES]
-        if any(a is None or b is None for _, a, b in marks):
+        chain = critical_path(trace)
+        if chain is None:
             continue
         complete += 1
-        for label, a, b in marks:
-            stages[label].append((b.start_ns - a.start_ns) / 1e3)
-        stages["engine (its own span)"].append((engine.end_ns - engine.start_ns) / 1e3)
-        stages["engine -> adapter -> client (tokens, final)"].append(
-            (client.end_ns - engine.end_ns) / 1e3
-        )
+        names = [_label(s) for s in chain]
+        paths[" -> ".join(names)] += 1
+        for (a, b), (na, nb) in zip(pairwise(chain), pairwise(names), strict=True):
+            stages[f"{na} -> {nb}"].append((b.start_ns - a.start_ns) / 1e3)
+        client, engine = chain[0], chain[-1]
+        stages["engine generate (its own span)"].append((engine.end_ns - engine.start_ns) / 1e3)
+        stages["engine end -> client's final reply"].append((client.end_ns - engine.end_ns) / 1e3)
         stages["total (client span)"].append((client.end_ns - client.start_ns) / 1e3)
     return {
         "sampled_traces": complete,
+        "paths": dict(paths),
         "stages_us": {
-            label: {"p50": round(percentile(v, 50), 1), "p99": round(percentile(v, 99), 1)}
+            label: {
+                "n": len(v),
+                "p50": round(percentile(v, 50), 1),
+                "p99": round(percentile(v, 99), 1),
+            }
             for label, v in stages.items()
         },
     }

@@ -23,14 +23,13 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from thunderagent.bus.errors import DECODE_ERRORS, NoResponders, PayloadTooLarge, RequestTimeout
+from thunderagent.bus.errors import DECODE_ERRORS, PayloadTooLarge, check_subject
 from thunderagent.bus.jetstream import JetStreamMixin
+from thunderagent.bus.replies import Replies
 from thunderagent.schemas import DeadLetter, ErrorCode, ErrorReply, subjects
 from thunderagent.telemetry import extract_context, inject_headers, sampled_flag, tracing_active
 from thunderagent.telemetry.setup import meter
@@ -83,6 +82,8 @@ class Bus(JetStreamMixin):
     service: str
     stats: dict[str, SubscriptionStats] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
+    _replies: Replies | None = field(default=None, repr=False)
+    """The shared reply subscription of :meth:`request` (made on first use)."""
 
     def __post_init__(self) -> None:
         self._tracer = trace.get_tracer(f"thunderagent.{self.service}")
@@ -99,6 +100,7 @@ class Bus(JetStreamMixin):
     def _checked(self, subject: str, message: Any) -> bytes:
         """The encoded message; ``PayloadTooLarge`` (naming the limit) when NATS would refuse
         it, instead of nats-py's bare ``MaxPayloadError``."""
+        check_subject(subject)  # a bad one would cost the connection, not just this message
         payload = encode(message)
         limit = self.nc.max_payload
         if limit and len(payload) > limit:
@@ -127,13 +129,10 @@ class Bus(JetStreamMixin):
         """Request/reply; raises :class:`NoResponders`, :class:`RequestTimeout` or
         :class:`PayloadTooLarge`."""
         payload = self._checked(subject, message)
-        try:
-            headers = inject_headers() or None
-            msg = await self.nc.request(subject, payload, timeout=timeout, headers=headers)
-        except NoRespondersError as err:
-            raise NoResponders(subject) from err
-        except NatsTimeout as err:
-            raise RequestTimeout(subject, timeout) from err
+        if self._replies is None:
+            self._replies = Replies(self.nc)
+        headers = inject_headers() or None
+        msg = await self._replies.request(subject, payload, timeout=timeout, headers=headers)
         return decoder_for(response_type).decode(msg.data)
 
     async def subscribe(

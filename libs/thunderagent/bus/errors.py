@@ -45,3 +45,27 @@ class PayloadTooLarge(BusError):
         super().__init__(subject, f"message of {size} bytes exceeds the bus limit of {limit} bytes")
         self.size = size
         self.limit = limit
+
+
+MAX_SUBJECT_BYTES = 1024
+"""Longest subject the bus sends. NATS closes a connection whose protocol line exceeds its
+``max_control_line`` (4 KB), and nats-py then closes the client for good; a subject built from a
+message field (a reply subject, a router or worker id) must never get that far."""
+
+
+class BadSubject(BusError):
+    """A subject NATS would refuse (empty, white space, too long): refused before sending."""
+
+    def __init__(self, subject: str) -> None:
+        shown = subject if len(subject) <= 80 else subject[:80] + "..."
+        super().__init__(shown, f"not a subject the bus sends ({len(subject)} characters)")
+
+
+def check_subject(subject: str) -> None:
+    """Raise :class:`BadSubject` unless ``subject`` is safe to publish to."""
+    if (
+        not subject
+        or (len(subject) * 4 > MAX_SUBJECT_BYTES and len(subject.encode()) > MAX_SUBJECT_BYTES)
+        or any(ch.isspace() for ch in subject)
+    ):
+        raise BadSubject(subject)

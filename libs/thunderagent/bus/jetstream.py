@@ -113,12 +113,28 @@ class Bucket:
 
 
 class StreamConsumer:
-    """A running consumer; ``stop`` unsubscribes (the durable keeps its position)."""
+    """A running consumer; ``stop`` unsubscribes (the durable keeps its position).
 
-    def __init__(self, sub: Any) -> None:
+    An ephemeral consumer lives on the server only while it is connected: after a NATS restart
+    the server has forgotten it, so ``resume`` subscribes again from the message after the last
+    one delivered (the bus calls it on every reconnect)."""
+
+    def __init__(self, sub: Any, resubscribe: Callable[[int], Awaitable[Any]] | None) -> None:
         self._sub = sub
+        self._resubscribe = resubscribe
+        self.last_seq = 0
+        self.stopped = False
+
+    async def resume(self) -> None:
+        if self._resubscribe is None or self.stopped:
+            return
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+        self._sub = await self._resubscribe(self.last_seq + 1)
+        log.info("stream consumer resumed at seq %d", self.last_seq + 1)
 
     async def stop(self) -> None:
+        self.stopped = True
         with contextlib.suppress(Exception):  # the connection may be closing
             await self._sub.unsubscribe()
 
@@ -183,8 +199,14 @@ class JetStreamMixin:
         else:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
 
+        consumer: StreamConsumer | None = None
+
         async def on_msg(msg: Any) -> None:
             seq = msg.metadata.sequence.stream
+            if consumer is not None:
+                if seq <= consumer.last_seq:
+                    return  # delivered again after a resume: handled already
+                consumer.last_seq = seq
             try:
                 decoded = decoder.decode(msg.data)
             except DECODE_ERRORS as err:
@@ -202,11 +224,42 @@ class JetStreamMixin:
             sub = await js.subscribe(
                 subject, durable=durable, stream=stream, config=config, cb=on_msg, manual_ack=True
             )
-        else:
-            sub = await js.subscribe(
-                subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
+            return StreamConsumer(sub, None)
+
+        async def subscribe_from(start: int) -> Any:
+            by_seq = DeliverPolicy.BY_START_SEQUENCE
+            cfg = ConsumerConfig(deliver_policy=by_seq, opt_start_seq=start)
+            return await js.subscribe(
+                subject, stream=stream, ordered_consumer=True, config=cfg, cb=on_msg
             )
-        return StreamConsumer(sub)
+
+        sub = await js.subscribe(
+            subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
+        )
+        consumer = StreamConsumer(sub, subscribe_from)
+        self._ephemeral_consumers().append(consumer)
+        return consumer
+
+    def _ephemeral_consumers(self) -> list[StreamConsumer]:
+        """This connection's ephemeral consumers; made (with the reconnect hook that resumes
+        them) on first use."""
+        consumers = getattr(self, "_ephemeral", None)
+        if consumers is not None:
+            return consumers
+        consumers = self._ephemeral = []
+        previous = self.nc._reconnected_cb
+
+        async def reconnected() -> None:
+            if previous is not None:
+                await previous()
+            for consumer in [c for c in consumers if not c.stopped]:
+                try:
+                    await consumer.resume()
+                except Exception:  # the next reconnect tries again
+                    log.warning("could not resume a stream consumer", exc_info=True)
+
+        self.nc._reconnected_cb = reconnected
+        return consumers
 
     async def _reject_stream(self, msg: Any, reason: str) -> None:
         from thunderagent.bus.bus import Delivery

@@ -59,10 +59,20 @@ class ThunderClient:
     disconnects)."""
 
     def __init__(
-        self, nc: NATS, *, idle_timeout_s: float = 60.0, cancel_abandoned: bool = False
+        self,
+        nc: NATS,
+        *,
+        idle_timeout_s: float = 60.0,
+        cancel_abandoned: bool = False,
+        retries: int = 3,
+        retry_after_s: float = 5.0,
     ) -> None:
         self.nc = nc
         self.idle_timeout_s = idle_timeout_s
+        self.retries = retries
+        """Resends of a request that got no first reply in ``retry_after_s`` or was refused
+        as unavailable by the control plane (same id: it still runs once)."""
+        self.retry_after_s = retry_after_s
         self.mux = ReplyMux(nc)
         self._cancel = cancel_abandoned
         self._tasks: set[asyncio.Task] = set()
@@ -88,7 +98,8 @@ class ThunderClient:
         await self.mux.start()
         call = Call(self.mux, request, idle_timeout_s=self.idle_timeout_s,
                     spawn=self._spawn if self._cancel else None, service="client",
-                    timeout_code=ErrorCode.UNAVAILABLE)  # fmt: skip
+                    timeout_code=ErrorCode.UNAVAILABLE, retries=self.retries,
+                    retry_after_s=self.retry_after_s)  # fmt: skip
         # The span is ended by hand rather than made current across ``yield``: a consumer that
         # stops iterating early would otherwise close it from another context.
         span = _tracer.start_span("client generate", kind=SpanKind.PRODUCER)

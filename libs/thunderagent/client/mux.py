@@ -39,6 +39,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 
+RETRY_PAUSE_S = 0.5
+"""First wait before resending after an ``unavailable`` answer, doubling each time (a
+scheduler restarting needs a moment); after silence it is resent at once."""
+_TRANSIENT = frozenset({"router", "scheduler"})
+
+
+def _worth_retrying(reply: ReplyMessage | None) -> bool:
+    """Silence, or a control-plane service saying it cannot take the request right now."""
+    return reply is None or (
+        isinstance(reply, ErrorReply)
+        and reply.code == ErrorCode.UNAVAILABLE
+        and reply.service in _TRANSIENT
+    )
+
 
 class Inbox:
     """Replies of one request: a deque and at most one waiter (lighter than asyncio.Queue)."""
@@ -131,9 +145,17 @@ class Call:
         spawn: Spawn | None = None,
         service: str = "client",
         timeout_code: ErrorCode = ErrorCode.DEADLINE,
+        retries: int = 0,
+        retry_after_s: float = 5.0,
     ) -> None:
         self.mux = mux
         self.request = request
+        self.retries = retries
+        """Times the request may be sent again (same id, same reply subject) while no output
+        came: no first reply within ``retry_after_s`` (a router died holding it), or the
+        scheduler or router answered ``unavailable`` (restarting). The scheduler runs a request
+        id at most once, so a retry never generates twice."""
+        self.retry_after_s = retry_after_s
         self.idle_timeout_s = idle_timeout_s
         self.service = service
         self.timeout_code = timeout_code
@@ -150,7 +172,32 @@ class Call:
         if error is not None:
             self.finished = True
             return error
-        return await self.next()
+        while True:
+            reply = await self._first(self.retry_after_s if self.retries else None)
+            if not self.retries or not _worth_retrying(reply):
+                return reply if reply is not None else await self.next()
+            self.retries -= 1
+            pause = RETRY_PAUSE_S * 2**self.request.retry  # 0.5, 1, 2 s...
+            await asyncio.sleep(pause if reply is not None else 0.0)
+            self.finished = False
+            self.request = msgspec.structs.replace(self.request, retry=self.request.retry + 1)
+            log.info("request %s: no answer yet (%s): sending it again",
+                     self.request.request_id, reply.message if reply else "silence")  # fmt: skip
+            error = await self.publish(headers)
+            if error is not None:
+                self.finished = True
+                return error
+
+    async def _first(self, within_s: float | None) -> ReplyMessage | None:
+        """The first reply; None when ``within_s`` passed without one."""
+        if within_s is None:
+            return await self.next()
+        try:
+            async with asyncio.timeout(within_s):
+                msg = await self._inbox.get()
+        except TimeoutError:
+            return None
+        return self._decode(msg)
 
     async def publish(self, headers: dict[str, str] | None = None) -> ErrorReply | None:
         """Publish the request; an ``ErrorReply`` when it could not be."""

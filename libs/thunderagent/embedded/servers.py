@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import sys
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from thunderagent.embedded.auth import NatsUser, render_authorization, write_private
 from thunderagent.embedded.children import ChildProcess, spawn
 from thunderagent.embedded.ports import free_port, wait_for_port
 
@@ -68,24 +70,49 @@ class LoopbackServer:
             self.child.stop()
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate and key (PEM); ``ca`` is what clients trust (the certificate
+    itself when it is self-signed)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+    @property
+    def trust(self) -> Path:
+        return self.ca or self.cert
+
+
 @dataclass
 class NatsServer(LoopbackServer):
-    """A nats-server with JetStream, storing under ``data_dir``."""
+    """A nats-server with JetStream, storing under ``data_dir``; with ``users``, only they may
+    connect (``thunderagent.embedded.auth``), with ``tls``, only over TLS."""
 
     name = "nats-server"
+    users: list[NatsUser] = field(default_factory=list)
+    tls: TlsFiles | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         conf = self.data_dir / "nats-server.conf"
         # A config file, because max_payload has no command-line flag: KV dumps can be large.
-        conf.write_text(
+        text = (
             f'listen: "{self.host}:{self.port}"\n'
             "max_payload: 8MB\n"
             f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
         )
+        if self.users:
+            text += render_authorization(self.users)
+        if self.tls is not None:
+            text += (
+                f"tls {{ cert_file: {json.dumps(str(self.tls.cert))}, "
+                f"key_file: {json.dumps(str(self.tls.key))}, timeout: 2 }}\n"
+            )
+        write_private(conf, text)  # it holds every password
         return [find_nats_server(), "-c", str(conf)]
 
 

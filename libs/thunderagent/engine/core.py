@@ -88,7 +88,9 @@ class EngineLoad:
     kv_used_blocks: int
     kv_total_blocks: int
     num_tokens: int
-    """Tokens whose KV is held by running requests."""
+    """KV in use, in tokens: blocks running requests pin (a prefix they share counted once)
+    and their private blocks, as SGLang's ``/get_load`` reports it (pool minus free and
+    evictable)."""
     cached_blocks: int
     host_cached_blocks: int
     prefill_backlog_tokens: int = 0
@@ -185,11 +187,16 @@ class EngineCore:
         return n
 
     # ---- prefix moves (migration) ------------------------------------------------------
-    def pin_prefix(self, keys: list[int]) -> tuple[list[int], list[int]]:
+    def pin_prefix(
+        self, keys: list[int], *, need_tokens: bool = True
+    ) -> tuple[list[int], list[int]]:
         """Export: pin the leading GPU-cached run of ``keys`` so it stays while it is copied.
-        Returns (pinned keys, their token ids); nothing is pinned when the tokens are unknown."""
+        Returns (pinned keys, their token ids); nothing is pinned when the tokens are unknown,
+        unless ``need_tokens=False`` (the replay, whose blocks carry no token ids: tokens [])."""
         run = list(keys[: self.cache.match(list(keys)).gpu])
         tokens = self.cache.tokens_of(run)
+        if tokens is None and not need_tokens:
+            tokens = []
         if not run or tokens is None:
             return [], []
         self.cache.acquire(run)
@@ -212,13 +219,14 @@ class EngineCore:
             return None
         return present
 
-    def commit_import(self, keys: list[int], present: int, token_ids: list[int]) -> int:
+    def commit_import(self, keys: list[int], present: int, token_ids: list[int] | None) -> int:
         """The missing blocks arrived: insert them (into the reserved blocks) and unpin the
-        chain, so it is ordinary cache from now on. Returns blocks inserted."""
+        chain, so it is ordinary cache from now on. Returns blocks inserted. ``token_ids``
+        None: blocks without token ids (the replay)."""
         size = self.block_size
         rest = list(keys[present:])
         parent = keys[present - 1] if present else None
-        tokens = token_ids[present * size : len(keys) * size]
+        tokens = None if token_ids is None else token_ids[present * size : len(keys) * size]
         self.cache.insert(rest, parent, tokens, reserved=True, block_size=size)
         self.cache.release(list(keys))
         return len(rest)
@@ -247,7 +255,7 @@ class EngineCore:
             num_waiting=len(self._waiting),
             kv_used_blocks=self.cache.gpu_blocks + self.cache.reserved,
             kv_total_blocks=self.cache.capacity,
-            num_tokens=sum(s.computed for s in seqs),
+            num_tokens=(self.cache.pinned + self.cache.reserved) * self.block_size,
             cached_blocks=self.cache.gpu_blocks,
             host_cached_blocks=self.cache.host_blocks,
             prefill_backlog_tokens=sum(s.target - s.computed for s in self._prefilling)

@@ -61,6 +61,8 @@ class PrefixCache:
         self.gpu_blocks = 0
         self.host_blocks = 0
         self.reserved = 0
+        self.pinned = 0
+        """GPU blocks some running request holds (refcount > 0): KV in use, not evictable."""
         self._blocks: dict[int, _Block] = {}
         self._gpu_heap: list[tuple[int, int]] = []
         self._host_heap: list[tuple[int, int]] = []
@@ -120,10 +122,15 @@ class PrefixCache:
         return out
 
     def discard(self, keys: list[int]) -> int:
-        """Evict the unreferenced GPU blocks of a chain, deepest first, stopping at the first
-        block that must stay (pinned, or a parent of other GPU blocks). Returns blocks evicted.
-        A migration frees its prefix at the source this way; blocks in use are never touched."""
+        """Evict the unreferenced GPU blocks of a chain and the GPU blocks that extend it,
+        deepest first, stopping at the first block that must stay (pinned, or a parent of a
+        block that stays). Returns blocks evicted. A migration frees its prefix at the source
+        this way: blocks that extend a prefix (the outputs of the requests that used it) are
+        unreachable once it is gone, so they go with it; blocks in use are never touched."""
         done = 0
+        last = self._blocks.get(keys[-1]) if keys else None
+        if last is not None and last.gpu_children:
+            done += self._discard_below(keys[-1])
         for key in reversed(keys):
             block = self._blocks.get(key)
             if block is None or block.medium is not Medium.GPU:
@@ -134,6 +141,27 @@ class PrefixCache:
             done += 1
         return done
 
+    def _discard_below(self, root: int) -> int:
+        """Evict the unreferenced GPU blocks under ``root``, children before parents. A full
+        scan for the children (blocks store only counts): drops are rare, caches ~1e5 blocks."""
+        kids: dict[int, list[int]] = {}
+        for key, block in self._blocks.items():
+            if block.medium is Medium.GPU and block.parent is not None:
+                kids.setdefault(block.parent, []).append(key)
+        order: list[int] = []
+        stack = list(kids.get(root, ()))
+        while stack:
+            key = stack.pop()
+            order.append(key)
+            stack.extend(kids.get(key, ()))
+        done = 0
+        for key in reversed(order):  # every child comes after its parent in ``order``
+            block = self._blocks[key]
+            if block.ref == 0 and block.gpu_children == 0:
+                self._evict_gpu(key, block)
+                done += 1
+        return done
+
     # ---- references ----------------------------------------------------------------------
     def acquire(self, keys: list[int]) -> None:
         """Pin GPU blocks for a running request and mark them used now."""
@@ -142,6 +170,7 @@ class PrefixCache:
             block = self._blocks[key]
             if block.medium is not Medium.GPU:
                 raise ValueError(f"acquire of block {key} not on GPU")
+            self.pinned += block.ref == 0
             block.ref += 1
             block.stamp = stamp
 
@@ -152,6 +181,7 @@ class PrefixCache:
             if block.ref <= 0:
                 raise ValueError(f"release of unreferenced block {key}")
             block.ref -= 1
+            self.pinned -= block.ref == 0
             if block.ref == 0 and block.gpu_children == 0:
                 heapq.heappush(self._gpu_heap, (block.stamp, key))
 
@@ -233,6 +263,7 @@ class PrefixCache:
                 self._emit_stored(key, parent, tokens, Medium.GPU)
             elif block.medium is Medium.CPU_PINNED:
                 self._promote(key, block)
+            self.pinned += block.ref == 0
             block.ref += 1
             block.stamp = stamp
             parent = key
@@ -255,6 +286,7 @@ class PrefixCache:
             if block is None or block.medium is not Medium.CPU_PINNED:
                 return i
             self._promote(key, block)
+            self.pinned += block.ref == 0
             block.ref += 1
         return len(keys)
 

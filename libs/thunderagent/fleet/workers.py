@@ -6,7 +6,7 @@ re-registers when it comes back. The registry never reads a clock: every call ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
@@ -23,10 +23,27 @@ class WorkerState:
     """Their prompt tokens this process expects the worker to prefill (predicted hits off)."""
     assigned_kv_since_report: int = 0
     """Their prompt tokens, cached or not: the KV they will hold there."""
+    assigned: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """request id -> (prefill, KV tokens) of each of them, so one that ends before the next
+    report stops counting as queued work."""
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
+
+    def assign(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
+        self.assigned[request_id] = (prefill_tokens, kv_tokens)
+        self.assigned_since_report += 1
+        self.assigned_prefill_since_report += prefill_tokens
+        self.assigned_kv_since_report += kv_tokens
+
+    def unassign(self, request_id: str) -> None:
+        """The request ended before a report covered it (a short one, a fast engine)."""
+        got = self.assigned.pop(request_id, None)
+        if got is not None:
+            self.assigned_since_report -= 1
+            self.assigned_prefill_since_report -= got[0]
+            self.assigned_kv_since_report -= got[1]
 
 
 class WorkerRegistry:
@@ -62,6 +79,7 @@ class WorkerRegistry:
         state.assigned_since_report = 0
         state.assigned_prefill_since_report = 0
         state.assigned_kv_since_report = 0
+        state.assigned.clear()
         return True
 
     def remove(self, worker_id: str) -> bool:

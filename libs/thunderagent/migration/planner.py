@@ -9,17 +9,18 @@ Rules, in order, for each tracked prefix (most requested first):
 
 1. **Drain.** Every worker holding a prefix is leaving, and the prefix was requested in the
    window: migrate it to the least loaded worker that stays (it would be lost otherwise).
-2. **Hot.** Every holder has been saturated (queued requests or queued prefill) for ``hot_for_s``,
-   a worker of the same model has room, there are fewer than ``replica_cap`` holders, and the
-   cost model says the copy pays (``cost.estimate``): replicate it there, or migrate it when the
-   source's running requests are pressing on its KV (freeing the source is then worth it too).
+2. **Hot.** The prefix is requested at least ``min_rate`` (and, when ``hot_for_s`` > 0, every
+   holder has been saturated, queued requests or queued prefill, that long), a worker of the
+   same model has room, there are fewer than ``replica_cap`` holders, and the cost model says
+   the copy pays (``cost.estimate``): replicate it there, or migrate it when the source's
+   running requests are pressing on its KV (freeing the source is then worth it too).
 3. **Cold.** A replica this planner made, of a prefix hit less than ``drop_rate`` per second for
    ``cold_for_s`` while another worker still holds it: drop it.
 
 Hysteresis: saturation has two thresholds (``busy_s`` in, ``idle_s`` out) and must last
-``hot_for_s``; a copy must pay ``benefit_margin`` times its cost; a prefix rests ``cooldown_s``
-after each move. Failures back off exponentially per prefix and per target; after
-``max_failures`` in a row a prefix is given up until it goes cold and is forgotten.
+``hot_for_s`` when that is set; a copy must pay ``benefit_margin`` times its cost; a prefix
+rests ``cooldown_s`` after each move. Failures back off exponentially per prefix and per
+target; after ``max_failures`` in a row a prefix is given up until it goes cold and is forgotten.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class MigrationPlanner:
             return None
         if len(live) >= p.replica_cap:
             return None
-        if min(self.saturated_for(w, now) for w in live) < p.hot_for_s:
+        if p.hot_for_s > 0 and min(self.saturated_for(w, now) for w in live) < p.hot_for_s:
             return None
         if any(self.workers[w].draining for w in live):
             return None
@@ -199,7 +200,8 @@ class MigrationPlanner:
             return None
         pressed = self.live_fraction(self._load(source)) >= p.pressure_live
         reason = (
-            f"hot: {rate:.1f} req/s, {len(live)} holder(s) saturated; saves "
+            f"hot: {rate:.1f} req/s on {len(live)} holder(s)"
+            f"{' (all saturated)' if p.hot_for_s > 0 else ''}; saves "
             f"{est.benefit_s:.2f}s of prefill for {est.transfer_s:.3f}s of transfer"
         )
         return self._move(Migrate if pressed else Replicate, prefix, source, target, est, reason)

@@ -1,46 +1,56 @@
 """Block hash → workers index, fed by workers' KV events, queried by the router.
 
-Structure and why (numbers measured on the 2-core dev VM, see ``thunderagent.bench.index``):
+Structure and why (measured on the 2-core dev VM with ``thunderagent bench index``):
 
-* A chained hash names a whole prefix, so a flat dict replaces a radix tree: a query looks up the
-  prompt's hashes in order, with no nodes or parent links to maintain.
-* ``_entries: dict[primary, (mask, check, ttl bucket)]``. ``mask`` has one bit per worker slot:
-  "who holds every block so far" is one AND per block, and the walk stops when it is 0.
-  A tuple, not a list or a slots dataclass: tuples of ints are untracked by the cyclic GC, while
+* A chained hash names a whole prefix, so a flat dict replaces a radix tree: a query looks up
+  the prompt's hashes directly, with no nodes to walk from the root.
+* ``_entries: dict[primary, (held, closed, check, bucket, kids)]``: ``held``, one bit per worker
+  slot holding the block; ``closed`` ⊆ ``held``, the workers known to hold the block *and every
+  block before it*; the first writer's ``check`` hash; the TTL ``bucket`` of the last
+  confirmation; ``kids``, the children that may be closed for someone (None, one hash, or a
+  ``Kids`` set at a branch point such as a shared system prompt's last block).
+* ``closed`` is set when a worker stores a block under a parent closed for it (or at the root)
+  and cleared down ``kids`` whenever the worker loses the block (removal, expiry), so along a
+  prompt it only ever loses workers and the query bisects for the few depths where it changes
+  (``search``): ~11 lookups for a 64-block prompt instead of ~40-64. That is what counts: a
+  cold lookup in a million-entry dict is ~4 dependent cache misses, 300-700 ns here, against
+  ~50 ns of interpreter work. It may under-state (blocks stored before their parent), which the
+  query repairs by following ``held``; it never over-states, so answers stay exact.
+* Recording ``kids`` is nearly free: a new block's only kid is the next block of the same event,
+  stored in the same tuple; only an event's parent gets one extra write.
+* A tuple, not a list or a slots dataclass: tuples of ints are untracked by the cyclic GC, while
   a million lists kept it rescanning them (GC was 60 % of ingest with lists), and a dataclass
-  ``__init__`` per block costs twice a literal. Updates rebuild the tuple; that only happens when
-  a bit or the TTL bucket changes. Two dicts (mask alone, then check and bucket) were measured
-  too: queries ~10 % faster, ingest 35 % slower (a second random insert per block).
-* The walk is bound by memory latency, not by the interpreter: a 64-block query costs ~3 µs with
-  the index in cache and ~15 µs cold. So lookups are issued in chunks by
-  ``list(map(dict.get, chunk))``, a tight C loop that lets the CPU overlap the cache misses of
-  independent lookups (p99 -30 % here), and the check hash is compared only where a worker is
-  credited (``overlap``). (The same trick does not pay on ingest: a batched pre-lookup plus
-  ``dict.update`` for all-new events measured 15 % slower than the plain loop.)
-* ``_Worker.log: list[primary]``, append-only, with an exact ``count``: clearing, removing or
-  dumping a worker costs its blocks, not a scan of the index. A list, not a set: an append is a
-  sequential write, a set insert one more random memory access per block (sets cost 30 % of
-  ingest). Stale items are filtered on the mask; compacted past twice the count.
+  ``__init__`` per block costs twice a literal. A new block is one ``setdefault``; an existing
+  one is rewritten only when a bit, the bucket or its kids change.
+* ``_Worker.log: list[primary]`` with an exact ``count``: clearing, removing or dumping a worker
+  costs its blocks, not a scan of the index. Each event's hashes are appended with one
+  ``extend`` (re-stored ones too); stale items are filtered on the mask, the log compacted past
+  twice the count. A list, not a set: a set insert is one more random access per block.
 * Worker ids are strings outside and bit slots inside; a freed slot is reused (lowest first, so
-  masks stay small ints) only after its bit is gone from every entry.
-* TTL: a deque of ``(bucket, [primary...])`` in time order. A block confirmed in bucket ``b`` is
-  appended to ``b``'s list once; ``expire`` pops whole lists whose time is up and drops an entry
-  only if it was not re-confirmed since. Each append is processed once, so expiry is amortised
-  O(1) per store instead of a scan per call. A block confirmed at time ``t`` expires at the
-  first ``expire(now)`` with ``now >= (t // bucket_s + 1) * bucket_s + ttl_s``, i.e. between
-  ``ttl_s`` and ``ttl_s + bucket_s`` after its last confirmation (any worker's store confirms).
+  masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
+  only after its bit is gone from every entry.
+* TTL: a deque of ``(bucket, [primary...])`` in time order; each event's hashes are appended to
+  the current bucket's list with one ``extend``; ``expire`` pops whole lists whose time is up
+  and drops an entry only if it was not re-confirmed since (amortised O(1) per stored block). A
+  block confirmed at ``t`` expires at the first ``expire(now)`` with ``now >= (t // bucket_s +
+  1) * bucket_s + ttl_s``: between ``ttl_s`` and ``ttl_s + bucket_s`` after its last
+  confirmation (any worker's store confirms).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Final
 
 from thunderagent.hashing import BlockHashes
+from thunderagent.prefix_index.closure import Kids, link, unclose, with_kid
 from thunderagent.prefix_index.results import APPLIED, EventResult, Gap, IndexStats, Stale
+from thunderagent.prefix_index.search import search, walk
 from thunderagent.prefix_index.snapshot import (
     IndexSnapshot,
     WorkerImage,
@@ -59,12 +69,6 @@ removal could otherwise linger."""
 DEFAULT_TTL_BUCKETS: Final = 64
 """TTL buckets per ``ttl_s``: expiry is late by at most ``ttl_s / 64`` (~9 s by default); with
 ``expire`` called regularly the queue holds ~65 lists, one per bucket with stores."""
-
-LOOKUP_CHUNK: Final = 48
-"""Hashes per C-level lookup batch in ``overlap``: enough to overlap cache misses, few enough
-that a short match wastes little (lookups past the match are misses on absent keys, the cheap
-kind). Measured on 64-block queries: 48 best, 24..64 within ~15 %, batches that double
-16 -> 32 -> 64 no better."""
 
 _LOG_SLACK: Final = 1024
 """Stale log items tolerated beyond 2x a worker's count before compaction."""
@@ -99,13 +103,14 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.bucket_s = 0.0 if ttl_s is None else ttl_s / ttl_buckets
         self.stats = IndexStats()
-        self._entries: dict[int, tuple[int, int, int]] = {}
+        self._entries: dict[int, tuple] = {}
         self._workers: dict[str, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
         self._pending: deque[tuple[int, list[int]]] = deque()
         self._tail_bucket = 0
         self._tail: list[int] | None = None
+        self._bucket_end = -math.inf
 
     # ----------------------------------------------------------------- workers
 
@@ -172,7 +177,7 @@ class PrefixIndex:
             return BlockHashes([], [])
         entries = self._entries
         primary = self._live_log(w)
-        return BlockHashes(primary, [entries[p][1] for p in primary])
+        return BlockHashes(primary, [entries[p][2] for p in primary])
 
     def _live_log(self, w: _Worker) -> list[int]:
         get = self._entries.get
@@ -187,11 +192,9 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ events
 
-    def _sequence(self, w: _Worker, seq: int) -> EventResult:
-        last = w.last_seq
-        if last is None or seq == last + 1:
-            w.last_seq = seq
-            return APPLIED
+    def _out_of_sequence(self, w: _Worker, seq: int) -> EventResult:
+        """``seq`` is not ``last + 1`` (and ``last`` is known): a stale event or a gap."""
+        last: int = w.last_seq  # type: ignore[assignment]
         if seq <= last:
             self.stats.stale_events += 1
             return Stale(w.name, last, seq)
@@ -199,16 +202,37 @@ class PrefixIndex:
         w.last_seq = seq
         return Gap(w.name, last + 1, seq)
 
+    def _sequence(self, w: _Worker, seq: int) -> EventResult:
+        last = w.last_seq
+        if last is None or seq == last + 1:
+            w.last_seq = seq
+            return APPLIED
+        return self._out_of_sequence(w, seq)
+
     def _bucket_list(self, now: float) -> tuple[int, list[int]]:
         """The TTL bucket for a store at ``now`` and the list to append new confirmations to.
         The bucket never moves backwards (a clock step back confirms at the newest bucket), so
-        the queue stays in time order."""
+        the queue stays in time order. ``_bucket_end`` is the first time of a later bucket, so
+        a store before it skips this call."""
         bucket = int(now // self.bucket_s) if self.ttl_s is not None else 0
         if bucket > self._tail_bucket or self._tail is None:
             self._tail_bucket = max(bucket, self._tail_bucket)
             self._tail = []
             self._pending.append((self._tail_bucket, self._tail))
+            self._bucket_end = self._first_time_after(self._tail_bucket)
         return self._tail_bucket, self._tail
+
+    def _first_time_after(self, bucket: int) -> float:
+        """The smallest float ``t`` with ``t // bucket_s > bucket`` (exact, not off by an ulp)."""
+        width = self.bucket_s
+        if self.ttl_s is None:
+            return math.inf
+        t = (bucket + 1) * width
+        while t // width > bucket:
+            t = math.nextafter(t, -math.inf)
+        while t // width <= bucket:
+            t = math.nextafter(t, math.inf)
+        return t
 
     def apply_stored(
         self,
@@ -218,62 +242,88 @@ class PrefixIndex:
         parent: int | None,
         now: float,
     ) -> EventResult:
-        """``worker`` now holds the blocks ``hashes`` (primary, check), a chain under ``parent``.
+        """``worker`` now holds the blocks ``hashes`` (primary, check): a chain, each block the
+        child of the one before, the first a child of ``parent``. ``parent=None`` means the
+        chain starts at the prompt's first block; a caller that does not know a non-root
+        block's parent must pass some hash the worker does not hold (an orphan), never None.
 
         Re-storing a block re-confirms it for TTL. A block whose primary hash is indexed with a
         different check hash is a collision: counted, not indexed (the first writer keeps it).
         """
+        # One function on purpose: this runs once per event, and a call per event (sequence,
+        # bucket, link, chain loop) costs ~10 % of ingest at ~5 blocks per event.
+        primary, check = hashes
+        if len(primary) != len(check):
+            raise ValueError(f"{len(primary)} primary hashes but {len(check)} check hashes")
         w = self._workers.get(worker) or self._register(worker)
-        result = self._sequence(w, seq)
-        if result.__class__ is Stale:
-            return result
+        last = w.last_seq
+        if last is None or seq == last + 1:
+            w.last_seq = seq
+            result: EventResult = APPLIED
+        else:
+            result = self._out_of_sequence(w, seq)
+            if result.__class__ is Stale:
+                return result
         w.last_event_at = now
         entries = self._entries
         bit = w.bit
+        cbit = bit  # the worker holds the chain's prefix so far: blocks stored are closed
         if parent is not None:
             pe = entries.get(parent)
             if pe is None or not pe[0] & bit:
                 self.stats.orphan_stores += 1
-        primary, check = hashes
-        if len(primary) != len(check):
-            raise ValueError(f"{len(primary)} primary hashes but {len(check)} check hashes")
-        bucket, tail = self._bucket_list(now)
+                cbit = 0
+            elif not pe[1] & bit:
+                cbit = 0
+            elif primary:
+                kids = pe[4]
+                if kids is None:  # the usual continuation: the parent was a chain's end
+                    entries[parent] = (pe[0], pe[1], pe[2], pe[3], primary[0])
+                elif kids != primary[0]:
+                    link(entries, parent, pe, primary[0])
+        tail = self._tail
+        if tail is None or now >= self._bucket_end:
+            bucket, tail = self._bucket_list(now)
+        else:
+            bucket = self._tail_bucket
+        size = len(entries)
+        put = entries.setdefault  # one hash lookup for a new block, not a get and a set
+        added = 0
+        for p, c, nx in zip_longest(primary, check, primary[1:]):
+            new = (bit, cbit, c, bucket, nx)
+            e = put(p, new)
+            if e is not new:
+                cbit, got = self._store_existing(p, c, nx, e, bit, cbit, bucket)
+                added += got
+        w.count += added + len(entries) - size
+        if self.ttl_s is not None:
+            tail.extend(primary)  # re-confirmed blocks too: expire skips what is stale
         log = w.log
-        logged = len(log)
-        self._store_each(w, primary, check, bucket, tail)
-        w.count += len(log) - logged  # the log grows by exactly the bits newly set
-        if self.ttl_s is None:
-            tail.clear()
+        log.extend(primary)  # every block the bit is set on, plus a few already set
         if len(log) > 2 * w.count + _LOG_SLACK:
             w.log = self._live_log(w)
         return result
 
-    def _store_each(
-        self, w: _Worker, primary: Sequence[int], check: Sequence[int], bucket: int, tail: list
-    ) -> None:
-        entries = self._entries
-        get = entries.get
-        add = w.log.append
-        pend = tail.append
-        bit = w.bit
-        collisions = 0
-        for p, c in zip(primary, check, strict=True):
-            e = get(p)
-            if e is None:
-                entries[p] = (bit, c, bucket)
-                add(p)
-                pend(p)
-            elif e[1] != c:
-                collisions += 1
-            elif not e[0] & bit:
-                entries[p] = (e[0] | bit, c, bucket)
-                add(p)
-                if e[2] != bucket:
-                    pend(p)
-            elif e[2] != bucket:
-                entries[p] = (e[0], c, bucket)
-                pend(p)
-        self.stats.store_collisions += collisions
+    def _store_existing(
+        self, p: int, c: int, nx: int | None, e: tuple, bit: int, cbit: int, bucket: int
+    ) -> tuple[int, int]:
+        """Store block ``p`` (check ``c``, next block ``nx``) that is already indexed as
+        ``e``: returns the closed bit for the next block and whether ``bit`` was newly set.
+        A new block costs one ``setdefault`` in the caller's loop; this is the slower path."""
+        held, closed, ck, b, kids = e
+        if ck != c:
+            self.stats.store_collisions += 1
+            return 0, 0
+        nc = closed | cbit
+        cbit = nc & bit
+        if cbit and nx is not None and kids != nx:
+            kids = with_kid(self._entries, kids, nx)
+        if not held & bit:
+            self._entries[p] = (held | bit, nc, c, bucket, kids)
+            return cbit, 1
+        if nc != closed or b != bucket or kids is not e[4]:
+            self._entries[p] = (held, nc, c, bucket, kids)
+        return cbit, 0
 
     def apply_removed(
         self, worker: str, seq: int, primary: Iterable[int], now: float
@@ -284,24 +334,30 @@ class PrefixIndex:
         if result.__class__ is Stale:
             return result
         w.last_event_at = now
-        w.count -= self._unset(w.bit, primary)
+        w.count -= self._unset(w.bit, primary, True)
         return result
 
-    def _unset(self, bit: int, primary: Iterable[int]) -> int:
+    def _unset(self, bit: int, primary: Iterable[int], cascade: bool) -> int:
         """Clear ``bit`` on ``primary``'s entries, dropping entries left empty; returns how
-        many entries had the bit."""
+        many entries had the bit. ``cascade``: also clear it from the closed sets below them
+        (not needed when every entry of the worker is being cleared)."""
         entries = self._entries
         get = entries.get
         cleared = 0
+        below: list[tuple[object, int]] = []
         for p in primary:
             e = get(p)
             if e is not None and e[0] & bit:
                 cleared += 1
-                m = e[0] ^ bit
-                if m:
-                    entries[p] = (m, e[1], e[2])
+                held = e[0] ^ bit
+                if held:
+                    entries[p] = (held, e[1] & ~bit, e[2], e[3], e[4])
                 else:
                     del entries[p]
+                if cascade and e[1] & bit and e[4] is not None:
+                    below.append((e[4], bit))
+        if below:
+            unclose(self._entries, below)
         return cleared
 
     def clear_worker(self, worker: str, seq: int, now: float | None = None) -> EventResult:
@@ -316,7 +372,7 @@ class PrefixIndex:
         return result
 
     def _drop_blocks(self, w: _Worker) -> None:
-        self._unset(w.bit, w.log)
+        self._unset(w.bit, w.log, False)
         w.log = []
         w.count = 0
 
@@ -330,21 +386,26 @@ class PrefixIndex:
         entries = self._entries
         by_slot = self._by_slot
         dropped = 0
+        below: list[tuple[object, int]] = []
         while pending and (pending[0][0] + 1) * width + ttl <= now:
             bucket, hashes = pending.popleft()
             if hashes is self._tail:
                 self._tail = None
             for p in hashes:
                 e = entries.get(p)
-                if e is None or e[2] > bucket:
+                if e is None or e[3] > bucket:
                     continue  # removed since, or re-confirmed later
                 del entries[p]
-                m = e[0]
                 dropped += 1
+                if e[1] and e[4] is not None:
+                    below.append((e[4], e[1]))
+                m = e[0]
                 while m:
                     low = m & -m
                     by_slot[low.bit_length() - 1].count -= 1  # type: ignore[union-attr]
                     m ^= low
+        if below:
+            unclose(self._entries, below)
         self.stats.expired_blocks += dropped
         return dropped
 
@@ -353,77 +414,30 @@ class PrefixIndex:
     def overlap(self, primary: Sequence[int], check: Sequence[int] | None) -> dict[str, int]:
         """Leading blocks of the prompt each worker holds: ``{worker: matched_blocks}``.
 
-        Workers with no matched block are absent. The walk ANDs the blocks' masks in order and
-        stops at the first unindexed block or when no worker holds every block so far. The
-        check hash is compared where a worker is credited (its last matched block), not at
-        every block: the check chain names the whole prefix, and the worker's bit in that entry
-        means its own store passed the same comparison, so it holds exactly the prompt's
-        prefix. On a mismatch the query is re-walked comparing every block and the collision
-        is counted in ``stats.query_collisions``: a shorter match, never a wrong worker.
-        ``check=None`` skips verification (a caller that only has primary hashes; passing the
-        primary hashes as ``check`` instead would make every hit a mismatch).
-        ``primary`` and ``check`` are lists (or tuples) of ints.
+        Workers with no matched block are absent. A worker is credited with ``d`` blocks only if
+        it holds blocks ``0..d-1`` and the entry of block ``d-1`` carries the prompt's check
+        hash: the check chain names the whole prefix, and the worker's bit in that entry means
+        its own store passed the same comparison, so it holds exactly the prompt's prefix. On a
+        mismatch the query is re-walked comparing every block and the collision is counted in
+        ``stats.query_collisions``: a shorter match, never a wrong worker. ``check=None`` skips
+        verification (a caller that only has primary hashes; passing the primary hashes as
+        ``check`` instead would make every hit a mismatch). ``primary`` and ``check`` are lists
+        (or tuples) of ints. See ``search`` for how the depths are found.
         """
+        if not primary:
+            return {}
         get = self._entries.get
-        out: dict[str, int] = {}
-        mask = -1
-        depth = 0
-        prev = None
-        end = len(primary)
-        start = 0
-        while start < end:
-            batch = list(map(get, primary[start : start + LOOKUP_CHUNK]))
-            start += LOOKUP_CHUNK
-            for e in batch:
-                if e is None:
-                    start = end
-                    break
-                m = mask & e[0]
-                if m != mask:
-                    if depth:
-                        if check is not None and prev[1] != check[depth - 1]:  # type: ignore[index]
-                            return self._overlap_verified(primary, check)
-                        self._credit(out, mask ^ m, depth)
-                    mask = m
-                    if not m:
-                        return out
-                prev = e
-                depth += 1
-        if depth:
-            if check is not None and prev[1] != check[depth - 1]:  # type: ignore[index]
-                return self._overlap_verified(primary, check)
-            self._credit(out, mask, depth)
-        return out
-
-    def _overlap_verified(self, primary: Sequence[int], check: Sequence[int]) -> dict[str, int]:
-        """The slow path after a check mismatch: compare every block's check hash and stop at
-        the first mismatch (counted once per query)."""
-        self.stats.query_collisions += 1
-        get = self._entries.get
-        out: dict[str, int] = {}
-        mask = -1
-        depth = 0
-        for p, c in zip(primary, check, strict=True):
-            e = get(p)
-            if e is None or e[1] != c:
-                break
-            m = mask & e[0]
-            if m != mask:
-                if depth:
-                    self._credit(out, mask ^ m, depth)
-                mask = m
-                if not m:
-                    return out
-            depth += 1
-        if depth:
-            self._credit(out, mask, depth)
+        out = search(get, primary, check, self._credit)
+        if out is None:
+            self.stats.query_collisions += 1
+            out = walk(get, primary, check, self._credit, True)
         return out
 
     def _credit(self, out: dict[str, int], bits: int, depth: int) -> None:
         by_slot = self._by_slot
         while bits:
             low = bits & -bits
-            out[by_slot[low.bit_length() - 1].name] = depth  # type: ignore[union-attr]
+            out.setdefault(by_slot[low.bit_length() - 1].name, depth)  # type: ignore[union-attr]
             bits ^= low
 
     # --------------------------------------------------------------- snapshots
@@ -451,7 +465,7 @@ class PrefixIndex:
         snapshot taken without TTL counts as confirmed at ``now``.
         """
         bucket_s = self.bucket_s if self.ttl_s is not None else None
-        self._entries, queue = from_snapshot(snap, bucket_s, now)
+        self._entries, queue = from_snapshot(snap, bucket_s, now, Kids)
         self._workers = {}
         self._by_slot = [None] * max((w.slot + 1 for w in snap.workers), default=0)
         for img in snap.workers:
@@ -467,18 +481,16 @@ class PrefixIndex:
         self._pending = deque()
         self._tail = None
         self._tail_bucket = 0
+        self._bucket_end = -math.inf
         if self.ttl_s is None:
             return
         if queue:
             self._pending = deque((bucket, list(hashes)) for bucket, hashes in queue)
-            self._tail_bucket = self._pending[-1][0]
-            self._tail = self._pending[-1][1]
-            return
-        lists: dict[int, list[int]] = {}
-        for p, (_mask, _check, bucket) in self._entries.items():
-            lists.setdefault(bucket, []).append(p)
-        for bucket in sorted(lists):
-            self._pending.append((bucket, lists[bucket]))
-        if lists:
-            self._tail_bucket = max(lists)
-            self._tail = self._pending[-1][1]
+        else:
+            lists: dict[int, list[int]] = {}
+            for p, e in self._entries.items():
+                lists.setdefault(e[3], []).append(p)
+            self._pending = deque((bucket, lists[bucket]) for bucket in sorted(lists))
+        if self._pending:
+            self._tail_bucket, self._tail = self._pending[-1]
+            self._bucket_end = self._first_time_after(self._tail_bucket)

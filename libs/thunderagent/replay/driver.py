@@ -32,6 +32,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from thunderagent.engine import AllCleared, EngineCore, Profile, Removed
 from thunderagent.engine.core import StepOutcome
@@ -58,6 +59,9 @@ from thunderagent.schemas import (
     WorkerRole,
 )
 from thunderagent.sglang.load import get_load_payload, parse_get_load
+
+if TYPE_CHECKING:
+    from thunderagent.replay.migration import ReplayMigration
 
 INF = math.inf
 MODEL = "replay"
@@ -189,6 +193,8 @@ class Replay(SchedulerActions):
         for w in range(n):
             self.router.register(self._registration(w), 0.0)
         self.links = TransferLinks(config.profile.kv_bytes_per_token, config.link_bytes_per_s)
+        self.migration: ReplayMigration | None = None
+        """KV migration, when ``ReplayMigration.attach`` hooked it in (``migration.py``)."""
         self.timers: list[tuple[float, int, str, object]] = []
         self._timer_seq = 0
         self.follow_up: Callable[[str, float], TraceRequest | None] | None = None
@@ -318,6 +324,8 @@ class Replay(SchedulerActions):
             assert isinstance(payload, TraceRequest)
             self.extra.append(payload.request_id)
             self._arrive(payload, t)
+        elif kind == "migration":
+            self.migration.landed(str(payload), t)
         else:
             self._transfer_landed(str(payload), t)
 
@@ -342,6 +350,8 @@ class Replay(SchedulerActions):
             interval = self.cfg.timeline_interval
             self._next_timeline = (math.floor(t / interval) + 1) * interval
         self.router.tick(t)
+        if self.migration is not None:
+            self.migration.tick(t)
 
     def _refresh_loads(self, t: float) -> None:
         """Every worker's load report, as its adapter would publish it now."""
@@ -352,6 +362,8 @@ class Replay(SchedulerActions):
             figures = parse_get_load(get_load_payload(core.load()), bs)
             report = load_report(self.ids[w], t, figures, self.accepted[w], core.cache.capacity)
             self.router.report(report, t)
+            if self.migration is not None:
+                self.migration.load(report, MODEL, t)
             state = self.router.fleet.get(self.ids[w])
             if state is not None:
                 self.scheduler.update_worker(worker_room(state), t)
@@ -392,6 +404,8 @@ class Replay(SchedulerActions):
         rec.best_overlap_tokens = min(max(routed.query.overlaps.values(), default=0), usable) * bs
         self.route_overlaps[rid] = dict(routed.query.overlaps)
         self.decisions[rid] = routed.decision
+        if self.migration is not None:
+            self.migration.routed(rid, routed.decision, t)
         request = self._sched_request(rec)
         first = routed.decision.worker_id
         if routed.may_dispatch_directly(meta.deadline, meta.session) and self.wallet.take(first):
@@ -454,11 +468,13 @@ class Replay(SchedulerActions):
         _, outcome = self.inflight.pop(w)
         self.dirty.add(w)
         self._apply_events(w, outcome, t)
+        if self.migration is not None:  # warm-ups it ran are not trace requests: skipped below
+            self.migration.on_step(w, outcome, t)
         worker_id = self.ids[w]
         records = self.records
         for run_id in outcome.first_token:
-            rec = records[run_id]
-            if rec.worker != w or rec.status != "running":
+            rec = records.get(run_id)
+            if rec is None or rec.worker != w or rec.status != "running":
                 continue
             self.accepted[w].started(run_id)
             if math.isnan(rec.first_token):
@@ -466,8 +482,8 @@ class Replay(SchedulerActions):
             if self.links.phase(run_id) != "decode":  # each run starts once (continuations too)
                 self.scheduler.on_started(run_id, worker_id, t)
         for fin in outcome.finished:
-            rec = records[fin.request_id]
-            if rec.worker != w or rec.status != "running":
+            rec = records.get(fin.request_id)
+            if rec is None or rec.worker != w or rec.status != "running":
                 continue
             self.accepted[w].finished(fin.request_id)
             if self.links.phase(fin.request_id) != "decode":

@@ -70,6 +70,15 @@ class TransferLinks:
         self.durations.append(done - now)
         return done
 
+    def occupy(self, workers: tuple[str, ...], seconds: float, now: float) -> float:
+        """A KV move between workers (migration, ``migration.py``) on the same links: it starts
+        when every named worker's link is free, holds them all for ``seconds``, and PD sends
+        queue behind it (and it behind them). Returns when it ends."""
+        begin = max([now, *(self._free_at.get(w, 0.0) for w in workers)])
+        for w in workers:
+            self._free_at[w] = begin + seconds
+        return begin + seconds
+
     def landed(self, rid: str) -> str:
         """The KV is on the decode worker (returned); the run decodes there now."""
         self._phase[rid] = DECODE

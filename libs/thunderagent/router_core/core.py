@@ -246,10 +246,8 @@ class RouterCore:
         predicted = min(query.overlaps.get(worker_id, 0), usable)
         state = self.fleet.get(worker_id)
         if state is not None:
-            state.assigned_since_report += 1
             uncached = query.prompt_tokens - predicted * query.block_size
-            state.assigned_prefill_since_report += uncached
-            state.assigned_kv_since_report += query.prompt_tokens
+            state.assign(request_id, uncached, query.prompt_tokens)
         best = min(max(query.overlaps.values(), default=0), usable)
         self.verifier.remember(
             request_id,
@@ -274,8 +272,14 @@ class RouterCore:
         completion_tokens: int | None = None,
     ) -> Verdict | None:
         """A run left ``worker_id``. A completed run (``cached_tokens`` given) is verified: a
-        false hit drops the stale blocks from this replica's index."""
-        self._routed.pop(request_id, None)
+        false hit drops the stale blocks from this replica's index. Its end may overtake the
+        news of its dispatch (an engine that answers at once): it is booked first, so the
+        in-flight overlay still learns where its prefix now lives."""
+        if request_id in self._routed:
+            self.on_dispatched(request_id, worker_id, now)
+        state = self.fleet.get(worker_id)
+        if state is not None:
+            state.unassign(request_id)
         self.policy.on_finished(request_id, worker_id, now)
         if completion_tokens is not None:
             self.outputs.add(completion_tokens)
@@ -305,9 +309,7 @@ class RouterCore:
             return False
         self._next_feedback = now + self.params.feedback_interval_s
         self.feeder.expire(now)
-        depths = {
-            s.worker_id: (v := worker_view(s)).running + v.queued for s in self.fleet.all()
-        }
+        depths = {s.worker_id: (v := worker_view(s)).running + v.queued for s in self.fleet.all()}
         feedback = RoutingFeedback(queue_depths=depths, false_hit_rate=self.window.false_hit_rate())
         self.policy.observe(feedback)
         self.window = FeedbackWindow()

@@ -84,12 +84,15 @@ class Thunder(PolicyHooks):
     overflow_weight: float = 1.0
     """Each KV token past the threshold costs this many tokens of prefill (1: it is computed
     once more after a retraction)."""
-    recompute_gain: float = 1.0
+    recompute_gain: float = 0.0
     """How fast recompute grows expensive with cluster load. The request's own uncached
     prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued per worker in
     units of a typical request's prefill (measured each decision): with idle queues a miss
     elsewhere costs only its own TTFT and load spreads; with queues everywhere the work a miss
-    adds delays every request behind it, so cache affinity wins."""
+    adds delays every request behind it, so cache affinity wins. Off by default: on the
+    generated agent, bursty and hot-spot workloads (``bench tune``, 0/1/2/4, speeds 2-8) no
+    value beat 0 in capacity or goodput (0: goodput 244, worst capacity ratio to the best peer
+    1.0; 1 and 2: 239-241 and 0.75, losing the hot-spot at 8x)."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""

@@ -15,12 +15,17 @@ silent for ``program_idle_s`` is released too.
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from thunderagent.scheduling.api import SchedRequest
 
 REASONING, ACTING, PAUSED = "reasoning", "acting", "paused"
+TOOL_PAUSES_KEPT = 256
+"""Recent tool-call pauses (acting -> next step) the tracker learns "silent too long" from."""
+MIN_TOOL_PAUSES = 16
+"""Fewer observed pauses than this: no program counts as stale yet."""
 
 
 @dataclass(slots=True)
@@ -33,10 +38,41 @@ class Program:
     last_seen: float = 0.0
     paused_at: float = 0.0
     steps: int = 0
+    hashes: Sequence[int] = ()
+    """Its latest prompt's full blocks: blocks programs share (a system or tool prompt) are
+    counted once per worker."""
 
     @property
     def blocks(self) -> int:
         return math.ceil(self.context_tokens / self.block_size)
+
+    @property
+    def tail(self) -> int:
+        """Its blocks no other program can share: past its prompt's full blocks."""
+        return max(0, self.blocks - len(self.hashes))
+
+
+@dataclass(slots=True)
+class Residency:
+    """KV blocks the programs living on one worker hold, a shared prefix counted once."""
+
+    shared: Counter[int] = field(default_factory=Counter)
+    tails: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return len(self.shared) + self.tails
+
+    def add(self, prog: Program) -> None:
+        self.shared.update(prog.hashes)
+        self.tails += prog.tail
+
+    def remove(self, prog: Program) -> None:
+        self.shared.subtract(prog.hashes)
+        for h in prog.hashes:
+            if self.shared[h] <= 0:
+                del self.shared[h]
+        self.tails -= prog.tail
 
 
 @dataclass(slots=True)
@@ -44,8 +80,8 @@ class ProgramTracker:
     watermark: float = 0.95
     resume_watermark: float = 0.85
     programs: dict[str, Program] = field(default_factory=dict)
-    resident: dict[str, int] = field(default_factory=dict)
-    """worker -> blocks of the programs living there (not paused)."""
+    residency: dict[str, Residency] = field(default_factory=dict)
+    """worker -> KV of the programs living there (not paused)."""
     pending: dict[str, list[str]] = field(default_factory=dict)
     """paused program id -> request ids of its steps waiting for it to resume, oldest first
     (insertion order: the oldest pause first). An open-loop client may send several."""
@@ -53,6 +89,17 @@ class ProgramTracker:
     """paused program id -> when its oldest parked step was parked."""
     pauses: int = 0
     resumes: int = 0
+    tool_pauses: deque[float] = field(default_factory=lambda: deque(maxlen=TOOL_PAUSES_KEPT))
+
+    def stale_after_s(self) -> float:
+        """Silence after which an acting program is unlikely to come back soon: the 90th
+        percentile of the tool-call pauses seen lately (inf until enough were seen). Such a
+        program (often one that ended without a release) gives up its place at once to a
+        paused one whose step arrived."""
+        if len(self.tool_pauses) < MIN_TOOL_PAUSES:
+            return math.inf
+        ordered = sorted(self.tool_pauses)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
     def get(self, req: SchedRequest, now: float) -> Program:
         pid = req.program_id or ""
@@ -72,17 +119,31 @@ class ProgramTracker:
                 req.candidates = [cands[i], *cands[:i], *cands[i + 1 :]]
                 return
 
+    def resident(self, worker_id: str) -> int:
+        """Blocks the programs living on ``worker_id`` hold (a shared prefix once)."""
+        r = self.residency.get(worker_id)
+        return r.blocks if r is not None else 0
+
+    def _at(self, worker_id: str) -> Residency:
+        r = self.residency.get(worker_id)
+        if r is None:
+            r = self.residency[worker_id] = Residency()
+        return r
+
     def _move(self, prog: Program, worker_id: str | None) -> None:
         if prog.worker_id is not None and prog.phase != PAUSED:
-            self.resident[prog.worker_id] = self.resident.get(prog.worker_id, 0) - prog.blocks
+            self._at(prog.worker_id).remove(prog)
         prog.worker_id = worker_id
         if worker_id is not None:
-            self.resident[worker_id] = self.resident.get(worker_id, 0) + prog.blocks
+            self._at(worker_id).add(prog)
 
     def on_dispatch(self, req: SchedRequest, worker_id: str, now: float) -> None:
         prog = self.get(req, now)
+        if prog.phase == ACTING and prog.steps:  # a tool call just ended (not a paused one)
+            self.tool_pauses.append(now - prog.last_seen)
         self._move(prog, None)
         prog.context_tokens = max(prog.context_tokens, req.prompt_tokens)
+        prog.hashes = tuple(req.block_hashes)
         prog.phase = REASONING
         prog.steps += 1
         prog.last_seen = now
@@ -102,7 +163,7 @@ class ProgramTracker:
     def over_capacity(self, worker_id: str, kv_total: int, now: float) -> list[str]:
         """Pause acting programs on ``worker_id``, smallest first, until under the watermark."""
         limit = self.watermark * kv_total
-        if kv_total <= 0 or self.resident.get(worker_id, 0) <= limit:
+        if kv_total <= 0 or self.resident(worker_id) <= limit:
             return []
         acting = sorted(
             (p for p in self.programs.values() if p.worker_id == worker_id and p.phase == ACTING),
@@ -110,17 +171,46 @@ class ProgramTracker:
         )
         paused: list[str] = []
         for prog in acting:
-            if self.resident.get(worker_id, 0) <= limit:
+            if self.resident(worker_id) <= limit:
                 break
-            self.resident[worker_id] -= prog.blocks
+            self._at(worker_id).remove(prog)
             prog.phase, prog.paused_at = PAUSED, now
             paused.append(prog.program_id)
         self.pauses += len(paused)
         return paused
 
     def fits(self, prog: Program, worker_id: str, kv_total: int) -> bool:
-        room = self.resume_watermark * kv_total - self.resident.get(worker_id, 0)
-        return kv_total <= 0 or prog.blocks <= room
+        room = self.resume_watermark * kv_total - self.resident(worker_id)
+        new = prog.tail + sum(h not in self._at(worker_id).shared for h in prog.hashes)
+        return kv_total <= 0 or new <= room
+
+    def make_room(
+        self, prog: Program, worker_id: str, kv_total: int, now: float, silent_for: float = 0.0
+    ) -> list[str]:
+        """Pause acting programs on ``worker_id`` silent at least ``silent_for``, longest
+        silent first, until ``prog`` fits there: a step displaces the program least likely to
+        come back soon (a finished agent that never sent a release goes first) instead of
+        pushing the worker over its KV and thrashing everyone's cache."""
+        acting = sorted(
+            (
+                p
+                for p in self.programs.values()
+                if p.worker_id == worker_id
+                and p.phase == ACTING
+                and p is not prog
+                and now - p.last_seen >= silent_for
+            ),
+            key=lambda p: (p.last_seen, p.program_id),
+        )
+        paused: list[str] = []
+        for victim in acting:
+            if self.fits(prog, worker_id, kv_total):
+                break
+            self._at(worker_id).remove(victim)
+            victim.phase, victim.paused_at = PAUSED, now
+            paused.append(victim.program_id)
+        self.pauses += len(paused)
+        return paused
 
     def place(
         self, prog: Program, candidates: Sequence[tuple[str, int]], totals: dict[str, int]
@@ -171,7 +261,7 @@ class ProgramTracker:
         if prog is None:
             return self.pending.pop(program_id, [])
         if prog.phase != PAUSED and prog.worker_id is not None:
-            self.resident[prog.worker_id] -= prog.blocks
+            self._at(prog.worker_id).remove(prog)
         return self.pending.pop(program_id, [])
 
     def idle(self, now: float, idle_s: float) -> list[str]:

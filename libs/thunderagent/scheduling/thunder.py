@@ -512,8 +512,9 @@ class ThunderScheduler:
         return True
 
     def _try_resume(self, pid: str, totals: dict[str, int], now: float) -> None:
-        """Resume a paused program where it fits; its parked steps follow it there. A program
-        released meanwhile (idle) just lets its steps go to the queue."""
+        """Resume a paused program where it fits, or where programs gone stale make room for
+        it; its parked steps follow it there. A program released meanwhile (idle) just lets
+        its steps go to the queue."""
         parked = self.programs.pending.get(pid)
         prog = self.programs.programs.get(pid)
         if not parked:
@@ -521,8 +522,13 @@ class ThunderScheduler:
         if prog is None:
             self.release_program(pid, now)
             return
-        first = self.entries[parked[0]]
-        w = self.programs.place(prog, self._eligible(first.req), totals)
+        cands = self._eligible(self.entries[parked[0]].req)
+        w = self.programs.place(prog, cands, totals)
+        if w is None and cands:
+            first = cands[0][0]
+            stale = self.programs.stale_after_s()
+            if self.programs.make_room(prog, first, totals.get(first, 0), now, stale):
+                w = first if self.programs.fits(prog, first, totals.get(first, 0)) else None
         if w is None:
             return
         for rid in self.programs.resume(prog, w, now):
@@ -531,7 +537,8 @@ class ThunderScheduler:
             self._enqueue(entry, now)
 
     def _force_resume(self, pid: str, now: float) -> None:
-        """A parked step waited too long: resume the program on the step's first candidate."""
+        """A parked step waited its turn: resume the program on the step's first candidate,
+        pausing the programs silent longest there to make room."""
         prog = self.programs.programs.get(pid)
         parked = self.programs.pending.get(pid)
         if not parked:
@@ -540,7 +547,9 @@ class ThunderScheduler:
         if prog is None or not cands:
             self.release_program(pid, now)
             return
-        for rid in self.programs.resume(prog, cands[0][0], now):
+        w = cands[0][0]
+        self.programs.make_room(prog, w, self._kv_totals().get(w, 0), now)
+        for rid in self.programs.resume(prog, w, now):
             self._enqueue(self.entries[rid], now)
 
     def _programs_tick(self, now: float) -> None:

@@ -45,6 +45,12 @@ class MirrorStats:
     """Removed hashes the mirror did not hold (already removed, or never seen)."""
     size_mismatches: int = 0
     """Stored events whose block size differs from the registered block size."""
+    other_tier_blocks: int = 0
+    """Stored blocks on a tier the index does not track (SGLang's DISK and EXTERNAL HiCache
+    levels, or a medium it does not know): skipped."""
+    unhashable_blocks: int = 0
+    """Stored blocks with token ids outside uint32 (SGLang hashes those wide; no prompt the
+    router accepts has them, so they could never be hit): skipped, never a crash."""
 
 
 @dataclass
@@ -78,6 +84,10 @@ class KvMirror:
         return out
 
     def _stored(self, ev: kv_wire.BlockStored) -> BlocksStored | None:
+        medium = _medium(ev.medium)
+        if medium is None:
+            self.stats.other_tier_blocks += len(ev.block_hashes)
+            return None
         if ev.block_size != self.block_size:
             self.stats.size_mismatches += 1
             return None
@@ -94,8 +104,11 @@ class KvMirror:
             parent = (known.primary, known.check)
         # a salted chain starts at its tenant's root, as the router hashes a salted prompt
         start = parent or (namespace_roots(ev.cache_salt) if ev.cache_salt else None)
-        ours = self.hasher.hash_tokens(ev.token_ids, start)
-        medium = Medium(ev.medium) if ev.medium else Medium.GPU
+        try:
+            ours = self.hasher.hash_tokens(ev.token_ids, start)
+        except (OverflowError, ValueError, TypeError):
+            self.stats.unhashable_blocks += len(ev.block_hashes)
+            return None
         prev = parent_engine
         for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):
             self.blocks[engine_hash] = MirrorBlock(p, c, prev, medium)
@@ -109,7 +122,9 @@ class KvMirror:
         )
 
     def _removed(self, ev: kv_wire.BlockRemoved) -> BlocksRemoved | None:
-        medium = Medium(ev.medium) if ev.medium else Medium.GPU
+        medium = _medium(ev.medium)
+        if medium is None:  # a tier the index does not track: nothing of ours changed
+            return None
         hashes = []
         for engine_hash in ev.block_hashes:
             block = self.blocks.get(engine_hash)
@@ -122,31 +137,46 @@ class KvMirror:
         return BlocksRemoved(hashes=hashes, medium=medium) if hashes else None
 
     def dump(self) -> list[BlocksStored]:
-        """Every mirrored block, parents before children, grouped by tier."""
+        """Every mirrored block whose chain reaches a root, parents before children, each
+        naming its parent's hash. A block whose parent the mirror lost is left out: announced
+        as a root it would claim a prefix it does not start."""
         ordered: list[BlocksStored] = []
-        emitted: set[int] = set()
+        rooted: dict[int, bool] = {}
 
         def emit(engine_hash: int) -> None:
-            chain = []
+            chain: list[int] = []
             h: int | None = engine_hash
-            while h is not None and h not in emitted and h in self.blocks:
+            while h is not None and h not in rooted:
+                if h not in self.blocks:
+                    break
                 chain.append(h)
                 h = self.blocks[h].parent_engine_hash
+            ok = h is None or rooted.get(h, False)  # reached a root, or a parent already out
             for eh in reversed(chain):
+                rooted[eh] = ok
+                if not ok:
+                    continue
                 block = self.blocks[eh]
-                parent = (
-                    self.blocks.get(block.parent_engine_hash) if block.parent_engine_hash else None
-                )
+                parent = block.parent_engine_hash
                 ordered.append(
                     BlocksStored(
                         hashes=[block.primary],
                         check_hashes=[block.check],
-                        parent_hash=parent.primary if parent else None,
+                        parent_hash=None if parent is None else self.blocks[parent].primary,
                         medium=block.medium,
                     )
                 )
-                emitted.add(eh)
 
         for engine_hash in list(self.blocks):
             emit(engine_hash)
         return ordered
+
+
+def _medium(name: str | None) -> Medium | None:
+    """The tier of an engine event; None for one the index does not track."""
+    if not name:
+        return Medium.GPU
+    try:
+        return Medium(name)
+    except ValueError:
+        return None

@@ -57,7 +57,13 @@ class FleetWatcher:
             tg.create_task(self._watch(bucket, stop))
             tg.create_task(self._expire_loop(stop))
 
-    async def _on_load(self, load: LoadReport, _: Delivery) -> None:
+    async def _on_load(self, load: LoadReport, delivery: Delivery) -> None:
+        if delivery.subject != subjects.worker_load(load.worker_id):
+            # NATS lets a worker publish only its own subject; the report must name the same
+            # worker, or one worker could renew another's lease and rewrite its load
+            reason = f"load report for {load.worker_id!r} arrived on {delivery.subject}"
+            await self.bus.reject(delivery, reason)
+            return
         if self.registry.report(load, self.clock()) and self.on_load is not None:
             self.on_load(load)
 

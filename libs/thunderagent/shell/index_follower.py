@@ -35,10 +35,13 @@ class IndexFollower:
         redis=None,
         durable: str | None = None,
         on_outcome: OnOutcome | None = None,
+        apply: Callable[[KvEventBatch, float], FeedOutcome] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.bus = bus
         self.feeder = feeder
+        self.apply = apply or feeder.apply
+        """How a batch reaches the index: the router's core also clears its in-flight overlay."""
         self.redis = redis
         self.durable = durable
         self.on_outcome = on_outcome
@@ -91,7 +94,7 @@ class IndexFollower:
 
     async def _on_batch(self, batch: KvEventBatch, seq: int) -> None:
         now = self.clock()
-        outcome = self.feeder.apply(batch, now)
+        outcome = self.apply(batch, now)
         self.last_event_lag_s = max(0.0, now - batch.ts)
         self.stream_seq = seq
         if self.on_outcome is not None:

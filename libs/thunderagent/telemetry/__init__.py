@@ -7,6 +7,7 @@ itself). Metrics are served on a Prometheus endpoint when a port is given.
 
 from thunderagent.telemetry.logs import configure_logging
 from thunderagent.telemetry.propagation import (
+    child_span,
     extract_context,
     inject_headers,
     sampled_flag,
@@ -17,6 +18,7 @@ from thunderagent.telemetry.setup import Telemetry, setup_telemetry, tracer
 
 __all__ = [
     "Telemetry",
+    "child_span",
     "configure_logging",
     "extract_context",
     "inject_headers",

@@ -31,6 +31,8 @@ def inject_headers(
     whole across a hop that does not export spans.
     """
     carrier = headers if headers is not None else {}
+    if not (context if context is not None else otel_context.get_current()):
+        return carrier  # an empty context has nothing to inject (the common untraced case)
     propagate.inject(carrier, context=context)
     return carrier
 
@@ -86,3 +88,15 @@ def start_span_if_sampled(
         yield None
     finally:
         otel_context.detach(token)
+
+
+@contextlib.contextmanager
+def child_span(tracer: trace.Tracer, name: str) -> Iterator[trace.Span]:
+    """A child of the current span when that span records; else the no-op span, with no span
+    work at all (the common case: tracing off, or the request sampled out). Its attributes
+    may be set either way."""
+    if not trace.get_current_span().is_recording():
+        yield trace.INVALID_SPAN
+        return
+    with tracer.start_as_current_span(name) as span:
+        yield span

@@ -1,4 +1,10 @@
-"""Tracer and meter providers for one process."""
+"""Tracer and meter providers for one process.
+
+Sampling is the SDK's, from the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``
+(e.g. ``parentbased_traceidratio`` and ``0.01``: a trace's first span keeps 1% of traces and
+every later hop follows its parent's decision; default: keep all). With tracing off no tracer
+provider is installed, and the bus does no span work at all.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ class Telemetry:
 
     service_name: str
     tracing: bool = False
+    sampler: str = ""
+    """The tracer provider's sampler, as the SDK describes it (empty: tracing off)."""
     metrics_port: int | None = None
     _shutdowns: list = field(default_factory=list)
 
@@ -52,6 +60,8 @@ def setup_telemetry(service_name: str, *, metrics_port: int | None = None) -> Te
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         tel.tracing = True
+        tel.sampler = provider.sampler.get_description()
+        log.info("tracing on, sampler %s", tel.sampler)
         tel._shutdowns.append(provider.shutdown)
     if metrics_port is not None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -55,6 +55,7 @@ from thunderagent.schemas.routing import (
     RequestProgress,
     RouteDecision,
     RouterHello,
+    RunFailed,
     ScheduleRequest,
     WorkerGenerate,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "ResyncRequest",
     "RouteDecision",
     "RouterHello",
+    "RunFailed",
     "SamplingParams",
     "ScheduleRequest",
     "TokenChunk",

@@ -46,6 +46,7 @@ from thunderagent.schemas.routing import (
     RequestProgress,
     RouteDecision,
     RouterHello,
+    RunFailed,
     ScheduleRequest,
     WorkerGenerate,
 )
@@ -70,6 +71,7 @@ MESSAGES: Final[dict[str, Any]] = {
     "CreditGrant": CreditGrant,
     "DirectDispatch": DirectDispatch,
     "RouterHello": RouterHello,
+    "RunFailed": RunFailed,
     "Dispatched": Dispatched,
     "KvTransfer": KvTransfer,
     "Preempted": Preempted,

@@ -71,6 +71,10 @@ class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Tenant namespace of the prompt's KV cache (as Dynamo's and vLLM's ``cache_salt``): mixed
     into every block hash, so requests with different salts never share cached prefixes and
     cannot time-probe each other's. None: the shared namespace."""
+    retry: Annotated[int, Meta(ge=0)] = 0
+    """0 on the first try; the client resent this request (same id, same reply subject) this
+    many times. A retry always goes through the scheduler, which runs a request id at most once
+    (a router that died holding it, a reply that never came)."""
 
     def __post_init__(self) -> None:
         given = [x for x in (self.token_ids, self.text, self.messages) if x is not None]

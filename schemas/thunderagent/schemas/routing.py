@@ -175,6 +175,22 @@ class CancelRequest(Struct, frozen=True, kw_only=True):
     """Why (client disconnected, timeout)."""
 
 
+class RunFailed(Struct, frozen=True, kw_only=True):
+    """Adapter -> scheduler (request/reply, answered with an ``Ack``): the engine failed a run
+    (connection lost, engine error). ``Ack(accepted=True)``: the scheduler resumes the request
+    on another worker as a continuation (the client's stream goes on); otherwise, or with no
+    answer, the adapter tells the client."""
+
+    request_id: str
+    """The request."""
+    worker_id: str
+    """The worker whose engine failed it."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Every output token the client has received (earlier runs included)."""
+    reason: str = ""
+    """What the engine said."""
+
+
 class ProgramRelease(Struct, frozen=True, kw_only=True):
     """Client -> scheduler: an agent program (session) is over; its KV need not be kept."""
 

@@ -22,6 +22,9 @@ SCHEDULER_QUEUE: Final = "scheduler"
 # adapters -> scheduler (every phase) and routers (the phases that end a run): a run's life.
 PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.>"
 
+# adapters -> scheduler: a run its engine failed, to be resumed elsewhere (request/reply).
+SCHED_RUN_FAILED: Final = f"{PREFIX}.sched.run_failed"
+
 # routers -> scheduler: requests a router dispatched on credit, and the routers' presence.
 SCHED_DIRECT: Final = f"{PREFIX}.sched.direct"
 ROUTER_PRESENCE: Final = f"{PREFIX}.router.presence"

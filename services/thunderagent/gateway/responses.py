@@ -4,7 +4,9 @@ Streams are framed as OpenAI frames them: ``data: {json}\\n\\n`` per chunk, the 
 first delta, ``finish_reason`` on the last choice chunk, with ``stream_options.include_usage``
 a ``usage: null`` on every chunk and one more chunk with empty ``choices`` and the usage, then
 ``data: [DONE]\\n\\n``. An error after the stream has started is one ``data: {"error": ...}``
-frame (the OpenAI SDKs raise it as an ``APIError``), with no ``[DONE]``.
+frame (the OpenAI SDKs raise it as an ``APIError``), with no ``[DONE]``. The usage chunk (and a
+whole answer) also carries ``x_thunderagent``: the worker that ran the request and the engine's
+own time to first token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
+def extension(final: FinalReply) -> dict[str, Any]:
+    """Where the request ran and what the engine itself took to its first token, next to the
+    usage (clients ignore unknown keys): benchmarks subtract it to get what the stack added."""
+    return {"worker_id": final.worker_id, "engine_ttft_ms": final.engine_ttft_ms}
+
+
 def response_id(request_id: str, *, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
 
@@ -50,6 +58,7 @@ def completion_body(final: FinalReply, text: str, *, chat: bool, model: str, cre
         "model": model,
         "choices": [choice],
         "usage": usage(final.usage),
+        "x_thunderagent": extension(final),
     })  # fmt: skip
 
 
@@ -112,5 +121,6 @@ class StreamEncoder:
         finish = FINISH.get(final.finish_reason, "stop")
         out = head + self._chunk(self._choice(None if self._chat else "", finish))
         if self._include_usage:
-            out += sse({**self._base, "choices": [], "usage": usage(final.usage)})
+            out += sse({**self._base, "choices": [], "usage": usage(final.usage),
+                        "x_thunderagent": extension(final)})  # fmt: skip
         return out + DONE

@@ -41,6 +41,7 @@ from thunderagent.schemas import (
 )
 from thunderagent.shell import FleetWatcher, ServiceContext
 from thunderagent.shell.index_follower import IndexFollower
+from thunderagent.telemetry.propagation import child_span
 from thunderagent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ is gone, requests queue for it instead of going out on stale room."""
 
 def submit_deadline(req: GenerateRequest) -> float | None:
     return req.deadline_ms / 1e3 if req.deadline_ms is not None else None
+
+
 """How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
 
 
@@ -115,7 +118,7 @@ class Router:
         if refused is not None:
             await self._fail(reply, req, *refused)
             return
-        with _tracer.start_as_current_span("router route") as span:
+        with child_span(_tracer, "router route") as span:
             routed = self.route(req, reply, workers[0].registration.block_size)
             if routed is None:  # the last worker left while we tokenized
                 await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
@@ -134,7 +137,7 @@ class Router:
         (no credit, or the request needs the queue: deadline, program, prefix follower)."""
         req = submit.request
         first = submit.decision.worker_id
-        if not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
+        if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
             return False
         if not self.wallet.take(first):
             return False
@@ -144,12 +147,15 @@ class Router:
             reply_subject=submit.reply_subject,
             predicted_cached_tokens=overlap * submit.block_size,
         )
-        try:
-            ack = await self.bus.request(
-                subjects.worker_generate(first), work, Ack, timeout=self.config.submit_timeout_s
-            )
-        except BusError:
-            ack = Ack(accepted=False)
+        ack = Ack(accepted=False)
+        for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
+            try:
+                ack = await self.bus.request(
+                    subjects.worker_generate(first), work, Ack, timeout=self.config.submit_timeout_s
+                )
+                break
+            except BusError:
+                continue
         if not ack.accepted:  # the scheduler will find it another worker
             self.wallet.give_back(first)
             return False
@@ -295,7 +301,9 @@ class RouterService:
             self.redis = aioredis.from_url(
                 config.redis_url, socket_timeout=2, socket_connect_timeout=2
             )
-        self.follower = IndexFollower(ctx.bus, self.core.feeder, redis=self.redis)
+        self.follower = IndexFollower(
+            ctx.bus, self.core.feeder, redis=self.redis, apply=self.core.apply_kv
+        )
         self.fleet = FleetWatcher(ctx.bus, self.core.fleet, on_change=self._on_fleet_change)
         self.router.fleet_ready = self.fleet.ready
 

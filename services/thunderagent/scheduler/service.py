@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from msgspec import structs
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -41,11 +42,13 @@ from thunderagent.schemas import (
     ProgramRelease,
     RequestProgress,
     RouterHello,
+    RunFailed,
     ScheduleRequest,
     WorkerGenerate,
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.telemetry.propagation import child_span
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,10 @@ GRANT_EVERY_S = 1.0
 """Every router gets a fresh grant this often even when nothing changed: its credits expire
 when a scheduler falls silent."""
 MAX_EARLY = 10_000
+MAX_FINISHED = 100_000
+"""Ended request ids remembered for deduplication: minutes of traffic at high rates."""
+MAX_RESUMES = 2
+"""A request whose worker or engine failed it this many times is not tried again."""
 EARLY_PROGRESS_S = 5.0
 """A run's progress may beat the router's report of its direct dispatch; it is kept this long
 for the report to arrive."""
@@ -83,6 +90,12 @@ class Pending:
     """Output tokens the client received before a preemption (a continuation carries them)."""
     worker_id: str = ""
     """Where the current run is (empty while it waits)."""
+    started: bool = False
+    """The current run produced its first token (the client has output from it)."""
+    excluded: set[str] = field(default_factory=set)
+    """Workers that failed this request: it is not sent there again."""
+    resumes: int = 0
+    """Times it was resumed after a worker or engine failure."""
 
 
 class SchedulerService:
@@ -92,6 +105,8 @@ class SchedulerService:
         self.clock = clock
         self.core = SCHEDULERS.create(config.scheduler, **config.params)
         self.pending: dict[str, Pending] = {}
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        """Recently ended request ids (a late retry of one must not run it twice)."""
         self.waiting = Counter[str]()
         """model -> requests not on a worker yet (the bounded global queue)."""
         self.dispatches: deque[float] = deque(maxlen=1024)
@@ -112,7 +127,19 @@ class SchedulerService:
         rid, model = submit.request.request_id, submit.request.model
         refusal = None
         if rid in self.pending:
-            refusal = Ack(accepted=False, reason=f"duplicate request id {rid}")
+            same = self.pending[rid].submit.reply_subject == submit.reply_subject
+            if same:  # the client's retry of a request that is here: it runs once
+                if delivery.reply:
+                    await self.bus.publish(delivery.reply, Ack(accepted=True))
+                return
+            refusal = Ack(accepted=False, reason=f"duplicate request id {rid}",
+                          code=ErrorCode.BAD_REQUEST)  # fmt: skip
+        elif rid in self.finished:
+            refusal = Ack(
+                accepted=False,
+                reason=f"request {rid} already ran; its answer went to its reply subject",
+                code=ErrorCode.BAD_REQUEST,
+            )
         elif self.waiting[model] >= self.config.max_waiting_per_model:
             refusal = Ack(
                 accepted=False,
@@ -180,12 +207,16 @@ class SchedulerService:
     def _sched_request(self, pending: Pending) -> SchedRequest:
         submit = pending.submit
         req = submit.request
+        decision = submit.decision
+        if pending.excluded:  # workers that failed it are no candidates any more
+            kept = [c for c in decision.candidates if c.worker_id not in pending.excluded]
+            decision = structs.replace(decision, candidates=kept)
         return sched_request(
             request_id=req.request_id,
             arrival=submit.decision.decided_at,
             run=Run(len(req.token_ids or []), req.max_tokens, len(pending.output)),
             expected_output_tokens=submit.expected_output_tokens or req.max_tokens,
-            decision=submit.decision,
+            decision=decision,
             block_size=submit.block_size,
             block_hashes=submit.block_hashes,
             priority=req.priority,
@@ -200,9 +231,65 @@ class SchedulerService:
             self.wake.set()
 
     def on_fleet_change(self, worker_id: str, what: str) -> None:
-        if what in ("expired", "removed"):
-            self.core.remove_worker(worker_id, self.clock())
+        if what == "registered":  # (back) in the fleet: a candidate again before its first report
+            state = self.registry.get(worker_id)
+            if state is not None:
+                self.core.update_worker(worker_room(state), self.clock())
+                self.wake.set()
+            return
+        if what not in ("expired", "removed"):
+            return
+        self.core.remove_worker(worker_id, self.clock())
+        for pending in [p for p in self.pending.values() if p.worker_id == worker_id]:
+            if pending.started:  # the client has part of an answer we cannot rebuild
+                self._forget(pending)
+                why = f"worker {worker_id} left ({what}) while streaming this answer; retry"
+                self._spawn(self._fail(pending, ErrorCode.UNAVAILABLE, why))
+            else:  # nothing reached the client yet: run it elsewhere
+                self._resume(pending, worker_id, pending.output)
+        self.wake.set()
+
+    def _resume(self, pending: Pending, failed_worker: str, output: list[int]) -> bool:
+        """Queue the request again, away from ``failed_worker``, after ``output`` (what the
+        client has); False when it failed too often to try again."""
+        if pending.resumes >= MAX_RESUMES:
+            return False
+        pending.resumes += 1
+        pending.excluded.add(failed_worker)
+        pending.output = list(output)
+        pending.worker_id, pending.started = "", False
+        self.waiting[pending.submit.request.model] += 1
+        self.core.submit(self._sched_request(pending), self.clock())
+        return True
+
+    def _forget(self, pending: Pending) -> None:
+        rid = pending.submit.request.request_id
+        self.pending.pop(rid, None)
+        self.finished[rid] = pending.submit.reply_subject
+        if len(self.finished) > MAX_FINISHED:
+            self.finished.popitem(last=False)
+
+    async def on_run_failed(self, failed: RunFailed, delivery: Delivery) -> None:
+        """An engine failed a run: resume it elsewhere as a continuation, if we can."""
+        pending = self.pending.get(failed.request_id)
+        ok = (
+            pending is not None
+            and pending.worker_id == failed.worker_id
+            and self._resume(pending, failed.worker_id, failed.output_token_ids)
+        )
+        if ok:
+            log.info("request %s: engine of %s failed (%s): resuming elsewhere",
+                     failed.request_id, failed.worker_id, failed.reason)  # fmt: skip
+            self.core.on_finished(failed.request_id, failed.worker_id, self.clock())
             self.wake.set()
+        if delivery.reply:
+            unknown = pending is None  # maybe dispatched on credit, its report on its way
+            answer = Ack(
+                accepted=ok,
+                code=ErrorCode.UNAVAILABLE if unknown else None,
+                reason="unknown request" if unknown else ("" if ok else "not resumable"),
+            )
+            await self.bus.publish(delivery.reply, answer)
 
     async def on_progress(self, progress: RequestProgress, _: Delivery) -> None:
         now, rid = self.clock(), progress.request_id
@@ -214,20 +301,23 @@ class SchedulerService:
                 self._early.pop(next(iter(self._early)))
             return
         if progress.phase == "started":
+            if pending is not None and pending.worker_id == progress.worker_id:
+                pending.started = True
             self.core.on_started(rid, progress.worker_id, now)
         elif progress.phase == "transferred":  # PD: the decode worker runs the rest
             if pending is not None:
                 pending.worker_id = progress.worker_id
             self.core.on_transfer_done(rid, progress.worker_id, now)
         elif pending is not None and pending.worker_id == progress.worker_id:
-            del self.pending[rid]  # ends of runs this scheduler no longer tracks are stale
+            self._forget(pending)  # ends of runs this scheduler no longer tracks are stale
             self.core.on_finished(rid, progress.worker_id, now)
         self.wake.set()
 
     async def on_cancel(self, cancel: CancelRequest, _: Delivery) -> None:
-        pending = self.pending.pop(cancel.request_id, None)
+        pending = self.pending.get(cancel.request_id)
         if pending is None:
             return  # it ended already
+        self._forget(pending)
         waiting = self.core.cancel(cancel.request_id, self.clock())
         if waiting:
             self._leaves_queue(pending)
@@ -271,8 +361,20 @@ class SchedulerService:
                 await asyncio.wait_for(self.wake.wait(), timeout)
             except TimeoutError:
                 pass
+        await self._answer_waiting_on_stop()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.config.handoff_timeout_s * 2)
+
+    async def _answer_waiting_on_stop(self) -> None:
+        """Going down: every request still waiting here gets an error its client can act on
+        (a retry reaches the next scheduler); runs already on workers go on streaming."""
+        waiting = [p for p in self.pending.values() if not p.worker_id]
+        for pending in waiting:
+            self._forget(pending)
+            message = "the scheduler is restarting; retry this request (same id)"
+            await self._fail(pending, ErrorCode.UNAVAILABLE, message)
+        if waiting:
+            log.info("stopping: answered %d waiting requests", len(waiting))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -294,7 +396,7 @@ class SchedulerService:
             elif isinstance(action, Preempt):
                 await self._preempt(pending, action.worker_id, action.reason)
             elif isinstance(action, Reject):
-                self.pending.pop(action.request_id, None)
+                self._forget(pending)
                 await self._fail(pending, ErrorCode.DEADLINE, action.reason)
         finally:
             otel_context.detach(token)
@@ -303,12 +405,14 @@ class SchedulerService:
         submit = pending.submit
         rid = submit.request.request_id
         order = [worker_id] + [
-            c.worker_id for c in submit.decision.candidates if c.worker_id != worker_id
+            c.worker_id
+            for c in submit.decision.candidates
+            if c.worker_id != worker_id and c.worker_id not in pending.excluded
         ]
         overlap = {c.worker_id: c.overlap_blocks for c in submit.decision.candidates}
         request = continuation(submit.request, pending.output)
         reasons = []
-        with _tracer.start_as_current_span("scheduler dispatch") as span:
+        with child_span(_tracer, "scheduler dispatch") as span:
             span.set_attribute("thunderagent.request_id", rid)
             for attempt, wid in enumerate(order):
                 pending.worker_id = wid
@@ -330,6 +434,12 @@ class SchedulerService:
                     )
                 except BusError as err:
                     reasons.append(f"{wid}: {err}")
+                    # no ack is not "no": the worker may be running it. Stop it there before
+                    # the next worker starts it; what it streamed already, the next continues.
+                    stray = await self._abort(wid, rid, "hand-off timed out: another worker")
+                    if stray is not None and stray.found and stray.output_token_ids:
+                        pending.output = list(stray.output_token_ids)
+                        request = continuation(submit.request, pending.output)
                     continue
                 if ack.accepted:
                     span.set_attribute("thunderagent.worker_id", wid)
@@ -338,7 +448,7 @@ class SchedulerService:
                     return
                 reasons.append(f"{wid}: refused ({ack.reason})")
         self.core.on_finished(rid, worker_id, self.clock())
-        self.pending.pop(rid, None)
+        self._forget(pending)
         await self._fail(pending, ErrorCode.UNAVAILABLE,
                          "no worker accepted the request: " + "; ".join(reasons))  # fmt: skip
 
@@ -367,7 +477,7 @@ class SchedulerService:
             pending.worker_id = worker_id
             return
         if not answer.found:  # it finished before the abort reached it
-            self.pending.pop(rid, None)
+            self._forget(pending)
             return
         pending.output = list(answer.output_token_ids)
         self.waiting[pending.submit.request.model] += 1
@@ -406,6 +516,7 @@ class SchedulerService:
         )
         await bus.subscribe(subjects.PROGRESS_WILDCARD, RequestProgress, self.on_progress)
         await bus.subscribe(subjects.SCHED_CANCEL, CancelRequest, self.on_cancel)
+        await bus.subscribe(subjects.SCHED_RUN_FAILED, RunFailed, self.on_run_failed)
         await bus.subscribe(subjects.SCHED_DIRECT, DirectDispatch, self.on_direct)
         await bus.subscribe(subjects.ROUTER_PRESENCE, RouterHello, self.on_hello)
         await bus.subscribe(subjects.PROGRAM_RELEASE, ProgramRelease, self.on_release)

@@ -133,8 +133,8 @@ class SimEngineApp:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return _bad(f"body is not JSON: {err}")
         ids = body.get("input_ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-            return _bad("input_ids must be a list of non-negative integers")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**63 for t in ids):
+            return _bad("input_ids must be a list of integers in [0, 2**63)")  # SGLang's range
         blocks, seconds = self.engine.import_kv(ids)
         await asyncio.sleep(seconds / self.engine.speedup)
         return web.json_response({"imported_blocks": blocks, "transfer_s": seconds})

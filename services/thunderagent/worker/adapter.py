@@ -43,6 +43,10 @@ from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.migration import WorkerMigration
 
 log = logging.getLogger(__name__)
+
+UNHEALTHY_AFTER = 3
+"""Load polls failing in a row before the engine counts as gone (with the default 0.2 s poll,
+0.6 s: long enough to ride out one slow answer, short against the 10 s lease)."""
 _tracer = trace.get_tracer("thunderagent.worker")
 
 
@@ -74,6 +78,9 @@ class WorkerAdapter:
         self.bus = bus
         self.engine = engine
         self.runs = AcceptedRuns()
+        self.engine_healthy = asyncio.Event()
+        self.engine_healthy.set()  # it answered /server_info before we registered
+        self._health_changed = asyncio.Event()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
         self.running: dict[str, Generation] = {}
@@ -196,24 +203,56 @@ class WorkerAdapter:
         return None
 
     async def _lease_loop(self, bucket: Bucket, stop: asyncio.Event) -> None:
+        """Renew the lease while the engine answers; leave the fleet at once when it stops
+        answering (routers stop sending work here) and come back when it answers again."""
         payload = msgspec.json.encode(self.registration)
         key = subjects.worker_key(self.config.worker_id)
+        registered = False
         while not stop.is_set():
+            healthy = self.engine_healthy.is_set()
             try:
-                await bucket.put(key, payload)
+                if healthy:
+                    await bucket.put(key, payload)
+                elif registered:
+                    log.warning("%s: engine not answering: leaving the fleet", key)
+                    await self._hand_back_runs("the engine stopped answering")
+                    await bucket.delete(key)
+                registered = healthy
             except Exception:
                 log.warning("lease renewal failed", exc_info=True)
-            await _sleep_or_stop(stop, self.config.lease_s / 3)
+            self._health_changed.clear()
+            await _wait_any(stop, self._health_changed, self.config.lease_s / 3)
 
     async def _load_loop(self, stop: asyncio.Event) -> None:
         subject = subjects.worker_load(self.config.worker_id)
+        failures = 0
         while not stop.is_set():
             try:
                 report = await self.read_load()
                 await self.bus.publish(subject, report)
+                failures = 0
+                self._set_healthy(True)
             except (TimeoutError, OSError, EngineError) as err:
-                log.warning("load poll failed: %s", err)
+                failures += 1
+                log.warning("load poll failed (%d in a row): %s", failures, err)
+                if failures >= UNHEALTHY_AFTER:
+                    self._set_healthy(False)
             await _sleep_or_stop(stop, self.config.load_interval_s)
+
+    async def _hand_back_runs(self, reason: str) -> None:
+        """Every run on the dead engine goes back to the scheduler (before we leave the fleet,
+        so it resumes them instead of failing them)."""
+        runs = list(self.running.values())
+        for generation in runs:
+            generation.abandon(reason)
+        tasks = [g.task for g in runs if g.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.engine_healthy.is_set():
+            (self.engine_healthy.set if healthy else self.engine_healthy.clear)()
+            self._health_changed.set()
 
     async def read_load(self) -> LoadReport:
         """The engine's ``/get_load`` plus this adapter's own run counts (SGLang reports
@@ -226,11 +265,21 @@ class WorkerAdapter:
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
-        if rid in self.running:
+        refusal = ""
+        running = self.running.get(rid)
+        if running is not None and running.work.reply_subject == work.reply_subject:
+            # the same hand-off again (its first ack was late, so the sender tried once more):
+            # idempotent, the run here is the one the client is reading
             if delivery.reply:
-                await self.bus.publish(
-                    delivery.reply, Ack(accepted=False, reason=f"{rid} is already running here")
-                )
+                await self.bus.publish(delivery.reply, Ack(accepted=True, reason="running here"))
+            return
+        if running is not None:
+            refusal = f"{rid} is already running here, for another client"
+        elif not self.engine_healthy.is_set():
+            refusal = "its engine is not answering"
+        if refusal:
+            if delivery.reply:
+                await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
             return
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
@@ -307,6 +356,16 @@ def _connectable(endpoint: str, host: str) -> str:
     for wildcard in ("*", "0.0.0.0"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
+
+
+async def _wait_any(stop: asyncio.Event, other: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less when either event is set."""
+    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(other.wait())}
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

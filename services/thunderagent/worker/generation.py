@@ -29,6 +29,7 @@ from thunderagent.schemas import (
     FinishReason,
     KvTransfer,
     RequestProgress,
+    RunFailed,
     TokenChunk,
     Usage,
     WorkerGenerate,
@@ -37,6 +38,11 @@ from thunderagent.schemas import (
 from thunderagent.worker.engine_client import EngineChunk, EngineClient, EngineError
 
 log = logging.getLogger(__name__)
+
+HAND_BACK_TRIES = 4
+HAND_BACK_PAUSE_S = 0.1
+"""A failed run the scheduler does not know yet (dispatched on credit, its report in flight)
+is offered again this many times, this far apart."""
 
 
 @dataclass(eq=False)
@@ -51,6 +57,8 @@ class Generation:
     """Tokens this run produced."""
     stopped: bool = False
     """Aborted on purpose (preempted or cancelled): end without telling the client."""
+    lost: str = ""
+    """Why the adapter gave up on the engine under this run (it is handed back)."""
     max_request_s: float = 600.0
     """No run holds an engine slot longer than this (nor past the request's deadline)."""
     task: asyncio.Task | None = None
@@ -83,6 +91,13 @@ class Generation:
             return self.max_request_s
         return min(self.max_request_s, deadline_ms / 1e3 - time.time())
 
+    def abandon(self, reason: str) -> None:
+        """The engine under this run stopped answering: stop waiting for it and hand the
+        run back to the scheduler (it resumes elsewhere as a continuation)."""
+        self.lost = reason
+        if self.task is not None:
+            self.task.cancel()
+
     async def run(self) -> FinalReply | None:
         self.task = asyncio.current_task()
         limit = self.time_limit_s()
@@ -92,14 +107,19 @@ class Generation:
                     return await self._prefill_then_hand_off()
                 return await self._run()
         except asyncio.CancelledError:
+            if self.lost:
+                await self._fail(RuntimeError(self.lost))
+                return None
             if not self.stopped:
                 raise
             await self._progress("aborted")
             return None
         except TimeoutError:  # the time limit: free the engine slot, tell the client why
             await self.engine.abort(self.engine_rid)
-            why = "its deadline passed" if limit < self.max_request_s else (
-                f"it ran past the worker's limit of {self.max_request_s:g} s"
+            why = (
+                "its deadline passed"
+                if limit < self.max_request_s
+                else (f"it ran past the worker's limit of {self.max_request_s:g} s")
             )
             await self._fail_with(ErrorCode.DEADLINE, f"request stopped: {why}")
             return None
@@ -227,7 +247,28 @@ class Generation:
             await self._progress("started")
 
     async def _fail(self, err: Exception) -> None:
+        """The engine failed the run. The scheduler may resume it elsewhere as a
+        continuation (the client's stream goes on); only if it will not is the client told."""
         log.warning("request %s failed at the engine: %s", self.request_id, err)
+        failed = RunFailed(
+            request_id=self.request_id,
+            worker_id=self.worker_id,
+            output_token_ids=self.all_output(),
+            reason=str(err)[:500],
+        )
+        ack = Ack(accepted=False)
+        for _ in range(HAND_BACK_TRIES):
+            try:
+                ack = await self.bus.request(subjects.SCHED_RUN_FAILED, failed, Ack, timeout=2.0)
+            except BusError:
+                break
+            if ack.accepted or ack.code != ErrorCode.UNAVAILABLE:
+                break
+            # a run the router dispatched on credit: its report may still be on its way
+            await asyncio.sleep(HAND_BACK_PAUSE_S)
+        if ack.accepted:
+            await self._progress("failed")  # the run is over here; the request goes on
+            return
         await self._fail_with(ErrorCode.ENGINE_ERROR, str(err))
 
     async def _fail_with(self, code: ErrorCode, message: str) -> None:

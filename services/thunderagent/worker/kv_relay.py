@@ -123,7 +123,10 @@ class KvRelay:
                 events=events,
                 epoch=self.epoch,
             )
-            await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
+            try:
+                await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
+            except Exception as err:  # NATS away: consumers see the gap and ask for a resync
+                log.warning("%s: KV batch %d not published (%r)", self.worker_id, self.seq, err)
 
     async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
         log.info("%s: resync requested (%s)", self.worker_id, request.reason)

@@ -156,3 +156,27 @@ def test_host_tier_blocks_are_tracked_apart_from_gpu_blocks():
     restore(fresh, data, now=0.0)
     assert fresh.gpu is not None
     assert fresh.gpu_index.overlap(h.primary, h.check) == {"w": 4}
+
+
+def test_dump_leaves_out_blocks_whose_parent_is_gone_and_keeps_a_zero_hash_parent():
+    tokens = list(range(12))
+    ev, engine_hashes = stored(tokens)
+    mirror = KvMirror(PAGE)
+    mirror.apply([ev])
+    ours = BlockHasher(PAGE).hash_tokens(tokens)
+    # a removal of the middle block (its child's own removal was lost): the child's chain is
+    # broken, and dumping it as a root would claim a prefix it does not start
+    mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine_hashes[1]], medium="GPU")])
+    dump = mirror.dump()
+    assert [(d.hashes[0], d.parent_hash) for d in dump] == [(ours.primary[0], None)]
+
+    zero = KvMirror(PAGE)
+    root = kv_wire.BlockStored(block_hashes=[0], parent_block_hash=None, token_ids=tokens[:4],
+                               block_size=PAGE, lora_id=None, medium="GPU")  # fmt: skip
+    child = kv_wire.BlockStored(block_hashes=[7], parent_block_hash=0, token_ids=tokens[4:8],
+                                block_size=PAGE, lora_id=None, medium="GPU")  # fmt: skip
+    zero.apply([root, child])
+    assert [(d.hashes[0], d.parent_hash) for d in zero.dump()] == [
+        (ours.primary[0], None),
+        (ours.primary[1], ours.primary[0]),
+    ]

@@ -29,6 +29,7 @@ def drain(core: EngineCore, now: float = 0.0, limit: int = 10_000) -> list[StepO
 def assert_clean(core: EngineCore) -> None:
     """No blocks leak: nothing reserved, nothing pinned once every request has left."""
     assert core.cache.reserved == 0
+    assert core.cache.pinned == 0
     assert all(core.cache.refcount(k) == 0 for k in core.cache.contents())
     load = core.load()
     assert load.kv_used_blocks == load.cached_blocks
@@ -187,3 +188,19 @@ def test_preemption_with_host_tier_still_finishes() -> None:
     assert len([f for o in outs for f in o.finished]) == 10
     assert core.total_preemptions > 0
     assert_clean(core)
+
+
+def test_kv_in_use_counts_a_shared_prefix_once() -> None:
+    """``num_tokens`` is KV in use, as SGLang reports it: two running requests on one cached
+    prefix hold its blocks once, plus their own blocks."""
+    core = EngineCore(TINY)
+    shared = [1, 2, 3, 4]  # 4 blocks of 4 tokens
+    core.add(make_request("a", 17, shared, out=1), 0.0)
+    drain(core)  # a leaves its 4 full prompt blocks cached
+    core.add(make_request("b", 17, shared, out=8), 1.0)
+    core.add(make_request("c", 17, shared, out=8), 1.0)
+    core.step(1.0)  # both admitted on the cached prefix, prefilling their last token
+    load = core.load()
+    assert core.cache.pinned == 4  # the shared prefix, once
+    assert load.num_tokens == (4 + core.cache.reserved) * 4
+    assert load.num_tokens < 2 * 17  # per-request sums would count the prefix twice

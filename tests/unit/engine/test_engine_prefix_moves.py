@@ -60,6 +60,26 @@ def test_drop_stops_below_a_branch_other_prefixes_hang_on() -> None:
     assert set(core.cache.contents()) == {keys[0], keys[1], 500}
 
 
+def test_drop_takes_the_blocks_that_extend_the_prefix_unless_in_use() -> None:
+    """A hot prefix's requests leave their outputs hanging below it: dropping the prefix
+    takes them too (unreachable without it), but never a block a running request holds."""
+    core, keys, tokens = cached_core(3)
+    for base in (600, 700):  # two requests' outputs below the prefix, two blocks each
+        core.cache.insert([base], keys[2], tokens[:BS], block_size=BS)
+        core.cache.insert([base + 1], base, tokens[:BS], block_size=BS)
+        core.cache.release([base, base + 1])
+    core.drain_events()
+    assert core.cache.discard(keys) == 7
+    assert core.cache.contents() == {}
+    removed = [k for e in core.drain_events() if isinstance(e, Removed) for k in e.block_hashes]
+    assert removed.index(601) < removed.index(600) < removed.index(keys[2])
+
+    core, keys, tokens = cached_core(3)
+    core.cache.insert([600], keys[2], tokens[:BS], block_size=BS)  # still running: stays
+    assert core.cache.discard(keys) == 0
+    assert set(core.cache.contents()) == {*keys, 600}
+
+
 def test_import_reserves_then_commits_only_the_missing_blocks() -> None:
     core, keys, tokens = cached_core(3)
     more, more_tokens = keys_and_tokens(6)

@@ -85,6 +85,8 @@ def test_chat_stream_frames_as_openai_sends_them():
     assert chunks[4]["choices"] == []
     assert chunks[4]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                   "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
+    assert chunks[4]["x_thunderagent"] == {"worker_id": FINAL.worker_id,
+                                           "engine_ttft_ms": FINAL.engine_ttft_ms}  # fmt: skip
 
 
 def test_completion_stream_without_usage():

@@ -42,8 +42,10 @@ def demand(planner: MigrationPlanner, t0: float, rate: float, seconds: float, *,
 
 
 def hot_setup(**params) -> tuple[MigrationPlanner, dict]:
-    """w0 holds P, saturated since t=0; w1 idle, w2 idle but running more; P at 2 req/s."""
-    planner = MigrationPlanner(MigrationParams(**params))
+    """w0 holds P, saturated since t=0; w1 idle, w2 idle but running more; P at 2 req/s. The
+    planner requires saturation (hot_for_s=1), the rule behind a router that queues on holders."""
+    rules = {"hot_for_s": 1.0, "cooldown_s": 10.0, "replica_cap": 3}
+    planner = MigrationPlanner(MigrationParams(**(rules | params)))
     planner.observe_load(busy("w0"), 0.0)
     planner.observe_load(idle("w1"), 0.0)
     planner.observe_load(idle("w2", running=3), 0.0)
@@ -93,6 +95,20 @@ def test_holders_must_stay_saturated_for_hot_for_s() -> None:
     assert plan(planner, 10.0, holders) == []  # saturated for 0.5 s only
     assert plan(planner, 10.4, holders) == []
     assert [a.target for a in plan(planner, 10.5, holders)] == ["w1"]
+
+
+def test_default_copies_on_demand_alone() -> None:
+    """hot_for_s=0 (the default): an idle holder of a prefix requested >= min_rate gets a copy."""
+    planner = MigrationPlanner(MigrationParams())
+    for w in ("w0", "w1"):
+        planner.observe_load(idle(w), 0.0)
+    holders = {P: {"w0"}}
+    demand(planner, 0.0, 0.5, 10.0)  # 0.5 req/s: under min_rate
+    assert plan(planner, 10.0, holders) == []
+    demand(planner, 10.0, 2.0, 10.0)
+    [a] = plan(planner, 20.0, holders)
+    assert (a.source, a.target) == ("w0", "w1")
+    assert "saturated" not in a.reason
 
 
 def test_saturation_has_two_thresholds() -> None:

@@ -387,3 +387,124 @@ def test_restore_rejects_other_hash_schemes() -> None:
 
     with pytest.raises(ValueError, match="scheme"):
         PrefixIndex().restore(msgspec.structs.replace(snap, hash_scheme=99))
+
+
+# ------------------------------------------------------ prefix-closed sets (the query's search)
+
+
+def closed_of(ix: PrefixIndex, *ids: int) -> set[str]:
+    """Workers the index records as holding the whole prefix ``ids`` (its ``closed`` set)."""
+    e = ix._entries[chain(*ids).primary[-1]]
+    return {w.name for w in ix._workers.values() if e[1] & w.bit}
+
+
+def test_removing_a_middle_block_clears_the_prefix_below_it() -> None:
+    ix = PrefixIndex()
+    store(ix, "a", 0, (1, 2, 3, 4))
+    ix.apply_removed("a", 1, chain(1, 2).primary[1:], 0.0)  # not a leaf: 3 and 4 stay held
+    assert closed_of(ix, 1, 2, 3, 4) == set() and query(ix, 1, 2, 3, 4) == {"a": 1}
+    assert ix.block_counts() == {"a": 3}
+    part, parent = tail((1, 2), 1)
+    ix.apply_stored("a", 2, part, parent, 0.0)  # block 2 again: 3 and 4 are reachable again
+    assert query(ix, 1, 2, 3, 4) == {"a": 4}  # found by following held bits past block 2
+    assert closed_of(ix, 1, 2) == {"a"} and closed_of(ix, 1, 2, 3) == set()
+
+
+def test_expiry_of_a_parent_clears_the_prefix_of_surviving_children() -> None:
+    ix = PrefixIndex(ttl_s=10.0, ttl_buckets=4)
+    store(ix, "a", 0, (1, 2), now=0.0)
+    part, parent = tail((1, 2, 3), 2)
+    ix.apply_stored("a", 1, part, parent, 6.0)  # block 3 confirmed later than its parents
+    assert ix.expire(12.5) == 2
+    assert query(ix, 1, 2, 3) == {} and ix.block_counts() == {"a": 1}
+    store(ix, "b", 0, (1, 2), now=13.0)
+    assert query(ix, 1, 2, 3) == {"b": 2}
+    store(ix, "a", 2, (1, 2), now=14.0)
+    assert query(ix, 1, 2, 3) == {"a": 3, "b": 2}
+
+
+def test_blocks_stored_before_their_parent_count_once_it_arrives() -> None:
+    ix = PrefixIndex()
+    part, parent = tail((1, 2, 3, 4), 2)
+    ix.apply_stored("a", 0, part, parent, 0.0)  # an orphan: a does not hold 1, 2 yet
+    assert ix.stats.orphan_stores == 1 and query(ix, 1, 2, 3, 4) == {}
+    store(ix, "a", 1, (1, 2))
+    assert query(ix, 1, 2, 3, 4) == {"a": 4}
+    assert query(ix, 1, 2, 3) == {"a": 3}
+
+
+def test_a_branch_point_keeps_every_child() -> None:
+    ix = PrefixIndex()
+    store(ix, "a", 0, (1, 2))
+    n = 200
+    for i in range(n):  # 200 conversations under the same 2-block system prompt
+        ix.apply_stored("a", 1 + i, *tail((1, 2, 1000 + i), 2), 0.0)
+    kids = ix._entries[chain(1, 2).primary[-1]][4]
+    assert len(kids) == n
+    leaves = [chain(1, 2, 1000 + i).primary[-1] for i in range(n - 5)]
+    ix.apply_removed("a", n + 1, leaves, 0.0)  # leaf-first evictions of most of them
+    assert all(query(ix, 1, 2, 1000 + i) == {"a": 3} for i in range(n - 5, n))
+    ix.apply_removed("a", n + 2, [chain(1, 2).primary[-1]], 0.0)  # then the branch point
+    assert all(query(ix, 1, 2, 1000 + i) == {"a": 1} for i in range(n - 5, n))
+    assert all(closed_of(ix, 1, 2, 1000 + i) == set() for i in range(n - 5, n))
+
+
+def test_kid_sets_are_pruned_of_gone_entries() -> None:
+    ix = PrefixIndex()
+    seq = 0
+    for i in range(1000):  # children come and go one at a time under block 1
+        part, parent = tail((1, 10 + i), 1)
+        ix.apply_stored("a", seq, *tail((1,), 0), 0.0)
+        ix.apply_stored("a", seq + 1, part, parent, 0.0)
+        ix.apply_removed("a", seq + 2, part.primary, 0.0)
+        seq += 3
+    kids = ix._entries[chain(1).primary[0]][4]
+    assert len(kids) < 100  # pruned as it grows, not 1000
+
+
+def test_search_agrees_with_the_block_by_block_walk() -> None:
+    from thunderagent.bench.index_workload import build_workload
+    from thunderagent.prefix_index.search import walk
+
+    w = build_workload(3000, 300, seed=11)
+    ix = PrefixIndex(ttl_s=5.0, ttl_buckets=8)
+    names = [f"w{i}" for i in range(8)]
+    for i, (wid, seq, p, c, parent, _ids) in enumerate(w.events):
+        ix.apply_stored(names[wid], seq, (p, c), parent, i * 0.001)
+        if i % 7 == 0:  # remove some blocks anywhere in the chain, leaves or not
+            ix.apply_removed(names[wid], seq + 10**6, p[len(p) // 2 :], i * 0.001)
+            ix.add_worker(names[wid], seq)
+        if i % 500 == 0:
+            ix.expire(i * 0.001)
+    get = ix._entries.get
+    hits = 0
+    for primary, check, _ids in w.queries:
+        expected = walk(get, primary, check, ix._credit, True)
+        assert ix.overlap(primary, check) == expected
+        hits += bool(expected)
+    assert hits > len(w.queries) // 2
+    assert ix.stats.query_collisions == 0
+
+
+def test_snapshot_keeps_closed_sets_and_kids() -> None:
+    ix = PrefixIndex()
+    store(ix, "a", 0, (1, 2, 3))
+    for i, leaf in enumerate((4, 5, 6)):  # block 3 becomes a branch point
+        part, parent = tail((1, 2, 3, leaf), 3)
+        ix.apply_stored("a", 1 + i, part, parent, 0.0)
+    part, parent = tail((1, 2, 3, 4), 3)
+    ix.apply_stored("b", 0, part, parent, 0.0)  # an orphan: held, never closed
+    other = PrefixIndex()
+    other.restore(decode(encode(ix.snapshot())))
+    assert other._entries == ix._entries
+    other.apply_removed("a", 10, [chain(1, 2).primary[1]], 0.0)  # the kids came back too
+    assert closed_of(other, 1, 2, 3, 5) == set()
+    assert query(other, 1, 2, 3, 5) == {"a": 1}
+
+
+def test_restore_refuses_an_older_snapshot_layout() -> None:
+    import msgspec
+
+    snap = PrefixIndex().snapshot()
+    with pytest.raises(ValueError, match="version"):
+        PrefixIndex().restore(msgspec.structs.replace(snap, version=1))

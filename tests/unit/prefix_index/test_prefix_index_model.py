@@ -4,7 +4,9 @@ The model keeps ``worker -> set of block hashes`` and computes each worker's mat
 longest run of leading prompt blocks in its set; TTL as ``hash -> bucket of last confirmation``
 checked one block at a time. Streams mix stores (from the root or continuing a prefix), removes,
 clears, resyncs, worker removal and re-registration, sequence gaps and stale events, clock
-advances with expiry, and snapshot/restore in the middle.
+advances with expiry, and snapshot/restore in the middle. Besides the answers, the index's
+``closed`` sets (who holds a block's whole prefix, what the query's search relies on) are checked
+never to claim a block of the prefix the worker does not hold.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class IndexMachine(RuleBasedStateMachine):
         self.model = Model()
         self.now = 0.0
         self.stored: list[tuple[int, ...]] = []
+        self.paths: dict[int, tuple[int, ...]] = {}  # block hash -> the prefix it names
+
+    def _learn(self, path: tuple[int, ...]) -> BlockHashes:
+        h = hashes(path)
+        for k, p in enumerate(h.primary):
+            self.paths[p] = path[: k + 1]
+        return h
 
     def _seq(self, worker: str, kind: int) -> int:
         last = self.model.seqs.get(worker)
@@ -86,7 +95,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def store(self, worker: str, path: tuple, start: int, kind: int) -> None:
         start = min(start, len(path) - 1)
-        h = hashes(path)
+        h = self._learn(path)
         parent = h.primary[start - 1] if start else None
         part = BlockHashes(h.primary[start:], h.check[start:])
         seq = self._seq(worker, kind)
@@ -162,6 +171,17 @@ class IndexMachine(RuleBasedStateMachine):
     def query(self, path: tuple, extra: list[int]) -> None:
         h = hashes(path + tuple(extra))
         assert self.ix.overlap(h.primary, h.check) == self.model.overlap(h.primary)
+
+    @invariant()
+    def closed_never_overstates(self) -> None:
+        for p, (held, closed, *_rest) in self.ix._entries.items():
+            assert closed & ~held == 0
+            if not closed:
+                continue
+            prefix = set(hashes(self.paths[p]).primary)
+            for w in self.ix._workers.values():
+                if closed & w.bit:
+                    assert prefix <= self.model.blocks[w.name], (w.name, self.paths[p])
 
     @invariant()
     def counts_and_dumps_agree(self) -> None:

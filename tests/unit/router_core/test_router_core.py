@@ -52,6 +52,20 @@ def test_bookings_follow_the_worker_that_got_the_request() -> None:
     assert c.fleet.get(other).assigned_prefill_since_report == len(PROMPT)
 
 
+def test_a_run_that_ends_before_its_dispatch_notice_is_still_booked() -> None:
+    """An instant engine: the run's end overtakes the scheduler's notice. Its prefix still
+    lands in the overlay, and its work stops counting as queued on the worker."""
+    c = core()
+    route(c, "a", PROMPT)
+    c.on_finished("a", "w1", 1.1, cached_tokens=0, completion_tokens=1)
+    assert c.fleet.get("w1").assigned_since_report == 0
+    assert c.fleet.get("w1").assigned_prefill_since_report == 0
+    assert not c.on_dispatched("a", "w1", 1.2), "the late notice books nothing twice"
+    again = route(c, "b", PROMPT)
+    assert again.query.overlaps == {"w1": 8}
+    assert again.decision.worker_id == "w1", "nothing queued there: its cache wins"
+
+
 def test_a_false_hit_drops_the_blocks_the_engine_did_not_have() -> None:
     c = core()
     hashes = HASHER.hash_tokens(PROMPT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
 from thunderagent.scheduling.programs import ACTING, PAUSED
 
+BS_TOKENS = 16
+
 
 def step(rid, pid, prompt, cands=(("w0", 0),), out=16) -> SchedRequest:
     return SchedRequest(rid, 0.0, prompt, out, list(cands), program_id=pid)
@@ -46,7 +48,7 @@ def test_over_capacity_pauses_smallest_acting_then_resumes_after_release() -> No
     s = crowded()
     phases = {p: s.programs.programs[p].phase for p in "ABC"}
     assert phases == {"A": PAUSED, "B": PAUSED, "C": ACTING}
-    assert s.programs.resident["w0"] == 51 + 20
+    assert s.programs.resident("w0") == 51 + 20
     # A's next step waits: 71 + 11 is over the resume mark (75) on both candidates
     assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
     assert s.waiting() == 1
@@ -93,3 +95,19 @@ def test_cancelling_a_parked_step_leaves_nothing_behind() -> None:
     assert s.cancel("A-1", 3.5) is True
     assert s.waiting() == 0 and "A" not in s.programs.pending
     assert s.next_wakeup(3.5) is None
+
+
+def test_a_prompt_programs_share_counts_once_toward_the_watermark() -> None:
+    """Agents on one tool prompt hold its KV once: 40 programs sharing a 20-block prompt, each
+    with 1 own block and 1 block of output, hold 100 blocks, not 880 (which would pause nearly
+    every one of them on a 200-block worker)."""
+    s = sched(total=200)
+    tool = list(range(20))
+    for i in range(40):
+        req = SchedRequest(f"p{i}-0", 0.0, 21 * BS_TOKENS, 1, [("w0", 0)], program_id=f"p{i}",
+                           block_size=BS_TOKENS, block_hashes=[*tool, 1000 + i])  # fmt: skip
+        assert len(run(s, req, 0.0)) == 1
+        s.on_finished(f"p{i}-0", "w0", 0.5)
+    s.poll(1.0)
+    assert s.programs.resident("w0") == 20 + 40 * 2  # the tool prompt once; own + output block
+    assert s.stats()["program_pauses"] == 0

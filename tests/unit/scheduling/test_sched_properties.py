@@ -34,7 +34,9 @@ ops = st.lists(
 class Driver:
     def __init__(self, name: str, pd: bool) -> None:
         self.s = SCHEDULERS.create(
-            name, preempt_min_remaining_tokens=1, program_watermark=0.15,
+            name,
+            preempt_min_remaining_tokens=1,
+            program_watermark=0.15,
             program_resume_watermark=0.1,
         )  # fmt: skip  (tight program memory: pauses and parked steps happen often)
         self.pd, self.now, self.n = pd, 0.0, 0

@@ -1,0 +1,369 @@
+"""KV migration in the replay: the live migration service's planner, fed in virtual time, its
+actions carried out on the simulated engines.
+
+``ReplayMigration.attach(replay, mode)`` hooks one ``MigrationPlanner``
+(``thunderagent.migration``, the object ``services/thunderagent/migrator`` runs) into a
+``Replay``; the driver calls it at five points, each fed what the live service is fed:
+
+* ``routed``: every routing decision becomes a ``RouteSeen`` (the prefix hash of the deepest
+  block cached on the chosen worker, its depth, the ranked candidates' overlaps);
+* ``load``: every load report the router gets becomes a ``WorkerSeen``;
+* ``tick``: ``plan(now, holders)`` every ``interval_s`` (the live service's 0.5 s), holders
+  being the workers the router core's GPU index names for the prefix's deepest block;
+* ``landed``: a move's bytes arrived (a timer of kind ``TIMER``);
+* ``on_step``: an engine step ended (a warm-up finished; cache events made between steps go out).
+
+Two ways to carry a move out, as live:
+
+* ``nixl``: the source pins the prefix (``pin_prefix``), the target reserves a block per missing
+  block (``begin_import``: they are occupied while the bytes land), the bytes take
+  ``missing blocks x block bytes / link_bytes_per_s`` (+ ``link_latency_s``) on the replay's
+  link timeline (``pd.TransferLinks.occupy``: the source's and the target's links, FIFO, shared
+  with PD transfers), then the target inserts them (``commit_import``, Stored events: the router
+  learns the new holder from the normal event path) and the source unpins, freeing what nobody
+  uses for a ``Migrate`` (``unpin_prefix(drop=True)``). A ``Drop`` frees a replica
+  (``cache.discard``, as the simulated engine's ``/kv/release``).
+* ``replicate`` (stock SGLang, no KV import): the target prefills the prefix, a request of its
+  blocks with ``max_new_tokens=1`` that competes with real requests for prefill time; no link.
+  The source is never touched (a ``Migrate`` leaves its copy to the LRU) and a ``Drop`` fails
+  (SGLang cannot free a prefix selectively), as the live adapter reports them.
+
+The planner's actions never touch a request: warm-ups are not trace requests (the driver skips
+their ids) and every copy works on cached blocks only. Cache events made between steps
+(reservation evictions, inserts, drops) go to the router at once when the engine is idle, else
+right after its step in flight is delivered, so the index sees them in engine order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from thunderagent.engine import Profile, Request
+from thunderagent.engine.core import StepOutcome
+from thunderagent.migration import (
+    Action,
+    Drop,
+    Migrate,
+    MigrationParams,
+    MigrationPlanner,
+    Move,
+    RouteSeen,
+    WorkerSeen,
+)
+from thunderagent.schemas import LoadReport, RouteDecision
+from thunderagent.stats import percentile
+
+if TYPE_CHECKING:
+    from thunderagent.replay.driver import Record, Replay
+
+MODES = ("off", "replicate", "nixl")
+PLAN_INTERVAL_S = 0.5
+"""How often the planner is asked: the live service's default (``MigrationConfig.interval_s``)."""
+TIMER = "migration"
+"""The driver's timer kind for a move's landing."""
+WARMUP_PREFIX = "migration-warmup-"
+
+
+def planner_params(
+    profile: Profile, link_bytes_per_s: float, overrides: dict | None = None
+) -> MigrationParams:
+    """The planner's defaults, with the simulated fleet's own facts (KV bytes per token, link
+    speed: what the live service takes from its flags), then ``overrides``."""
+    values = {
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
+        "link_bytes_per_s": link_bytes_per_s,
+        **(overrides or {}),
+    }
+    return MigrationParams.from_dict(values)
+
+
+@dataclass(slots=True)
+class _Move:
+    action: Move
+    keys: list[int]
+    started: float
+    present: int = 0
+    """Leading blocks the target held already (nixl: pinned there, not sent)."""
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class MoveStats:
+    replications: int = 0
+    migrations: int = 0
+    drops: int = 0
+    failed: int = 0
+    bytes_moved: int = 0
+    freed_blocks: int = 0
+    """Blocks freed at a source (a Migrate) or at a replica (a Drop)."""
+    warmup_prefill_tokens: int = 0
+    """replicate: prompt tokens the targets computed to warm up."""
+    durations: list[float] = field(default_factory=list)
+    """Per finished copy, start to landing (link wait, or the warm-up's queueing, included)."""
+    reasons: Counter = field(default_factory=Counter)
+
+
+class ReplayMigration:
+    """One planner and its executor on one ``Replay`` (build one per run, like the replay)."""
+
+    def __init__(
+        self,
+        replay: Replay,
+        mode: str,
+        params: MigrationParams,
+        interval_s: float = PLAN_INTERVAL_S,
+    ) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"migration mode {mode!r}: expected one of {MODES[1:]}")
+        if not interval_s > 0:
+            raise ValueError(f"migration interval must be > 0, got {interval_s!r}")
+        self.replay = replay
+        self.mode = mode
+        self.interval_s = interval_s
+        self.planner = MigrationPlanner(params, id_prefix="replay")
+        self.stats = MoveStats()
+        self._chains: dict[int, tuple[str, int]] = {}
+        """Prefix hash -> (a request whose prompt has it, depth): its chain of block keys."""
+        self._moves: dict[str, _Move] = {}
+        self._warmups: dict[str, _Move] = {}
+        self._late_events: set[int] = set()
+        self._next_plan = 0.0
+        replay.migration = self
+
+    @classmethod
+    def attach(
+        cls,
+        replay: Replay,
+        mode: str,
+        overrides: dict | None = None,
+        interval_s: float = PLAN_INTERVAL_S,
+    ) -> ReplayMigration | None:
+        """Hook migration into ``replay`` (None for ``off``). Raises ``ValueError`` (a
+        ``ParamError`` for a bad override) before anything runs."""
+        if mode == "off":
+            return None
+        cfg = replay.cfg
+        params = planner_params(cfg.profile, cfg.link_bytes_per_s, overrides)
+        return cls(replay, mode, params, interval_s)
+
+    # ---- observations (driver hooks) -----------------------------------------------------
+    def routed(self, request_id: str, decision: RouteDecision, t: float) -> None:
+        if decision.prefix_hash is not None and decision.overlap_blocks > 0:
+            self._chains.setdefault(decision.prefix_hash, (request_id, decision.overlap_blocks))
+        route = RouteSeen(
+            worker_id=decision.worker_id,
+            prefix_hash=decision.prefix_hash,
+            blocks=decision.overlap_blocks,
+            model=decision.model,
+            candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
+        )
+        self.planner.observe_route(route, t)
+
+    def load(self, report: LoadReport, model: str, t: float) -> None:
+        seen = WorkerSeen(
+            worker_id=report.worker_id,
+            model=model,
+            running=report.running,
+            queued=report.queued,
+            prefill_backlog_tokens=report.prefill_backlog_tokens,
+            live_tokens=report.num_tokens,
+            kv_total_blocks=report.kv_total_blocks,
+            block_size=self.replay.block_size,
+        )
+        self.planner.observe_load(seen, t)
+
+    def tick(self, t: float) -> None:
+        """Plan at every ``interval_s`` boundary (lazily, at the first event at or after it)."""
+        if t < self._next_plan:
+            return
+        self._next_plan = (math.floor(t / self.interval_s) + 1) * self.interval_s
+        for action in self.planner.plan(t, self.holders):
+            self.execute(action, t)
+
+    def holders(self, prefix: int) -> Collection[str]:
+        """Workers the router core's GPU index names for the prefix (its deepest block)."""
+        return self.replay.router.feeder.gpu_index.overlap([prefix], None).keys()
+
+    # ---- execution -----------------------------------------------------------------------
+    def execute(self, action: Action, t: float) -> None:
+        """Carry out an action the planner returned (or a move ``planner.order`` booked)."""
+        if isinstance(action, Drop):
+            self._drop(action, t)
+            return
+        keys = self._chain(action.prefix_hash)
+        if keys is None:
+            self._fail(action, t, "the prefix's blocks are unknown")
+        elif self.mode == "nixl":
+            self._copy(action, keys, t)
+        else:
+            self._warm_up(action, keys, t)
+
+    def _chain(self, prefix: int) -> list[int] | None:
+        known = self._chains.get(prefix)
+        if known is None:
+            return None
+        rid, depth = known
+        return list(self.replay.keys[rid].primary[:depth])
+
+    def _copy(self, action: Move, keys: list[int], t: float) -> None:
+        r = self.replay
+        src, dst = r.slot[action.source], r.slot[action.target]
+        pinned, _ = r.cores[src].pin_prefix(keys, need_tokens=False)
+        if not pinned:
+            self._fail(action, t, "the source no longer holds the prefix")
+            return
+        present = r.cores[dst].begin_import(pinned)
+        if present is None:
+            r.cores[src].unpin_prefix(pinned)
+            self._fail(action, t, "no room at the target")
+            return
+        self._publish(dst, t)  # the reservation may have evicted blocks
+        p = self.planner.params
+        nbytes = (len(pinned) - present) * r.block_size * p.kv_bytes_per_token
+        ends = r.links.occupy((action.source, action.target), nbytes / p.link_bytes_per_s, t)
+        self._moves[action.action_id] = _Move(action, pinned, t, present, nbytes)
+        r._push_timer(ends + p.link_latency_s, TIMER, action.action_id)
+
+    def landed(self, action_id: str, t: float) -> None:
+        """The bytes are on the target: insert them there, release (or free) the source."""
+        move = self._moves.pop(action_id)
+        r, action = self.replay, move.action
+        src, dst = r.slot[action.source], r.slot[action.target]
+        r.cores[dst].commit_import(move.keys, move.present, None)
+        self._publish(dst, t)
+        freed = r.cores[src].unpin_prefix(move.keys, drop=isinstance(action, Migrate))
+        self.stats.freed_blocks += freed
+        self._publish(src, t)
+        self._done(action, t, move.nbytes, t - move.started)
+
+    def _warm_up(self, action: Move, keys: list[int], t: float) -> None:
+        r = self.replay
+        dst = r.slot[action.target]
+        rid = WARMUP_PREFIX + action.action_id
+        request = Request(rid, len(keys) * r.block_size, list(keys), max_new_tokens=1)
+        if r.cores[dst].add(request, t) is not None:
+            self._fail(action, t, "the prefix does not fit the target's KV pool")
+            return
+        self._warmups[rid] = _Move(action, keys, t)
+        if dst not in r.inflight:
+            r.dirty.add(dst)
+
+    def _drop(self, action: Drop, t: float) -> None:
+        if self.mode == "replicate":
+            self._fail(action, t, "this engine cannot free a prefix selectively")
+            return
+        keys = self._chain(action.prefix_hash)
+        w = self.replay.slot[action.worker]
+        freed = self.replay.cores[w].cache.discard(keys) if keys is not None else 0
+        if not freed:
+            # ``discard`` stops at a block that is pinned or that other cached blocks extend
+            self._fail(action, t, "dropped nothing: the blocks are in use or extended")
+            return
+        self.stats.freed_blocks += freed
+        self._publish(w, t)
+        self._done(action, t, 0, 0.0)
+
+    def on_step(self, w: int, outcome: StepOutcome, t: float) -> None:
+        """Engine ``w``'s step was delivered: warm-ups it finished are done; cache events made
+        while it ran go out now (after the step's own)."""
+        for fin in outcome.finished:
+            move = self._warmups.pop(fin.request_id, None)
+            if move is not None:
+                self.stats.warmup_prefill_tokens += fin.prompt_tokens - fin.cached_tokens
+                self._done(move.action, t, 0, t - move.started)
+        if w in self._late_events:
+            self._late_events.discard(w)
+            self._publish(w, t)
+
+    def _publish(self, w: int, t: float) -> None:
+        """Cache events made outside a step go to the router now, or after the step in flight
+        (whose events were drained when it was planned) is delivered."""
+        r = self.replay
+        if w in r.inflight:
+            self._late_events.add(w)
+            return
+        events = r.cores[w].drain_events()
+        if events:
+            r._apply_events(w, StepOutcome(events=events), t)
+
+    # ---- outcomes ------------------------------------------------------------------------
+    def _done(self, action: Action, t: float, nbytes: int, seconds: float) -> None:
+        s = self.stats
+        if isinstance(action, Drop):
+            s.drops += 1
+        else:
+            s.bytes_moved += nbytes
+            s.durations.append(seconds)
+            if isinstance(action, Migrate):
+                s.migrations += 1
+            else:
+                s.replications += 1
+        self.planner.on_transfer_done(action.action_id, t, moved_bytes=nbytes)
+
+    def _fail(self, action: Action, t: float, reason: str) -> None:
+        self.stats.failed += 1
+        self.stats.reasons[reason] += 1
+        self.planner.on_transfer_failed(action.action_id, t, reason)
+
+    def summary(self) -> dict:
+        return move_summary(self.mode, self.stats, self.planner)
+
+
+def move_summary(
+    mode: str, stats: MoveStats | None = None, planner: MigrationPlanner | None = None
+) -> dict:
+    """One run's migration figures for the JSON (zeros for ``off``); seconds, bytes."""
+    s = stats or MoveStats()
+    d = s.durations
+    ps = planner.stats if planner is not None else None
+    return {
+        "migration": mode,
+        "migrations": s.migrations,
+        "replications": s.replications,
+        "drops": s.drops,
+        "failed_moves": s.failed + (ps.timed_out if ps else 0),
+        "bytes_moved": s.bytes_moved,
+        "transfer_s": {
+            "moves": len(d),
+            "total": sum(d),
+            "p50": percentile(d, 50) if d else 0.0,
+            "p99": percentile(d, 99) if d else 0.0,
+        },
+        "freed_blocks": s.freed_blocks,
+        "warmup_prefill_tokens": s.warmup_prefill_tokens,
+        "ordered": dict(ps.ordered) if ps else {"replicate": 0, "migrate": 0, "drop": 0},
+        "failure_reasons": dict(s.reasons),
+    }
+
+
+# ---- the hot period ----------------------------------------------------------------------
+def hot_summary(
+    records: Sequence[Record], hot_ids: Collection[str], window: tuple[float, float]
+) -> dict:
+    """TTFT p50/p99 (ms) of the hot requests, of every request arriving in ``window`` (virtual
+    seconds, ``[start, end)``), and of every request arriving outside it. A request that never
+    got a first token counts as infinitely late, as in ``ttft_p99_all_ms``."""
+    start, end = window
+
+    def part(recs: list[Record]) -> dict:
+        ttft = [
+            (r.first_token - r.arrival) * 1000.0 if not math.isnan(r.first_token) else math.inf
+            for r in recs
+        ]
+        return {
+            "requests": len(ttft),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p99_ms": percentile(ttft, 99),
+        }
+
+    inside = [r for r in records if start <= r.arrival < end]
+    return {
+        "window_s": [start, end],
+        "hot": part([r for r in records if r.request_id in hot_ids]),
+        "in_window": part(inside),
+        "outside": part([r for r in records if not start <= r.arrival < end]),
+    }

@@ -1,0 +1,118 @@
+"""ThunderClient over its one shared reply subscription, against a real NATS server and a
+stand-in router: replies reach the right request, errors stay errors, abandoned runs can be
+cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from thunderagent.bus import connect
+from thunderagent.client import ThunderClient
+from thunderagent.schemas import (
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    FinalReply,
+    GenerateRequest,
+    TokenChunk,
+    Usage,
+    subjects,
+)
+
+pytestmark = pytest.mark.integration
+MODEL = "sim/mux-test"
+enc = msgspec.json.Encoder()
+
+
+async def _router(nats_url: str, *, answer: bool = True, final: bool = True):
+    """Answers every request with one chunk per prompt token (its id), then a final reply."""
+    nc = await connect(nats_url, name="fake-router")
+
+    async def on_request(msg) -> None:
+        req = msgspec.json.decode(msg.data, type=GenerateRequest)
+        if not answer:
+            return
+        for i, tok in enumerate(req.token_ids or []):
+            chunk = TokenChunk(request_id=req.request_id, index=i, token_ids=[tok], text="x")
+            await nc.publish(msg.reply, enc.encode(chunk))
+            await asyncio.sleep(0)
+        if final:
+            usage = Usage(prompt_tokens=len(req.token_ids or []), cached_tokens=0,
+                          completion_tokens=len(req.token_ids or []))  # fmt: skip
+            done = FinalReply(request_id=req.request_id, worker_id="w", usage=usage,
+                              ttft_ms=0.1, e2e_ms=0.2)  # fmt: skip
+            await nc.publish(msg.reply, enc.encode(done))
+
+    await nc.subscribe(subjects.requests(MODEL), cb=on_request)
+    await nc.flush()
+    return nc
+
+
+async def test_concurrent_streams_share_one_subscription(nats_server):
+    router = await _router(nats_server.url)
+    client = await ThunderClient.connect(nats_server.url, idle_timeout_s=5)
+    first = await client.generate(GenerateRequest(model=MODEL, token_ids=[9], max_tokens=1))
+    subs = len(client.nc._subs)
+    prompts = [[i, i + 1, i + 2] for i in range(0, 60, 3)]
+    done = await asyncio.gather(
+        *(client.generate(GenerateRequest(model=MODEL, token_ids=p, max_tokens=3)) for p in prompts)
+    )
+    assert first.token_ids == [9]
+    assert [d.token_ids for d in done] == prompts, "every reply reached its own request"
+    assert all(d.final is not None and d.final.usage.prompt_tokens == 3 for d in done)
+    assert len(client.nc._subs) == subs, "no subscription per request"
+    assert len(client.mux) == 0, "every inbox closed"
+    await client.close()
+    await router.close()
+
+
+async def test_idle_timeout_and_no_router_are_error_replies(nats_server):
+    # retries=0: the first silence is the answer (retries resend after retry_after_s)
+    client = await ThunderClient.connect(nats_server.url, idle_timeout_s=0.3, retries=0)
+    request = GenerateRequest(model=MODEL, token_ids=[1], max_tokens=1)
+    replies = [r async for r in client.stream(request)]
+    assert len(replies) == 1 and isinstance(replies[0], ErrorReply)
+    assert replies[0].code == ErrorCode.UNAVAILABLE and "no router" in replies[0].message
+    silent = await _router(nats_server.url, answer=False)
+    replies = [r async for r in client.stream(request)]
+    assert isinstance(replies[-1], ErrorReply) and replies[-1].code == ErrorCode.UNAVAILABLE
+    assert "no reply within 0.3s" in replies[-1].message
+    too_big = GenerateRequest(
+        model=MODEL, token_ids=[1] * (client.nc.max_payload // 2 + 1), max_tokens=1
+    )
+    replies = [r async for r in client.stream(too_big)]
+    assert replies[-1].code == ErrorCode.PAYLOAD_TOO_LARGE and "bus limit of" in replies[-1].message
+    await client.close()
+    await silent.close()
+
+
+async def test_an_abandoned_stream_is_cancelled_when_asked(nats_server):
+    router = await _router(nats_server.url, final=False)
+    watcher = await connect(nats_server.url, name="watch")
+    cancels: asyncio.Queue = asyncio.Queue()
+
+    async def on_cancel(msg) -> None:
+        cancels.put_nowait(msgspec.json.decode(msg.data, type=CancelRequest))
+
+    await watcher.subscribe(subjects.SCHED_CANCEL, cb=on_cancel)
+    await watcher.flush()
+    polite = await ThunderClient.connect(nats_server.url, idle_timeout_s=5, cancel_abandoned=True)
+    request = GenerateRequest(model=MODEL, token_ids=[1, 2, 3], max_tokens=3, request_id="r-1")
+    async for reply in polite.stream(request):
+        assert isinstance(reply, TokenChunk)
+        break  # the consumer walks away mid-stream
+    await asyncio.sleep(0)
+    cancel = await asyncio.wait_for(cancels.get(), 5)
+    assert cancel.request_id == "r-1"
+    plain = await ThunderClient.connect(nats_server.url, idle_timeout_s=5)
+    async for _ in plain.stream(GenerateRequest(model=MODEL, token_ids=[4, 5], max_tokens=2)):
+        break
+    await asyncio.sleep(0.3)
+    assert cancels.empty(), "without cancel_abandoned nothing is cancelled (the default)"
+    for nc in (polite, plain):
+        await nc.close()
+    await watcher.close()
+    await router.close()

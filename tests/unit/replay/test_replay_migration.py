@@ -1,0 +1,240 @@
+"""KV migration in the replay: the live planner fed in virtual time, its moves carried out on
+the simulated engines (``thunderagent.replay.migration``), and the bench's migration fields."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from thunderagent.engine import get_profile
+from thunderagent.migration import Drop, Migrate, Replicate
+from thunderagent.replay import Record, Replay, ReplayConfig, TraceRequest
+from thunderagent.replay.migration import (
+    PLAN_INTERVAL_S,
+    TIMER,
+    WARMUP_PREFIX,
+    ReplayMigration,
+    hot_summary,
+)
+
+BS = 64
+PROFILE = get_profile("llama-3.1-8b-h100").with_engine(block_size=BS, max_running_requests=4)
+"""Small batches, so a worker that takes every hot request queues (the planner's trigger)."""
+STICKY = {"load_scale": 1000.0, "recompute_gain": 1.0}
+"""Thunder whose cache credit hardly decays with load and whose recompute grows dear with the
+queue: it keeps a hot prefix on its holder (routing alone does not spread it, so any spreading
+is the planner's)."""
+HOT_BLOCKS = 128
+
+
+def hot_trace(n: int = 60, rate: float = 10.0, seed: int = 0) -> list[TraceRequest]:
+    """``n`` queries of one 8,192-token prefix plus a short unique question, ``rate`` per s."""
+    rng = random.Random(seed)
+    prefix = list(range(1, HOT_BLOCKS + 1))
+    out, t = [], 0.0
+    for i in range(n):
+        tail = [10**6 + 2 * i, 10**6 + 2 * i + 1]
+        prompt = HOT_BLOCKS * BS + rng.randint(8, 120)
+        out.append(TraceRequest(f"h{i}", t, prompt, 64, prefix + tail, hot=True))
+        t += rng.expovariate(rate)
+    return out
+
+
+def replay(mode: str, workers: int = 3, link: float = 25e9, overrides: dict | None = None):
+    cfg = ReplayConfig(
+        profile=PROFILE,
+        policy="thunder",
+        policy_params=STICKY,
+        workers=workers,
+        scheduler="direct",
+        seed=0,
+        link_bytes_per_s=link,
+    )
+    r = Replay(cfg, BS)
+    return r, ReplayMigration.attach(r, mode, overrides)
+
+
+def hot_p99(records: list[Record]) -> float:
+    return hot_summary(records, {r.request_id for r in records}, (0.0, math.inf))["hot"][
+        "ttft_p99_ms"
+    ]
+
+
+def test_copies_of_the_hot_prefix_cut_its_ttft_tail() -> None:
+    trace = hot_trace()
+    off, _ = replay("off")
+    base = off.run(trace)
+    assert {r.worker for r in base.records} == {base.records[0].worker}  # one holder takes all
+    tails = {}
+    for mode in ("nixl", "replicate"):
+        r, mig = replay(mode)
+        tails[mode] = hot_p99(r.run(trace).records)
+        s = mig.summary()
+        assert s["replications"] >= 1 and s["failed_moves"] == 0
+        if mode == "nixl":  # the whole prefix over the link, nothing prefilled
+            assert s["bytes_moved"] == s["replications"] * HOT_BLOCKS * BS * 131_072
+            assert s["transfer_s"]["p50"] == pytest.approx(HOT_BLOCKS * BS * 131_072 / 25e9 + 0.005)
+            assert s["warmup_prefill_tokens"] == 0
+        else:  # the target prefilled it; no link
+            assert s["bytes_moved"] == 0 and s["warmup_prefill_tokens"] > 0
+    assert tails["nixl"] < 0.8 * hot_p99(base.records)
+    assert tails["replicate"] < hot_p99(base.records)
+    assert tails["nixl"] <= tails["replicate"]
+
+
+def prefilled(mode: str = "nixl", link: float = 25e9):
+    """Two workers; the prefix (10 blocks) is cached on one of them, seen by the planner."""
+    prefix = list(range(1, 11))
+    trace = [
+        TraceRequest("a", 0.0, 10 * BS + 5, 4, [*prefix, 100]),
+        TraceRequest("b", 2.0, 10 * BS + 9, 4, [*prefix, 200]),  # a hit: the planner learns it
+    ]
+    r, mig = replay(mode, workers=2, link=link)
+    result = r.run(trace)
+    (source,) = {rec.worker for rec in result.records}
+    keys = r.keys["a"].primary[:10]
+    return r, mig, r.ids[source], r.ids[1 - source], keys
+
+
+def test_a_migrate_moves_the_prefix_and_frees_the_source() -> None:
+    r, mig, source, target, keys = prefilled()
+    assert set(mig.holders(keys[-1])) == {source}
+    move = mig.planner.order(keys[-1], r.now, mig.holders, target=target, migrate=True)
+    assert isinstance(move, Migrate) and move.source == source
+    mig.execute(move, r.now)
+    r.run([])  # deliver the landing
+    src, dst = r.cores[r.slot[source]].cache, r.cores[r.slot[target]].cache
+    assert not any(k in src for k in keys)
+    assert all(k in dst for k in keys)
+    assert set(mig.holders(keys[-1])) == {target}  # the router learned it from the events
+    s = mig.summary()
+    assert (s["migrations"], s["freed_blocks"], s["failed_moves"]) == (1, 10, 0)
+    assert mig.planner.stats.done == 1
+
+
+def test_a_moving_prefix_occupies_the_target_while_it_lands() -> None:
+    link = 1e9  # 10 blocks x 64 tokens x 128 KiB = 84 MB: 84 ms on the link
+    r, mig, source, target, keys = prefilled(link=link)
+    dst = r.cores[r.slot[target]]
+    used = dst.load().kv_used_blocks
+    move = mig.planner.order(keys[-1], r.now, mig.holders, target=target)
+    assert isinstance(move, Replicate)
+    mig.execute(move, r.now)
+    (landing, _, kind, _) = r.timers[0]
+    assert kind == TIMER
+    assert landing == pytest.approx(r.now + 10 * BS * 131_072 / link + 0.005)
+    assert dst.cache.reserved == 10 and dst.load().kv_used_blocks == used + 10
+    assert not any(k in dst.cache for k in keys)
+    assert r.cores[r.slot[source]].cache.refcount(keys[0]) == 1  # pinned while copied
+    r.run([])
+    assert dst.cache.reserved == 0 and all(k in dst.cache for k in keys)
+    assert r.cores[r.slot[source]].cache.refcount(keys[0]) == 0
+    assert set(mig.holders(keys[-1])) == {source, target}  # a replica: both keep it
+    assert mig.summary()["bytes_moved"] == 10 * BS * 131_072
+
+
+def test_a_replicate_mode_drop_fails_as_stock_sglang_does() -> None:
+    r, mig, source, target, keys = prefilled(mode="replicate")
+    move = mig.planner.order(keys[-1], r.now, mig.holders, target=target)
+    mig.execute(move, r.now)
+    assert WARMUP_PREFIX + move.action_id in mig._warmups
+    r.run([])  # the warm-up runs on the target's engine
+    assert set(mig.holders(keys[-1])) == {source, target}
+    s = mig.summary()
+    assert (s["replications"], s["bytes_moved"], s["warmup_prefill_tokens"]) == (1, 0, 10 * BS)
+    # a cold replica: SGLang cannot free it selectively, so the drop fails
+    mig.execute(Drop("manual-drop", keys[-1], 10, target), r.now)
+    assert mig.summary()["failure_reasons"] == {"this engine cannot free a prefix selectively": 1}
+    assert all(k in r.cores[r.slot[target]].cache for k in keys)
+
+
+@pytest.mark.parametrize("mode", ["off", "replicate", "nixl"])
+def test_every_request_is_accounted_for_and_no_warm_up_is_one(mode: str) -> None:
+    trace = hot_trace(n=40)
+    r, _ = replay(mode)
+    result = r.run(trace)
+    assert [rec.request_id for rec in result.records] == [t.request_id for t in trace]
+    assert all(rec.status == "completed" for rec in result.records)
+    assert all(rec.completion_tokens == 64 for rec in result.records)
+    assert not any(rid.startswith(WARMUP_PREFIX) for rid in r.records)
+    assert not any(core.has_work for core in r.cores)
+
+
+def test_same_trace_and_seed_give_the_same_run() -> None:
+    trace = hot_trace(n=40)
+    runs = []
+    for _ in range(2):
+        r, mig = replay("nixl")
+        result = r.run(trace)
+        runs.append(([(x.worker, x.first_token, x.finish) for x in result.records], mig.summary()))
+    assert runs[0] == runs[1]
+    assert runs[0][1]["replications"] >= 1
+
+
+def test_the_planner_is_asked_as_often_as_the_live_service_asks() -> None:
+    from thunderagent.migrator.service import MigrationConfig
+
+    assert PLAN_INTERVAL_S == MigrationConfig().interval_s
+
+
+def test_hot_summary_splits_by_window_and_hotness() -> None:
+    def rec(rid: str, arrival: float, ttft: float) -> Record:
+        r = Record(rid, arrival, 10, 1)
+        r.first_token = arrival + ttft if ttft >= 0 else math.nan
+        return r
+
+    records = [rec("a", 0.5, 1.0), rec("b", 1.5, 2.0), rec("c", 2.5, 3.0), rec("d", 1.0, -1)]
+    out = hot_summary(records, {"b", "d"}, (1.0, 2.0))
+    assert out["window_s"] == [1.0, 2.0]
+    assert out["hot"]["requests"] == 2 and out["hot"]["ttft_p99_ms"] == math.inf
+    assert out["in_window"]["requests"] == 2  # b and d (start inclusive)
+    assert out["outside"] == {"requests": 2, "ttft_p50_ms": 2000.0, "ttft_p99_ms": 2980.0}
+
+
+def write_trace(path: Path, trace: list[TraceRequest]) -> None:
+    rows = [
+        {
+            "timestamp": t.arrival * 1000,
+            "input_length": t.prompt_len,
+            "output_length": t.output_len,
+            "hash_ids": t.block_ids,
+            "hot": t.hot,
+        }
+        for t in trace
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_cli_reports_moves_and_the_hot_period(tmp_path: Path, capsys) -> None:
+    from thunderagent.bench.replay import main
+
+    trace = tmp_path / "hot.jsonl"
+    write_trace(trace, hot_trace(n=30))
+    (tmp_path / "hot.meta.json").write_text(json.dumps({"hot_start_s": 0.5, "hot_end_s": 2.0}))
+    out = tmp_path / "r.json"
+    common = ["--trace", str(trace), "--block-size", str(BS), "--workers", "3"]
+    common += ["--policies", "thunder", "--param", "thunder.load_scale=1000", "--quiet"]
+    main([*common, "--speed", "1,2", "--migration", "nixl", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert (doc["migration"], doc["hot_window_s"]) == ("nixl", [0.5, 2.0])
+    for e in doc["results"]:
+        assert e["migration"] == "nixl" and e["completed"] == 30
+        assert {"replications", "migrations", "drops", "bytes_moved", "failed_moves"} <= set(e)
+        assert set(e["transfer_s"]) == {"moves", "total", "p50", "p99"}
+        assert e["hot"]["window_s"] == [0.5 / e["speed"], 2.0 / e["speed"]]
+        assert e["hot"]["hot"]["requests"] == 30
+    assert "| thunder | 2 | nixl |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*common, "--migration", "nixl", "--migration-param", "replica_cap=0"])
+
+
+def test_moves_and_pd_transfers_queue_on_the_same_links() -> None:
+    from thunderagent.replay.pd import TransferLinks
+
+    links = TransferLinks(kv_bytes_per_token=1, link_bytes_per_s=1.0)
+    assert links.occupy(("w0", "w1"), 2.0, now=0.0) == 2.0
+    assert links.send("r", "w0", 3, now=1.0) == 5.0  # a PD send out of w0 waits for the move
+    assert links.occupy(("w1", "w2"), 1.0, now=0.5) == 3.0  # w1 is busy until 2
+    assert links.occupy(("w0", "w2"), 1.0, now=0.0) == 6.0  # both ends: w0 until 5, w2 until 3
