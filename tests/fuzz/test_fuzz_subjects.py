@@ -82,58 +82,10 @@ ONLY = os.environ.get("THUNDERAGENT_FUZZ_ONLY", "")
 STRICT = os.environ.get("THUNDERAGENT_FUZZ_STRICT") == "1"
 """Fail on the known findings below too (they are reported, and fixed outside this suite)."""
 
-KNOWN = {
-    r"has no attribute 'forget_worker'": (
-        "index/service.py calls IndexFollower.forget_worker, which the working tree's "
-        "shell/index_follower.py no longer has: the index service dies as soon as a worker's "
-        "lease lapses or it deregisters (here: the test's event loop stalls past the 2 s lease)."
-    ),
-    r"can't serialize ints < -2\*\*63": (
-        "KvEventBatch.seq / epoch / BlocksStored.hashes take any JSON integer (msgspec decodes "
-        "big ints), so the index's Redis snapshot (msgpack) raises OverflowError, outside the "
-        "try of write_snapshot, and the index service dies. Bound them in the schema "
-        "(Meta(ge=-2**63, lt=2**64)) and keep a failed snapshot from ending the service."
-    ),
-    r"BadSubject\(.thunderagent\.router\.": (
-        "the scheduler puts router ids taken from messages (RouterHello.router_id: a "
-        "CreditGrant to thunderagent.router.<id>.credits every round; ScheduleRequest.router_id: "
-        "the Dispatched notice) into subjects unchecked, from spawned tasks: ids with white "
-        "space or thousands of characters fail each time (before bus.check_subject, the first "
-        "such publish closed the scheduler's NATS connection for good). Validate router ids."
-    ),
-    r"worker-w0.*generate|BadSubject\((?!.thunderagent\.)": (
-        "reply_subject (ScheduleRequest, WorkerGenerate) is any string: the adapter acks a "
-        "WorkerGenerate whose reply_subject is empty, has white space or is thousands of "
-        "characters, then cannot stream to it (a handler error), and the scheduler's error reply "
-        "to such a subject fails in a spawned task (before bus.check_subject either closed the "
-        "service's NATS connection for good). Constrain reply_subject in the schema."
-    ),
-    r"ZeroDivisionError": (
-        "ScheduleRequest.block_size (and DirectDispatch.submit.block_size) may be 0: the "
-        "scheduler's program accounting divides by it (scheduling/programs.py, "
-        "math.ceil(context_tokens / block_size)) and the handler raises. Make it a PositiveInt."
-    ),
-    r"exactly one of token_ids, text or messages": (
-        "the scheduler accepts a ScheduleRequest / DirectDispatch whose request carries text or "
-        "messages instead of token ids (the router always sends ids; a hand-made one need not): "
-        "a continuation of it (after RunFailed or a preemption) adds token_ids next to the text, "
-        "GenerateRequest.__post_init__ raises in a spawned task, and the client hears nothing. "
-        "Refuse such submissions."
-    ),
-    r"is already waiting": (
-        "a RunFailed for a request that is waiting in the scheduler's queue, or runs on another "
-        "worker than the one named (here worker_id ''), resubmits it to the core, which raises "
-        "'request ... is already waiting' (scheduling/thunder.py): on_run_failed should resume "
-        "only a run the scheduler has running on that worker."
-    ),
-    r"missing required field `accepted`": (
-        "Bus.request decodes the answer as the expected type only: the ErrorReply of a "
-        "responder that rejected the request raises msgspec.ValidationError, which callers "
-        "catching BusError let escape (here, from a scheduler task). Turn it into a BusError."
-    ),
-}
-"""Findings reported to the lead, each with its cause: printed, and failing only with
-THUNDERAGENT_FUZZ_STRICT=1. A finding not listed here fails the test."""
+KNOWN: dict[str, str] = {}
+"""Findings reported and not fixed yet (regex -> cause): printed, and failing only with
+THUNDERAGENT_FUZZ_STRICT=1. A finding not listed here fails the test. The 16 found so far are
+fixed (docs/reliability.md lists them)."""
 
 SERVICES = ("router", "scheduler", "index", "migration", "gateway", "worker-w0", "worker-w1")
 FOLLOWERS = ("router", "scheduler", "index", "migration")

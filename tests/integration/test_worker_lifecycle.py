@@ -21,12 +21,12 @@ from thunderagent.schemas import GenerateRequest
 pytestmark = pytest.mark.integration
 
 
-async def test_killed_adapter_drops_out_within_its_lease(nats_server):
+async def test_killed_adapter_drops_out_within_its_lease(nats_server, redis_server):
     lease_s = 2.0
     async with inproc_stack(nats_server.url) as stack:
-        await start_full_stack(stack, workers=1)
+        await start_full_stack(stack, workers=1, redis_url=redis_server.url)
         router = await start_router(stack, "router-watch", None)
-        url = await stack.start_engine("wk", kv_events=False)
+        url = await stack.start_engine("wk")
         adapter = subprocess.Popen(
             [sys.executable, "-m", "thunderagent.cli.main", "worker", "--nats", nats_server.url,
              "--worker-id", "wk", "--engine-url", url, "--lease-s", str(lease_s)],
@@ -34,12 +34,23 @@ async def test_killed_adapter_drops_out_within_its_lease(nats_server):
         )  # fmt: skip
         try:
             await wait_for(lambda: "wk" in router.core.fleet, timeout_s=20, what="wk to register")
+            index = stack.services["index"]
+            warm = await routable(nats_server.url, 2)  # a prompt cached on wk: the index has it
+            for i in range(8):  # least loaded: some land on wk
+                await warm.generate(GenerateRequest(model=MODEL, token_ids=[9 + i] * 64,
+                                                    max_tokens=1))  # fmt: skip
+            await warm.close()
+            await wait_for(lambda: "wk" in index.runtime.follower.index.workers, timeout_s=10,
+                           what="the index to learn wk's blocks")  # fmt: skip
             os.kill(adapter.pid, signal.SIGKILL)
             adapter.wait()
             killed_at = time.monotonic()
             await wait_for(lambda: "wk" not in router.core.fleet, timeout_s=lease_s + 5,
                            what="wk to leave the registry")  # fmt: skip
             gone_after = time.monotonic() - killed_at
+            await wait_for(lambda: "wk" not in index.runtime.follower.index.workers,
+                           timeout_s=5, what="the index service to drop wk")  # fmt: skip
+            assert not index.task.done(), "the index service outlives a worker's departure"
         finally:
             if adapter.poll() is None:
                 adapter.kill()

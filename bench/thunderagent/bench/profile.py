@@ -75,9 +75,11 @@ def tracing_env(endpoint: str, ratio: float) -> dict[str, str]:
     }
 
 
-def start_stack(workers: int, run_dir: Path | None = None) -> Stack:
+def start_stack(workers: int, run_dir: Path | None = None, routers: int = 1) -> Stack:
     """Instant engines, no gateway, the stack's own defaults for everything else."""
-    return Stack.start(StackConfig(workers=workers, engine="instant", run_dir=run_dir))
+    return Stack.start(
+        StackConfig(workers=workers, engine="instant", run_dir=run_dir, routers=routers)
+    )
 
 
 @dataclass

@@ -201,6 +201,9 @@ def _parser() -> argparse.ArgumentParser:
         help="added p99 a rate must stay within to count as held",
     )
     p.add_argument("--workers", type=int, default=2, help="instant engines (one adapter each)")
+    p.add_argument(
+        "--routers", type=int, default=1, help="router replicas (one queue group; scale-out)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument(
         "--unique-tokens",
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     print(f"starting the stack ({args.workers} instant engines) ...", file=sys.stderr)
     stack = profile.start_stack(
-        args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-throughput-"))
+        args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-throughput-")), args.routers
     )
     try:
         sweep = Sweep(args, stack.engine_urls)

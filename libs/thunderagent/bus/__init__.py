@@ -5,10 +5,17 @@ crashing the service."""
 
 from thunderagent.bus.bus import Bus, Delivery
 from thunderagent.bus.connection import connect
-from thunderagent.bus.errors import BusError, NoResponders, PayloadTooLarge, RequestTimeout
+from thunderagent.bus.errors import (
+    BadReply,
+    BusError,
+    NoResponders,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from thunderagent.bus.jetstream import Bucket, BucketEntry, StreamConsumer
 
 __all__ = [
+    "BadReply",
     "Bucket",
     "BucketEntry",
     "Bus",

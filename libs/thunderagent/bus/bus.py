@@ -27,7 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from thunderagent.bus.errors import DECODE_ERRORS, PayloadTooLarge, check_subject
+from thunderagent.bus.errors import DECODE_ERRORS, BadReply, PayloadTooLarge, check_subject
 from thunderagent.bus.jetstream import JetStreamMixin
 from thunderagent.bus.replies import Replies
 from thunderagent.schemas import DeadLetter, ErrorCode, ErrorReply, subjects
@@ -133,7 +133,10 @@ class Bus(JetStreamMixin):
             self._replies = Replies(self.nc)
         headers = inject_headers() or None
         msg = await self._replies.request(subject, payload, timeout=timeout, headers=headers)
-        return decoder_for(response_type).decode(msg.data)
+        try:
+            return decoder_for(response_type).decode(msg.data)
+        except DECODE_ERRORS as err:
+            raise _bad_reply(subject, msg.data, err) from None
 
     async def subscribe(
         self,
@@ -241,3 +244,12 @@ class Bus(JetStreamMixin):
 
 def _type_name(message_type: Any) -> str:
     return getattr(message_type, "__name__", str(message_type))
+
+
+def _bad_reply(subject: str, data: bytes, err: Exception) -> BadReply:
+    """What a reply of the wrong type was: a service's error answer, or garbage."""
+    try:
+        error = decoder_for(ErrorReply).decode(data)
+    except DECODE_ERRORS:
+        return BadReply(subject, f"unreadable reply ({err})")
+    return BadReply(subject, f"{error.code.value}: {error.message}", error.code.value)

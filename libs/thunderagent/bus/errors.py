@@ -47,6 +47,18 @@ class PayloadTooLarge(BusError):
         self.limit = limit
 
 
+class BadReply(BusError):
+    """The answer was not the expected message: an ``ErrorReply`` (``code`` set: the service
+    refused, e.g. the message failed its validation) or bytes that decode as neither."""
+
+    def __init__(self, subject: str, message: str, code: str | None = None) -> None:
+        super().__init__(subject, message)
+        self.code = code
+
+    def is_unavailable(self) -> bool:
+        return self.code == "unavailable"
+
+
 MAX_SUBJECT_BYTES = 1024
 """Longest subject the bus sends. NATS closes a connection whose protocol line exceeds its
 ``max_control_line`` (4 KB), and nats-py then closes the client for good; a subject built from a

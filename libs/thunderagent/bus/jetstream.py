@@ -180,9 +180,14 @@ class JetStreamMixin:
         start_seq: int = 0,
         new_only: bool = False,
         durable: str | None = None,
+        owner: Callable[[Any], str] | None = None,
     ) -> StreamConsumer:
         """Deliver ``stream``'s messages on ``subject`` from ``start_seq`` (0: the beginning;
         ``new_only``: from now on) to ``handler(message, seq)``, in order.
+
+        ``owner(message)`` names who may publish it: a message whose subject does not end in
+        that token (a worker publishing in another's name) is dead-lettered, like one that does
+        not decode or whose handler fails; none of them stops the consumer.
 
         Without ``durable`` the consumer is ordered and ephemeral (a replica that rebuilds its
         state from a snapshot). With it, acks are explicit and the consumer is recreated at
@@ -212,7 +217,15 @@ class JetStreamMixin:
             except DECODE_ERRORS as err:
                 await self._reject_stream(msg, f"invalid {message_type.__name__}: {err}")
             else:
-                await handler(decoded, seq)
+                if owner is not None and msg.subject.rsplit(".", 1)[-1] != owner(decoded):
+                    await self._reject_stream(msg, f"{msg.subject} may not publish for "
+                                                   f"{owner(decoded)!r}")  # fmt: skip
+                else:
+                    try:
+                        await handler(decoded, seq)
+                    except Exception as err:  # one bad message must not stop the stream
+                        log.exception("stream %s seq %d: handler failed", stream, seq)
+                        await self._reject_stream(msg, f"handler failed: {err!r}")
             if durable:
                 await msg.ack()
 

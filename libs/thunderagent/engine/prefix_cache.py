@@ -184,6 +184,9 @@ class PrefixCache:
             self.pinned -= block.ref == 0
             if block.ref == 0 and block.gpu_children == 0:
                 heapq.heappush(self._gpu_heap, (block.stamp, key))
+        # stale entries pile up here too when the cache never fills (evict never runs)
+        if len(self._gpu_heap) > 4 * len(self._blocks) + 64:
+            self._compact()
 
     # ---- pool ----------------------------------------------------------------------------
     def reserve(self, n: int) -> bool:

@@ -112,7 +112,7 @@ class RouterCore:
         self.window = FeedbackWindow()
         self.outputs = RunningMean(p.output_alpha, prior=float(p.prior_output_tokens))
         self._routed: OrderedDict[str, Routed] = OrderedDict()
-        self._hashers: dict[tuple[int, str | None], BlockHasher] = {}
+        self._hashers: dict[int, BlockHasher] = {}
         self._next_feedback: float | None = None
 
     # ---- fleet and index inputs ----------------------------------------------------------
@@ -148,10 +148,11 @@ class RouterCore:
         self, token_ids: Sequence[int], block_size: int, salt: str | None = None
     ) -> BlockHashes:
         """The prompt's chained block hashes; a salt (tenant) opens its own namespace."""
-        key = (block_size, salt)
-        hasher = self._hashers.get(key)
+        if salt:  # tenants are unbounded: a salted hasher is built per call (two hashes)
+            return BlockHasher(block_size, salt).hash_tokens(token_ids)
+        hasher = self._hashers.get(block_size)
         if hasher is None:
-            hasher = self._hashers[key] = BlockHasher(block_size, salt if salt else 0)
+            hasher = self._hashers[block_size] = BlockHasher(block_size)
         return hasher.hash_tokens(token_ids)
 
     # ---- the decision --------------------------------------------------------------------

@@ -90,6 +90,7 @@ class IndexFollower:
             self._on_batch,
             start_seq=self.stream_seq + 1 if self.stream_seq else 0,
             durable=self.durable,
+            owner=_publisher,
         )
 
     async def _on_batch(self, batch: KvEventBatch, seq: int) -> None:
@@ -108,3 +109,8 @@ class IndexFollower:
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
+
+
+def _publisher(batch: KvEventBatch) -> str:
+    """A batch must come on its own worker's subject (``kv.events.<worker>``)."""
+    return batch.worker_id

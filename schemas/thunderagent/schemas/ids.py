@@ -7,7 +7,9 @@ checker catch a worker id passed where a request id belongs.
 from __future__ import annotations
 
 import re
-from typing import NewType
+from typing import Annotated, NewType
+
+from msgspec import Meta
 
 RequestId = NewType("RequestId", str)
 WorkerId = NewType("WorkerId", str)
@@ -20,6 +22,14 @@ WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 """Worker ids become one NATS subject token, so they may not hold '.', '*', '>' or spaces."""
 
 _WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
+
+RouterId = Annotated[str, Meta(pattern=WORKER_ID_PATTERN)]
+"""A router replica's id: one subject token (its credits subject), like a worker id."""
+RouterIdOrNone = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")]
+"""A router id, or empty where no router is named."""
+ReplySubject = Annotated[str, Meta(pattern=r"^[^\s*>]{1,512}$")]
+"""A concrete subject to publish answers on: no wildcards, no white space, not empty."""
+PositiveInt = Annotated[int, Meta(gt=0)]
 
 
 def is_valid_worker_id(worker_id: str) -> bool:

@@ -7,8 +7,21 @@ The adapter re-hashes the token ids of the engine's events with ThunderAgent's s
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
-from msgspec import Struct
+from msgspec import Meta, Struct
+
+Counter64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+"""A sequence number or epoch: anything wider cannot be snapshotted (msgpack int64)."""
+_HASH_MIN, _HASH_END = -(2**63), 2**64
+
+
+def _check_hashes(*lists: list[int]) -> None:
+    """Block hashes are 64-bit (xxh3, unsigned): a wider one cannot be stored or snapshotted.
+    msgspec bounds stop at int64, so the range is checked after decoding (min/max run in C)."""
+    for hashes in lists:
+        if hashes and (min(hashes) < _HASH_MIN or max(hashes) >= _HASH_END):
+            raise ValueError("block hashes must fit in 64 bits")
 
 
 class Medium(enum.StrEnum):
@@ -29,6 +42,11 @@ class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="t
     medium: Medium = Medium.GPU
     """Where the blocks live."""
 
+    def __post_init__(self) -> None:
+        _check_hashes(
+            self.hashes, self.check_hashes, [] if self.parent_hash is None else [self.parent_hash]
+        )
+
 
 class BlocksRemoved(Struct, frozen=True, kw_only=True, tag="removed", tag_field="type"):
     """Blocks the worker evicted (from ``medium``)."""
@@ -37,6 +55,9 @@ class BlocksRemoved(Struct, frozen=True, kw_only=True, tag="removed", tag_field=
     """Primary hashes of the evicted blocks."""
     medium: Medium = Medium.GPU
     """Tier they left."""
+
+    def __post_init__(self) -> None:
+        _check_hashes(self.hashes)
 
 
 class AllCleared(Struct, frozen=True, kw_only=True, tag="cleared", tag_field="type"):
@@ -51,13 +72,13 @@ class KvEventBatch(Struct, frozen=True, kw_only=True):
 
     worker_id: str
     """Worker whose cache changed."""
-    seq: int
+    seq: Counter64
     """Per-worker sequence number from 0; a jump means events were lost and triggers a resync."""
     ts: float
     """Adapter wall-clock time when the batch was published (Unix seconds)."""
     events: list[KvEvent]
     """Events in the order the engine applied them."""
-    epoch: int = 0
+    epoch: Counter64 = 0
     """Adapter incarnation (start time in ms); a new epoch restarts ``seq`` at 0."""
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 from msgspec import Struct, field
 
 from thunderagent.schemas.generate import ErrorCode, GenerateRequest, Usage
+from thunderagent.schemas.ids import PositiveInt, ReplySubject, RouterId, RouterIdOrNone
 
 
 class Candidate(Struct, frozen=True, kw_only=True):
@@ -51,17 +52,17 @@ class ScheduleRequest(Struct, frozen=True, kw_only=True):
 
     request: GenerateRequest
     """The request, token ids filled in, request id assigned."""
-    reply_subject: str
+    reply_subject: ReplySubject
     """Client inbox that receives ``TokenChunk`` / ``FinalReply`` / ``ErrorReply``."""
     decision: RouteDecision
     """The router's ranking."""
-    block_size: int = 16
+    block_size: PositiveInt = 16
     """Block size the decision was computed with."""
     block_hashes: list[int] = field(default_factory=list)
     """Primary hashes of the prompt's full blocks (for prefix grouping)."""
     expected_output_tokens: int = 0
     """The router's estimate of the output length (0: use ``max_tokens``)."""
-    router_id: str = ""
+    router_id: RouterIdOrNone = ""
     """The router replica that routed it: the scheduler tells it where the request went."""
 
 
@@ -90,14 +91,14 @@ class DirectDispatch(Struct, frozen=True, kw_only=True):
 class RouterHello(Struct, frozen=True, kw_only=True):
     """Router -> scheduler, every second: this replica is alive and wants its credit share."""
 
-    router_id: str
+    router_id: RouterId
     """The replica."""
 
 
 class CreditGrant(Struct, frozen=True, kw_only=True):
     """Scheduler -> one router replica: the room it may fill by dispatching itself."""
 
-    router_id: str
+    router_id: RouterId
     """The replica this grant is for."""
     credits: dict[str, int]
     """worker id -> requests the router may send there without asking (absent: none)."""
@@ -113,7 +114,7 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
 
     request: GenerateRequest
     """Tokenized request."""
-    reply_subject: str
+    reply_subject: ReplySubject
     """Client inbox."""
     predicted_cached_tokens: int = -1
     """Router's prediction, echoed in the final reply for lazy verification."""

@@ -94,7 +94,7 @@ class IndexService:
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
             log.info("worker %s %s: dropping its index entries", worker_id, what)
-            self.follower.forget_worker(worker_id)
+            self.follower.feeder.forget(worker_id)
 
     async def periodic(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -106,7 +106,11 @@ class IndexService:
             await self.write_snapshot()
 
     async def write_snapshot(self) -> None:
-        data = self.follower.snapshot_bytes()
+        try:
+            data = self.follower.snapshot_bytes()
+        except (OverflowError, ValueError, TypeError) as err:  # never end the service over it
+            log.error("snapshot not written (cannot encode the index: %s)", err)
+            return
         try:
             await self.redis.set(subjects.REDIS_INDEX_SNAPSHOT, data)
         except Exception as err:  # Redis down: keep indexing, try again next time

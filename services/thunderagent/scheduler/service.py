@@ -126,7 +126,10 @@ class SchedulerService:
     async def on_submit(self, submit: ScheduleRequest, delivery: Delivery) -> None:
         rid, model = submit.request.request_id, submit.request.model
         refusal = None
-        if rid in self.pending:
+        if not submit.request.token_ids:  # the router tokenizes: text here cannot be resumed
+            refusal = Ack(accepted=False, reason="a scheduled request carries token ids",
+                          code=ErrorCode.BAD_REQUEST)  # fmt: skip
+        elif rid in self.pending:
             same = self.pending[rid].submit.reply_subject == submit.reply_subject
             if same:  # the client's retry of a request that is here: it runs once
                 if delivery.reply:
@@ -274,6 +277,7 @@ class SchedulerService:
         pending = self.pending.get(failed.request_id)
         ok = (
             pending is not None
+            and failed.worker_id != ""  # a waiting request has no worker: nothing failed it
             and pending.worker_id == failed.worker_id
             and self._resume(pending, failed.worker_id, failed.output_token_ids)
         )
