@@ -110,10 +110,10 @@ def targets(router_id: str) -> list[Target]:
     s = subjects
     return [
         Target(s.requests(MODEL), GenerateRequest, "request", ("router",)),
-        Target(s.SCHED_SUBMIT, ScheduleRequest, "request", ("scheduler",)),
+        Target(s.sched_submit(MODEL), ScheduleRequest, "request", ("scheduler",)),
         Target(s.SCHED_CANCEL, CancelRequest, "event", ("scheduler",)),
-        Target(s.SCHED_DIRECT, DirectDispatch, "event", ("scheduler",)),
-        Target(s.SCHED_RUN_FAILED, RunFailed, "request", ("scheduler",)),
+        Target(s.sched_direct(MODEL), DirectDispatch, "event", ("scheduler",)),
+        Target(s.sched_run_failed(MODEL), RunFailed, "request", ("scheduler",)),
         Target(s.ROUTER_PRESENCE, RouterHello, "event", ("scheduler",)),
         Target(s.router_credits(router_id), CreditGrant, "event", ("router",)),
         Target(s.PROGRAM_RELEASE, ProgramRelease, "event", ("scheduler",)),
@@ -141,10 +141,15 @@ def targets(router_id: str) -> list[Target]:
 # names in subjects.py -> the target subject prefix that covers them
 COVERED = {
     "REQUESTS_WILDCARD": "thunderagent.requests.", "requests": "thunderagent.requests.",
-    "SCHED_SUBMIT": "thunderagent.sched.submit", "SCHED_CANCEL": "thunderagent.sched.cancel",
-    "SCHED_DIRECT": "thunderagent.sched.direct", "ROUTER_PRESENCE": "thunderagent.router.presence",
+    "SCHED_SUBMIT_WILDCARD": "thunderagent.sched.submit.",
+    "sched_submit": "thunderagent.sched.submit.",
+    "SCHED_CANCEL": "thunderagent.sched.cancel",
+    "SCHED_DIRECT_WILDCARD": "thunderagent.sched.direct.",
+    "sched_direct": "thunderagent.sched.direct.",
+    "ROUTER_PRESENCE": "thunderagent.router.presence",
     "router_credits": "thunderagent.router.",
-    "SCHED_RUN_FAILED": "thunderagent.sched.run_failed",
+    "SCHED_RUN_FAILED_WILDCARD": "thunderagent.sched.run_failed.",
+    "sched_run_failed": "thunderagent.sched.run_failed.",
     "PROGRAM_RELEASE": "thunderagent.programs.release",
     "PROGRESS_WILDCARD": "thunderagent.progress.", "progress": "thunderagent.progress.",
     "router_dispatched": "thunderagent.router.", "worker_generate": "thunderagent.worker.w0.gen",

@@ -85,6 +85,7 @@ class InprocStack:
         events_config: str | None = None,
         host_blocks: int = 0,
         instant: bool = False,
+        model: str = MODEL,
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
         addresses (a restart: same URL, empty cache, event sequence from 0); ``instant``: the
@@ -106,7 +107,7 @@ class InprocStack:
             publisher=publisher,
             speedup=speedup,
         )
-        info = EngineInfo(model=MODEL, block_size=engine.block_size, kv_events_config=events_config)
+        info = EngineInfo(model=model, block_size=engine.block_size, kv_events_config=events_config)
         info.instant = instant
         app = SimEngineApp(engine, info).app
         runner = web.AppRunner(app, access_log=None)
@@ -205,6 +206,7 @@ async def start_full_stack(
     adapter: dict | None = None,
     scheduler_config: dict | None = None,
     with_scheduler: bool = True,
+    models: list[str] | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -222,6 +224,8 @@ async def start_full_stack(
 
     for i in range(workers):
         wid = f"w{i}"
+        if models:
+            engine_kwargs["model"] = models[i]
         url = await stack.start_engine(wid, **engine_kwargs)
         config = AdapterConfig(
             worker_id=wid,

@@ -146,7 +146,7 @@ class FakeScheduler:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
             self.submits.put_nowait(submit)
 
-        await self.bus.subscribe(subjects.SCHED_SUBMIT, ScheduleRequest, on_submit)
+        await self.bus.subscribe(subjects.SCHED_SUBMIT_WILDCARD, ScheduleRequest, on_submit)
 
 
 async def live_decisions(

@@ -71,7 +71,7 @@ def worker_permissions(worker_id: str = "*") -> Permissions:
             subjects.worker_load(w),
             subjects.kv_events(w),
             subjects.progress("*"),
-            subjects.SCHED_RUN_FAILED,  # the engine failed a run: resume it elsewhere
+            subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
             # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
             subjects.worker_kv_import("*"),
             subjects.worker_generate("*"),
@@ -105,8 +105,8 @@ def role_permissions(role: str) -> Permissions:
         # the scheduler they did); they announce themselves to get credit.
         "router": Permissions(
             publish=(
-                s.SCHED_SUBMIT,
-                s.SCHED_DIRECT,
+                s.SCHED_SUBMIT_WILDCARD,
+                s.SCHED_DIRECT_WILDCARD,
                 s.ROUTER_PRESENCE,
                 s.worker_generate("*"),
                 s.ROUTE_DECISIONS,
@@ -133,10 +133,10 @@ def role_permissions(role: str) -> Permissions:
                 *JS_ALL,
             ),
             subscribe=(
-                s.SCHED_SUBMIT,
-                s.SCHED_DIRECT,
+                s.SCHED_SUBMIT_WILDCARD,
+                s.SCHED_DIRECT_WILDCARD,
                 s.ROUTER_PRESENCE,
-                s.SCHED_RUN_FAILED,
+                s.SCHED_RUN_FAILED_WILDCARD,
                 s.SCHED_CANCEL,
                 s.PROGRESS_WILDCARD,
                 s.PROGRAM_RELEASE,

@@ -85,16 +85,22 @@ class CreditIssuer:
 
 @dataclass(slots=True)
 class CreditWallet:
-    """One router's side: the latest grant and its own direct dispatches since."""
+    """One router's side: the latest grant of each scheduler and its own direct dispatches
+    since. Schedulers partitioned by model own disjoint workers, so their grants add up."""
 
     credits: dict[str, int] = field(default_factory=dict)
     booked: dict[str, int] = field(default_factory=dict)
     dispatched: dict[str, int] = field(default_factory=dict)
     """worker id -> direct dispatches this router made (ever)."""
+    grants: dict[str, Grant] = field(default_factory=dict)
+    """scheduler id -> its latest grant."""
 
-    def update(self, grant: Grant) -> None:
-        self.credits = dict(grant.credits)
-        self.booked = dict(grant.booked)
+    def update(self, grant: Grant, scheduler_id: str = "") -> None:
+        self.grants[scheduler_id] = grant
+        self.credits, self.booked = {}, {}
+        for g in self.grants.values():
+            self.credits.update(g.credits)
+            self.booked.update(g.booked)
 
     def available(self, worker_id: str) -> int:
         unbooked = max(0, self.dispatched.get(worker_id, 0) - self.booked.get(worker_id, 0))
@@ -112,8 +118,9 @@ class CreditWallet:
         self.dispatched[worker_id] = max(0, self.dispatched.get(worker_id, 0) - 1)
 
     def drop(self) -> None:
-        """The scheduler is gone or restarted: dispatch nothing by ourselves until it grants."""
-        self.credits = {}
+        """The schedulers are gone or restarted: dispatch nothing by ourselves until they
+        grant again."""
+        self.credits, self.grants = {}, {}
 
 
 def may_dispatch_directly(

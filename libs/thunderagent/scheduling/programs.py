@@ -180,9 +180,15 @@ class ProgramTracker:
         return paused
 
     def fits(self, prog: Program, worker_id: str, kv_total: int) -> bool:
+        if kv_total <= 0:
+            return True
         room = self.resume_watermark * kv_total - self.resident(worker_id)
-        new = prog.tail + sum(h not in self._at(worker_id).shared for h in prog.hashes)
-        return kv_total <= 0 or new <= room
+        if prog.tail + len(prog.hashes) <= room:  # fits even if it shares nothing
+            return True
+        if prog.tail > room:  # does not fit even if it shares all its prompt
+            return False
+        shared = self._at(worker_id).shared
+        return prog.tail + sum(h not in shared for h in prog.hashes) <= room
 
     def make_room(
         self, prog: Program, worker_id: str, kv_total: int, now: float, silent_for: float = 0.0

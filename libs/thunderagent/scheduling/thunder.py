@@ -203,6 +203,9 @@ class ThunderScheduler:
 
     def release_program(self, program_id: str, now: float = 0.0) -> None:
         """The client ended the program: forget it; steps still parked go to the queue."""
+        prog = self.programs.programs.get(program_id)
+        if prog is not None and prog.worker_id is not None:
+            self._dirty.add(prog.worker_id)  # its room is free: paused programs may fit
         for rid in self.programs.release(program_id):
             if rid in self.entries:
                 self._enqueue(self.entries[rid], now)
@@ -511,10 +514,13 @@ class ThunderScheduler:
         self._try_resume(prog.program_id, self._kv_totals(), now)
         return True
 
-    def _try_resume(self, pid: str, totals: dict[str, int], now: float) -> None:
+    def _try_resume(
+        self, pid: str, totals: dict[str, int], now: float, changed: set[str] | None = None
+    ) -> None:
         """Resume a paused program where it fits, or where programs gone stale make room for
         it; its parked steps follow it there. A program released meanwhile (idle) just lets
-        its steps go to the queue."""
+        its steps go to the queue. ``changed``: only workers whose room changed can newly fit
+        it (and staleness, which only time changes, is left to the periodic pass)."""
         parked = self.programs.pending.get(pid)
         prog = self.programs.programs.get(pid)
         if not parked:
@@ -523,8 +529,9 @@ class ThunderScheduler:
             self.release_program(pid, now)
             return
         cands = self._eligible(self.entries[parked[0]].req)
-        w = self.programs.place(prog, cands, totals)
-        if w is None and cands:
+        looked = cands if changed is None else [c for c in cands if c[0] in changed]
+        w = self.programs.place(prog, looked, totals)
+        if w is None and cands and changed is None:
             first = cands[0][0]
             stale = self.programs.stale_after_s()
             if self.programs.make_room(prog, first, totals.get(first, 0), now, stale):
@@ -553,15 +560,20 @@ class ThunderScheduler:
             self._enqueue(self.entries[rid], now)
 
     def _programs_tick(self, now: float) -> None:
+        """Pause where programs overflow, resume where room appeared (every paused program
+        is looked at only against workers whose room changed, and against all of them once a
+        second), force parked steps that waited too long, release idle programs."""
         totals = self._kv_totals()
-        for w in sorted(self._dirty):
+        changed, self._dirty = self._dirty, set()
+        for w in sorted(changed):
             self.programs.over_capacity(w, totals.get(w, 0), now)
-        self._dirty.clear()
-        for pid in list(self.programs.pending):
-            self._try_resume(pid, totals, now)
+        periodic = now >= self._next_idle_check
+        if changed or periodic:
+            for pid in list(self.programs.pending):
+                self._try_resume(pid, totals, now, None if periodic else changed)
         for pid in self.programs.parked_since(now - self.params.program_park_max_s):
             self._force_resume(pid, now)
-        if now >= self._next_idle_check:
+        if periodic:
             self._next_idle_check = now + IDLE_CHECK_S
             for pid in self.programs.idle(now, self.params.program_idle_s):
                 self.release_program(pid, now)

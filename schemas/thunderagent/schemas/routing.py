@@ -107,6 +107,9 @@ class CreditGrant(Struct, frozen=True, kw_only=True):
     the router may send ``credits - (its direct dispatches - booked)`` more."""
     issued_at: float
     """Scheduler clock, Unix seconds."""
+    scheduler_id: str = ""
+    """The scheduler that granted it: schedulers partitioned by model each grant their own
+    workers, and a router adds their grants up."""
 
 
 class WorkerGenerate(Struct, frozen=True, kw_only=True):

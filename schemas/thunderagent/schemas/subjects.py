@@ -15,18 +15,20 @@ PREFIX: Final = "thunderagent"
 REQUESTS_WILDCARD: Final = f"{PREFIX}.requests.>"
 ROUTER_QUEUE: Final = "router"
 
-# router -> scheduler: request/reply, the scheduler acks once the request is queued.
-SCHED_SUBMIT: Final = f"{PREFIX}.sched.submit"
+# router -> scheduler: request/reply, the scheduler acks once the request is queued. One subject
+# per model (``sched_submit``), like the request, the direct-dispatch and the run-failed
+# subjects: schedulers may partition the fleet by model, each taking only its models' subjects.
+SCHED_SUBMIT_WILDCARD: Final = f"{PREFIX}.sched.submit.*"
 SCHEDULER_QUEUE: Final = "scheduler"
 
 # adapters -> scheduler (every phase) and routers (the phases that end a run): a run's life.
 PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.>"
 
 # adapters -> scheduler: a run its engine failed, to be resumed elsewhere (request/reply).
-SCHED_RUN_FAILED: Final = f"{PREFIX}.sched.run_failed"
+SCHED_RUN_FAILED_WILDCARD: Final = f"{PREFIX}.sched.run_failed.*"
 
 # routers -> scheduler: requests a router dispatched on credit, and the routers' presence.
-SCHED_DIRECT: Final = f"{PREFIX}.sched.direct"
+SCHED_DIRECT_WILDCARD: Final = f"{PREFIX}.sched.direct.*"
 ROUTER_PRESENCE: Final = f"{PREFIX}.router.presence"
 
 # clients / gateways -> scheduler: stop a request (client gone, timeout).
@@ -85,6 +87,21 @@ def model_from_token(token: str) -> str:
 def requests(model: str) -> str:
     """Where clients publish a ``GenerateRequest`` for ``model`` (reply inbox: the stream)."""
     return f"{PREFIX}.requests.{model_token(model)}"
+
+
+def sched_submit(model: str) -> str:
+    """Router -> the scheduler owning ``model``: ``ScheduleRequest`` -> ``Ack``."""
+    return f"{PREFIX}.sched.submit.{model_token(model)}"
+
+
+def sched_direct(model: str) -> str:
+    """Router -> the scheduler owning ``model``: a ``DirectDispatch`` it made on credit."""
+    return f"{PREFIX}.sched.direct.{model_token(model)}"
+
+
+def sched_run_failed(model: str) -> str:
+    """Adapter -> the scheduler owning ``model``: ``RunFailed`` -> ``Ack``."""
+    return f"{PREFIX}.sched.run_failed.{model_token(model)}"
 
 
 def progress(phase: str) -> str:

@@ -73,7 +73,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
     from thunderagent.scheduler.service import SchedulerConfig, main
     from thunderagent.shell import run_service
 
-    config = SchedulerConfig(scheduler=args.policy, params=_params(args.param))
+    models = tuple(m for m in args.models.split(",") if m) if args.models else ()
+    config = SchedulerConfig(scheduler=args.policy, params=_params(args.param), models=models)
     run_service(
         "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
@@ -242,6 +243,11 @@ def _control_plane_commands(add) -> None:
     p.add_argument(
         "--policy", default="thunder", help="scheduling policy (thunder, fcfs, direct, ...)"
     )
+    p.add_argument(
+        "--models", default="",
+        help="comma-separated models this scheduler owns (default: all); run one scheduler "
+        "per model group to partition the fleet",
+    )  # fmt: skip
     _param_arg(p, "scheduling policy")
 
     p = add("index", "run the KV index service", _cmd_index)

@@ -161,11 +161,11 @@ class Router:
             return False
         self.core.on_dispatched(req.request_id, first, time.time())
         notice = DirectDispatch(submit=submit, worker_id=first)
-        await self.bus.publish(subjects.SCHED_DIRECT, notice)
+        await self.bus.publish(subjects.sched_direct(req.model), notice)
         return True
 
     async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
-        self.wallet.update(Grant(grant.credits, grant.booked))
+        self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id)
         self.last_grant_at = time.monotonic()
 
     def route(
@@ -236,7 +236,10 @@ class Router:
     async def _submit(self, submit: ScheduleRequest) -> None:
         try:
             ack = await self.bus.request(
-                subjects.SCHED_SUBMIT, submit, Ack, timeout=self.config.submit_timeout_s
+                subjects.sched_submit(submit.request.model),
+                submit,
+                Ack,
+                timeout=self.config.submit_timeout_s,
             )
         except PayloadTooLarge as err:
             await self._reject(submit, ErrorCode.PAYLOAD_TOO_LARGE, str(err))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -80,6 +81,10 @@ class SchedulerConfig:
     backing off beats unbounded memory here."""
     max_sleep_s: float = 0.05
     """Longest wait between polls when nothing happens (load reports also wake the loop)."""
+    models: tuple[str, ...] = ()
+    """The models this scheduler owns (empty: every model). Schedulers partitioned by model
+    share nothing: each takes only its models' submissions, workers and credits."""
+    scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 @dataclass(slots=True)
@@ -192,8 +197,9 @@ class SchedulerService:
         now = self.clock()
         for router, g in grants.items():
             grant = CreditGrant(
-                router_id=router, credits=dict(g.credits), booked=dict(g.booked), issued_at=now
-            )
+                router_id=router, credits=dict(g.credits), booked=dict(g.booked), issued_at=now,
+                scheduler_id=self.config.scheduler_id,
+            )  # fmt: skip
             self._spawn(self.bus.publish(subjects.router_credits(router), grant))
 
     def _drain_time(self, waiting: int) -> float:
@@ -227,16 +233,23 @@ class SchedulerService:
             deadline=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
         )
 
+    def _owns(self, worker_id: str) -> bool:
+        """A worker of one of this scheduler's models (any, when it owns every model)."""
+        if not self.config.models:
+            return True
+        state = self.registry.get(worker_id)
+        return state is not None and state.registration.model in self.config.models
+
     def on_load(self, load: LoadReport) -> None:
         state = self.registry.get(load.worker_id)
-        if state is not None:
+        if state is not None and self._owns(load.worker_id):
             self.core.update_worker(worker_room(state), self.clock())
             self.wake.set()
 
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what == "registered":  # (back) in the fleet: a candidate again before its first report
             state = self.registry.get(worker_id)
-            if state is not None:
+            if state is not None and self._owns(worker_id):
                 self.core.update_worker(worker_room(state), self.clock())
                 self.wake.set()
             return
@@ -337,6 +350,8 @@ class SchedulerService:
             self.wake.set()
 
     async def on_kv_batch(self, batch: KvEventBatch, _seq: int) -> None:
+        if not self._owns(batch.worker_id):
+            return
         for hashes in stored_hashes(batch):
             self.core.on_prefix_cached(batch.worker_id, hashes, self.clock())
         self.wake.set()
@@ -504,6 +519,8 @@ class SchedulerService:
                 queued[first] = queued.get(first, 0) + 1
         out = []
         for state in self.registry.all():
+            if not self._owns(state.worker_id):
+                continue
             engine = state.load.queued if state.load else 0
             depth = queued.get(state.worker_id, 0) + engine
             out.append(Observation(depth, {"worker_id": state.worker_id}))
@@ -515,13 +532,24 @@ class SchedulerService:
         fleet = FleetWatcher(
             bus, self.registry, on_change=self.on_fleet_change, on_load=self.on_load
         )
-        await bus.subscribe(
-            subjects.SCHED_SUBMIT, ScheduleRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE
-        )
+        for model in self.config.models or ("*",):
+            submits = (
+                subjects.sched_submit(model) if model != "*" else subjects.SCHED_SUBMIT_WILDCARD
+            )
+            directs = (
+                subjects.sched_direct(model) if model != "*" else subjects.SCHED_DIRECT_WILDCARD
+            )
+            failures = (
+                subjects.sched_run_failed(model)
+                if model != "*"
+                else subjects.SCHED_RUN_FAILED_WILDCARD
+            )
+            queue = subjects.SCHEDULER_QUEUE
+            await bus.subscribe(submits, ScheduleRequest, self.on_submit, queue=queue)
+            await bus.subscribe(failures, RunFailed, self.on_run_failed)
+            await bus.subscribe(directs, DirectDispatch, self.on_direct)
         await bus.subscribe(subjects.PROGRESS_WILDCARD, RequestProgress, self.on_progress)
         await bus.subscribe(subjects.SCHED_CANCEL, CancelRequest, self.on_cancel)
-        await bus.subscribe(subjects.SCHED_RUN_FAILED, RunFailed, self.on_run_failed)
-        await bus.subscribe(subjects.SCHED_DIRECT, DirectDispatch, self.on_direct)
         await bus.subscribe(subjects.ROUTER_PRESENCE, RouterHello, self.on_hello)
         await bus.subscribe(subjects.PROGRAM_RELEASE, ProgramRelease, self.on_release)
         await bus.ensure_kv_events_stream()

@@ -259,7 +259,9 @@ class Generation:
         ack = Ack(accepted=False)
         for _ in range(HAND_BACK_TRIES):
             try:
-                ack = await self.bus.request(subjects.SCHED_RUN_FAILED, failed, Ack, timeout=2.0)
+                ack = await self.bus.request(
+                    subjects.sched_run_failed(self.work.request.model), failed, Ack, timeout=2.0
+                )
             except BusError:
                 break
             if ack.accepted or ack.code != ErrorCode.UNAVAILABLE:
