@@ -84,15 +84,16 @@ class Thunder(PolicyHooks):
     overflow_weight: float = 1.0
     """Each KV token past the threshold costs this many tokens of prefill (1: it is computed
     once more after a retraction)."""
-    recompute_gain: float = 0.0
+    recompute_gain: float = 2.0
     """How fast recompute grows expensive with cluster load. The request's own uncached
-    prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued per worker in
-    units of a typical request's prefill (measured each decision): with idle queues a miss
-    elsewhere costs only its own TTFT and load spreads; with queues everywhere the work a miss
-    adds delays every request behind it, so cache affinity wins. Off by default: on the
-    generated agent, bursty and hot-spot workloads (``bench tune``, 0/1/2/4, speeds 2-8) no
-    value beat 0 in capacity or goodput (0: goodput 244, worst capacity ratio to the best peer
-    1.0; 1 and 2: 239-241 and 0.75, losing the hot-spot at 8x)."""
+    prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued on the least
+    loaded worker in units of a typical request's prefill (measured each decision): while some
+    worker is idle a miss costs only its own TTFT and load spreads; once none is, the work a
+    miss adds takes capacity from every request behind it, so cache affinity wins. 2 was chosen
+    on the generated agent, bursty and hot-spot workloads (``bench tune``, 0/1/2/4, speeds
+    1-8): every value ties on capacity there; 1, 2 and 4 have 2 TTFT p99 misses against the
+    best peer meeting the SLO where 0 has 6 (all on the bursty workload), and 2 has the most
+    goodput."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
@@ -121,10 +122,13 @@ class Thunder(PolicyHooks):
         self._uncached = RunningMean(self.mean_alpha, prior=self.prior_prefill_tokens)
 
     def recompute_weight(self, workers: Sequence[WorkerView]) -> float:
-        """``recompute_gain`` x the mean prefill queued per worker, in typical prefills."""
+        """``recompute_gain`` x the prefill queued on the least loaded worker, in typical
+        prefills: while any worker is idle a miss costs only its own time there; only when
+        none is does the extra work take capacity from everyone (a hot spot, one busy worker
+        among idle ones, must not turn this on)."""
         typical = max(self._uncached.get(), 1.0)
         mean = self._uncached.get()
-        queued = sum(queued_prefill_tokens(w, mean) for w in workers) / len(workers)
+        queued = min(queued_prefill_tokens(w, mean) for w in workers)
         return min(self.recompute_gain * queued / typical, self.max_recompute_weight)
 
     def cost(

@@ -26,6 +26,9 @@ TOOL_PAUSES_KEPT = 256
 """Recent tool-call pauses (acting -> next step) the tracker learns "silent too long" from."""
 MIN_TOOL_PAUSES = 16
 """Fewer observed pauses than this: no program counts as stale yet."""
+STALE_QUANTILE = 0.99
+"""A program silent past this quantile of the tool pauses seen is most likely over (0.9 paused
+live programs too often: 1.21x the steps/min of program-unaware scheduling against 1.45x)."""
 
 
 @dataclass(slots=True)
@@ -92,14 +95,14 @@ class ProgramTracker:
     tool_pauses: deque[float] = field(default_factory=lambda: deque(maxlen=TOOL_PAUSES_KEPT))
 
     def stale_after_s(self) -> float:
-        """Silence after which an acting program is unlikely to come back soon: the 90th
-        percentile of the tool-call pauses seen lately (inf until enough were seen). Such a
-        program (often one that ended without a release) gives up its place at once to a
-        paused one whose step arrived."""
+        """Silence after which an acting program is unlikely to come back soon: the
+        ``STALE_QUANTILE`` of the tool-call pauses seen lately (inf until enough were seen).
+        Such a program (often one that ended without a release) gives up its place at once to
+        a paused one whose step arrived."""
         if len(self.tool_pauses) < MIN_TOOL_PAUSES:
             return math.inf
         ordered = sorted(self.tool_pauses)
-        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        return ordered[min(len(ordered) - 1, int(STALE_QUANTILE * len(ordered)))]
 
     def get(self, req: SchedRequest, now: float) -> Program:
         pid = req.program_id or ""

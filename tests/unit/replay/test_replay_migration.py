@@ -22,15 +22,16 @@ from thunderagent.replay.migration import (
 BS = 64
 PROFILE = get_profile("llama-3.1-8b-h100").with_engine(block_size=BS, max_running_requests=4)
 """Small batches, so a worker that takes every hot request queues (the planner's trigger)."""
-STICKY = {"load_scale": 1000.0, "recompute_gain": 1.0}
-"""Thunder whose cache credit hardly decays with load and whose recompute grows dear with the
-queue: it keeps a hot prefix on its holder (routing alone does not spread it, so any spreading
-is the planner's)."""
+STICKY = {"load_scale": 1000.0}
+"""Thunder whose cache credit hardly decays with load: once the prefix is cached it keeps the
+hot queries on the holder (routing alone does not spread them, so any spreading is the
+planner's)."""
 HOT_BLOCKS = 128
 
 
 def hot_trace(n: int = 60, rate: float = 10.0, seed: int = 0) -> list[TraceRequest]:
-    """``n`` queries of one 8,192-token prefix plus a short unique question, ``rate`` per s."""
+    """``n`` queries of one 8,192-token prefix plus a short unique question: the first alone
+    (it computes the prefix), the rest from 2 s on at ``rate`` per s."""
     rng = random.Random(seed)
     prefix = list(range(1, HOT_BLOCKS + 1))
     out, t = [], 0.0
@@ -38,7 +39,7 @@ def hot_trace(n: int = 60, rate: float = 10.0, seed: int = 0) -> list[TraceReque
         tail = [10**6 + 2 * i, 10**6 + 2 * i + 1]
         prompt = HOT_BLOCKS * BS + rng.randint(8, 120)
         out.append(TraceRequest(f"h{i}", t, prompt, 64, prefix + tail, hot=True))
-        t += rng.expovariate(rate)
+        t = 2.0 if i == 0 else t + rng.expovariate(rate)
     return out
 
 

@@ -12,9 +12,9 @@ def step(rid, pid, prompt, cands=(("w0", 0),), out=16) -> SchedRequest:
     return SchedRequest(rid, 0.0, prompt, out, list(cands), program_id=pid)
 
 
-def sched(total=0) -> ThunderScheduler:
+def sched(total=0, **params) -> ThunderScheduler:
     s = ThunderScheduler(
-        programs=True, window="none", kv_watermark=1.0, program_resume_watermark=0.75
+        programs=True, window="none", kv_watermark=1.0, program_resume_watermark=0.75, **params
     )
     for w in ("w0", "w1"):
         s.update_worker(WorkerRoom(w, 0, 0, 0, total, 8), 0.0)
@@ -33,8 +33,8 @@ def test_sticky_placement_prefers_the_worker_holding_the_program() -> None:
     assert run(s, step("p-1", "p", 320, [("w0", 2), ("w1", 0)]), 2.0) == [Dispatch("p-1", "w1")]
 
 
-def crowded() -> ThunderScheduler:
-    s = sched(total=100)  # pause above 95 blocks, resume under 75
+def crowded(**params) -> ThunderScheduler:
+    s = sched(total=100, **params)  # pause above 95 blocks, resume under 75
     for pid, prompt in (("A", 160), ("B", 480), ("C", 800)):
         assert len(run(s, step(f"{pid}-0", pid, prompt), 0.0)) == 1
         s.on_finished(f"{pid}-0", "w0", 1.0)
@@ -87,6 +87,26 @@ def test_a_parked_step_never_waits_past_the_park_bound() -> None:
     assert wake == 3.0 + s.params.program_park_max_s
     assert s.poll(wake - 0.01) == []
     assert s.poll(wake) == [Dispatch("A-1", "w0")]
+
+
+def test_the_forced_resume_displaces_the_program_silent_longest() -> None:
+    s = crowded(program_park_max_s=5.0)
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 3.0) == []
+    wake = s.next_wakeup(3.0)
+    assert s.poll(wake) == [Dispatch("A-1", "w0")]
+    assert s.programs.programs["C"].phase == PAUSED, "C, acting since t=1, made room for A"
+
+
+def test_a_stale_program_gives_way_at_once_a_live_one_does_not() -> None:
+    """Tool pauses seen so far last about a second: C, silent for 2 s, is most likely over and
+    gives its place to A's step at once; a second earlier it was not stale and A waited."""
+    s = crowded()
+    s.programs.tool_pauses.extend([1.0] * 20)
+    assert run(s, step("A-1", "A", 176, [("w0", 11)]), 1.5) == []  # C silent 0.5 s: live
+    assert s.programs.programs["C"].phase == ACTING
+    got = [a for a in s.poll(3.0) if isinstance(a, Dispatch)]  # C silent 2 s: stale
+    assert got == [Dispatch("A-1", "w0")]
+    assert s.programs.programs["C"].phase == PAUSED
 
 
 def test_cancelling_a_parked_step_leaves_nothing_behind() -> None:
