@@ -3,6 +3,7 @@ setting, against every peer as it ships, on every workload given.
 
     thunderagent bench tune --traces A.jsonl,B.jsonl --speeds 1,2,3,4 \\
         --param thunder.recompute_gain=0.5,1,2,4 [--json F]
+        --param scheduler.kv_watermark=0.9,0.95,1          # a knob of thunder's scheduler
 
 For each workload it sweeps the speeds, runs thunder (router + its scheduler) once per value
 of the parameter and each peer (direct dispatch), and reports each one's capacity (the highest
@@ -51,10 +52,13 @@ def p99_misses(workload: dict, name: str, peers: list[str], slack: float = 1.05)
     return misses
 
 
-def run_one(trace, profile, policy: str, params: dict, speed: float, slo_ms: float) -> dict:
+def run_one(
+    trace, profile, policy: str, params: dict, speed: float, slo_ms: float,
+    sched: dict | None = None,
+) -> dict:  # fmt: skip
     cfg = ReplayConfig(
         profile=profile, policy=policy, policy_params=params,
-        scheduler=scheduler_for(policy, None),
+        scheduler=scheduler_for(policy, None), scheduler_params=sched or {},
     )  # fmt: skip
     started = time.perf_counter()
     result = Replay(cfg, profile.engine.block_size).run(trace, speed)
@@ -70,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="thunderagent bench tune", description=__doc__.split("\n")[0])
     p.add_argument("--traces", required=True, help="comma list of Mooncake traces")
     p.add_argument("--speeds", default="1,2,3,4")
-    p.add_argument("--param", required=True, help="thunder.FIELD=V1,V2,...")
+    p.add_argument(
+        "--param",
+        required=True,
+        help="thunder.FIELD=V1,V2,... (routing) or scheduler.FIELD=V1,... (thunder's scheduler)",
+    )
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--profile", default="llama-3.1-8b-h100")
     p.add_argument("--block-size", type=int, default=512)
@@ -86,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
         runs: dict[str, list[dict]] = {}
         for v in values:
+            route, sched = ({}, {field: v}) if policy == "scheduler" else ({field: v}, {})
             runs[f"{policy}@{v:g}"] = [
-                run_one(trace, profile, policy, {field: v}, s, slo) for s in speeds
+                run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds
             ]
         for peer in args.peers.split(","):
             runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]

@@ -39,15 +39,15 @@ class SchedulerActions:
 
     # ---- scheduler actions ---------------------------------------------------------------
     def _poll(self, t: float) -> None:
-        for action in self.scheduler.poll(t):
-            if isinstance(action, Dispatch):
-                self._dispatch(action, t)
-            elif isinstance(action, Preempt):
-                self._preempt(action, t)
-            elif isinstance(action, Reject):
-                self._reject(self.records[action.request_id], action.reason, t)
-        self._grant()
+        self._act(t)
+        if self.scheduler.waiting() and self._next_load <= t:
+            self._refresh_loads(t)
+            self._act(t)
         wake = self.scheduler.next_wakeup(t)
+        if self.scheduler.waiting():
+            # Held requests wait for room that only a load report shows; live adapters report
+            # on their own clock whether or not anything arrives, so the replay does too.
+            wake = self._next_load if wake is None else min(wake, self._next_load)
         self._wake = INF if wake is None else max(wake, t)
         if self._wake > t:
             self._stalls = 0
@@ -60,6 +60,16 @@ class SchedulerActions:
         if self._stalls > STALL_LIMIT:
             raise RuntimeError(f"scheduler {self.cfg.scheduler!r} asked to wake now ({t}) again")
         self._wake = t + STALL_STEP_S
+
+    def _act(self, t: float) -> None:
+        for action in self.scheduler.poll(t):
+            if isinstance(action, Dispatch):
+                self._dispatch(action, t)
+            elif isinstance(action, Preempt):
+                self._preempt(action, t)
+            elif isinstance(action, Reject):
+                self._reject(self.records[action.request_id], action.reason, t)
+        self._grant()
 
     def _reject(self, rec: Record, reason: str, t: float) -> None:
         rec.status, rec.finish, rec.reason = "rejected", t, reason

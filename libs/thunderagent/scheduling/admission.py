@@ -2,9 +2,10 @@
 
 Room = running requests under the cap and KV held by running requests under
 ``kv_watermark`` of the pool. Load reports lag behind dispatches, so the estimate adds what
-this scheduler sent (and saw finish) since the last report, and never goes below what it knows
-it has running there itself. A worker with nothing running always admits one request, however
-large, so a big prompt cannot wait forever.
+this scheduler sent (and saw finish) since the last report, and what it sent that the engine has
+not started; the running count never goes below what it knows it has running there itself. A
+worker with nothing running always admits one request, however large, so a big prompt cannot
+wait forever.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class WorkerLoad:
     own_running: int = 0
     own_blocks: int = 0
     """KV blocks (prompt + expected output) of requests this scheduler has running there."""
+    pending_blocks: int = 0
+    """Of those, the blocks of requests the engine has not started yet: no report shows them."""
 
 
 @dataclass(slots=True)
@@ -64,11 +67,16 @@ class Admission:
         return max(reported, load.own_running, 0)
 
     def kv_blocks(self, worker_id: str) -> int:
+        """KV held by running requests: the engine's report plus what it cannot show yet (sent
+        since the report, or not started). Not ``own_blocks``: that sum counts a prefix shared
+        by requests dispatched together once per request (each was uncached when it left),
+        while the engine counts it once; on a hot prefix such a floor held the queue at a
+        fraction of the real use."""
         load = self.load(worker_id)
         room = load.room
         if room is None or room.active_blocks is None:
             return load.own_blocks
-        return max(room.active_blocks + load.blocks_since_report, load.own_blocks)
+        return room.active_blocks + max(load.blocks_since_report, load.pending_blocks)
 
     def has_room(self, worker_id: str, need_blocks: int) -> bool:
         running = self.running(worker_id)
@@ -103,11 +111,20 @@ class Admission:
         load.blocks_since_report += blocks
         load.own_running += 1
         load.own_blocks += blocks
+        load.pending_blocks += blocks
 
-    def discharge(self, worker_id: str, blocks: int) -> None:
+    def started(self, worker_id: str, blocks: int) -> None:
+        """The engine started a request charged here: its reports count it from now on."""
+        load = self.workers.get(worker_id)
+        if load is not None:
+            load.pending_blocks = max(load.pending_blocks - blocks, 0)
+
+    def discharge(self, worker_id: str, blocks: int, *, started: bool = True) -> None:
         load = self.workers.get(worker_id)
         if load is None:
             return
         load.done_since_report += 1
         load.own_running = max(load.own_running - 1, 0)
         load.own_blocks = max(load.own_blocks - blocks, 0)
+        if not started:
+            load.pending_blocks = max(load.pending_blocks - blocks, 0)

@@ -149,7 +149,9 @@ class ThunderScheduler:
             return
         run.started_at = now
         if run.decode_worker is not None:  # the prefill worker is done with it
-            self.admission.discharge(run.worker_id, run.kv_blocks)
+            self.admission.discharge(run.worker_id, run.kv_blocks, started=False)
+        else:
+            self.admission.started(run.worker_id, run.kv_blocks)
 
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         self.gate.done(request_id)
@@ -459,10 +461,13 @@ class ThunderScheduler:
         run = self.running.pop(rid, None)
         if run is None:
             return
-        if run.decode_worker is None or run.started_at is None:
-            self.admission.discharge(run.worker_id, run.kv_blocks)
-        if run.decode_worker is not None:
-            self.admission.discharge(run.decode_worker, run.kv_blocks)
+        started = run.started_at is not None
+        if run.decode_worker is None:
+            self.admission.discharge(run.worker_id, run.kv_blocks, started=started)
+        else:  # the decode side is charged as pending until the end (no start is reported there)
+            if not started:
+                self.admission.discharge(run.worker_id, run.kv_blocks, started=False)
+            self.admission.discharge(run.decode_worker, run.kv_blocks, started=False)
         self.gate.done(rid)
         for held in self.groups.on_leader_done(rid):
             self.entries[held].regrouped = True

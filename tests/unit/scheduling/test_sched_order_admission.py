@@ -88,7 +88,7 @@ def test_running_cap_and_reports() -> None:
 
 
 def test_kv_watermark_counts_own_dispatches() -> None:
-    s = SCHEDULERS.create("fcfs")  # kv_watermark 0.9 of 100 blocks: 90
+    s = SCHEDULERS.create("fcfs", kv_watermark=0.9)  # 90 of 100 blocks
     s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
     for i in range(3):
         s.submit(req(f"r{i}", prompt=640, out=1), 0.0)  # 40 + 1 blocks each
@@ -180,3 +180,20 @@ def test_deadline_rejects_a_waiting_request_when_it_passes() -> None:
     assert sent(s.poll(0.0)) == ["busy"]
     assert s.next_wakeup(0.0) == 3.0
     assert s.poll(3.0) == [Reject("r", "deadline passed")]
+
+
+def test_shared_prefix_counted_once_the_engine_reports_it() -> None:
+    """Requests sent together each charge their uncached prompt (a shared prefix once per
+    request) until the engine starts them; from then its deduplicated report counts, so the
+    queue is not held by the double count."""
+    s = SCHEDULERS.create("fcfs", kv_watermark=0.9)  # 90 of 100 blocks
+    s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
+    for i in range(3):
+        s.submit(req(f"r{i}", prompt=640, out=1), 0.0)  # 40 + 1 blocks each
+    assert sent(s.poll(0.0)) == ["r0", "r1"]
+    s.on_started("r0", "w0", 0.05)
+    s.on_started("r1", "w0", 0.05)
+    s.update_worker(room(total=100, max_running=10, active_blocks=42), 0.1)  # one shared prefix
+    assert sent(s.poll(0.1)) == ["r2"]
+    s.submit(req("r3", prompt=640, out=1), 0.1)
+    assert sent(s.poll(0.1)) == []  # 42 reported + 41 not started + 41 > 90
