@@ -54,13 +54,15 @@ class MigrationParams:
     idle_s: float = 0.1
     """... and clear again only when its queue is empty and its prefill backlog is below this
     (two thresholds, so a worker near one line does not flip on every report)."""
-    hot_for_s: float = 0.0
-    """Every holder must have been saturated this long before a copy is ordered; 0 copies on
-    demand alone. 0 by default: a load-aware router (thunder) keeps a hot prefix's holders from
-    queueing by re-prefilling the prefix elsewhere, so a saturation rule never fires under it
-    and the fleet pays those prefills instead of a copy over the link (hot-spot workload,
-    seed 1: hot TTFT p99 160 ms at 0 against 697 ms with 1.0, where nothing ever moved).
-    Set it (e.g. 1.0) behind a router that does queue on holders."""
+    hot_for_s: float = 1.0
+    """Every holder must have been saturated this long before a copy is ordered (0: demand
+    alone). Chosen on the generated workloads (seed 1, thunder as deployed, NIXL moves): on the
+    hot-spot trace nothing moves with either value, because thunder re-prefills the hot prefix
+    on other workers before its holders queue (all 8 workers held it 1.5 s into the hot window;
+    hot TTFT p99 309 / 510 ms at 1x / 2x in every run); on the agent trace 0 copies the shared
+    tool prompt 6-7 times and TTFT p99 rises from 588 / 581 / 630 ms to 650 / 722 / 702 ms at
+    1x / 2x / 3x, while 1.0 leaves it alone. The gate opens behind a router that lets a hot
+    prefix's holders queue (cache-first routers such as sglang's)."""
     target_max_live: float = 0.7
     """A target must keep this fraction of its KV for running requests free of them."""
     pressure_live: float = 0.8

@@ -97,9 +97,9 @@ def test_holders_must_stay_saturated_for_hot_for_s() -> None:
     assert [a.target for a in plan(planner, 10.5, holders)] == ["w1"]
 
 
-def test_default_copies_on_demand_alone() -> None:
-    """hot_for_s=0 (the default): an idle holder of a prefix requested >= min_rate gets a copy."""
-    planner = MigrationPlanner(MigrationParams())
+def test_hot_for_s_zero_copies_on_demand_alone() -> None:
+    """hot_for_s=0: an idle holder of a prefix requested >= min_rate gets a copy."""
+    planner = MigrationPlanner(MigrationParams(hot_for_s=0.0))
     for w in ("w0", "w1"):
         planner.observe_load(idle(w), 0.0)
     holders = {P: {"w0"}}
@@ -109,6 +109,20 @@ def test_default_copies_on_demand_alone() -> None:
     [a] = plan(planner, 20.0, holders)
     assert (a.source, a.target) == ("w0", "w1")
     assert "saturated" not in a.reason
+
+
+def test_default_waits_for_saturated_holders() -> None:
+    """The default gate: demand alone is not enough while the holder serves it without queueing."""
+    planner = MigrationPlanner(MigrationParams())
+    for w in ("w0", "w1"):
+        planner.observe_load(idle(w), 0.0)
+    holders = {P: {"w0"}}
+    demand(planner, 0.0, 2.0, 10.0)
+    assert plan(planner, 10.0, holders) == []
+    planner.observe_load(busy("w0"), 10.0)
+    assert plan(planner, 10.5, holders) == []  # saturated 0.5 s of the 1 s asked
+    [a] = plan(planner, 11.0, holders)
+    assert (a.source, a.target) == ("w0", "w1") and "saturated" in a.reason
 
 
 def test_saturation_has_two_thresholds() -> None:
