@@ -2,14 +2,16 @@
 
 Room = running requests under the cap and KV held by running requests under
 ``kv_watermark`` of the pool. Load reports lag behind dispatches, so the estimate adds what
-this scheduler sent (and saw finish) since the last report, and what it sent that the engine has
-not started; the running count never goes below what it knows it has running there itself. A
+this scheduler sent (and saw finish) since the last report; KV adds the expected output of its
+running requests and the prompts the engine has not started; the running count never goes below
+what it knows it has running there itself. A
 worker with nothing running always admits one request, however large, so a big prompt cannot
 wait forever.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from thunderagent.scheduling.api import WorkerRoom
@@ -28,13 +30,22 @@ class WorkerLoad:
     own_blocks: int = 0
     """KV blocks (prompt + expected output) of requests this scheduler has running there."""
     pending_blocks: int = 0
-    """Of those, the blocks of requests the engine has not started yet: no report shows them."""
+    """Blocks (prompt + expected output) of requests the engine has not started yet."""
+    prompt_since_report: int = 0
+    started_runs: int = 0
+    started_output_tokens: int = 0
+    """Expected output of the started runs here; with ``started_at_sum``, what is still to be
+    generated (the report shows the rest)."""
+    started_at_sum: float = 0.0
+    block_size: int = 0
 
 
 @dataclass(slots=True)
 class Admission:
     params: SchedParams
     workers: dict[str, WorkerLoad] = field(default_factory=dict)
+    now: float = 0.0
+    """The scheduler's clock, set on every poll (pure: no clock of its own)."""
 
     def load(self, worker_id: str) -> WorkerLoad:
         load = self.workers.get(worker_id)
@@ -46,6 +57,7 @@ class Admission:
         load = self.load(room.worker_id)
         load.room = room
         load.sent_since_report = load.done_since_report = load.blocks_since_report = 0
+        load.prompt_since_report = 0
 
     def remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
@@ -67,16 +79,28 @@ class Admission:
         return max(reported, load.own_running, 0)
 
     def kv_blocks(self, worker_id: str) -> int:
-        """KV held by running requests: the engine's report plus what it cannot show yet (sent
-        since the report, or not started). Not ``own_blocks``: that sum counts a prefix shared
-        by requests dispatched together once per request (each was uncached when it left),
-        while the engine counts it once; on a hot prefix such a floor held the queue at a
-        fraction of the real use."""
+        """KV held by running requests once they have generated their expected output: the
+        engine's report (prompts deduplicated, output so far), plus prompts it cannot show yet
+        (sent since, or not started), plus output still to come (whole for runs not started;
+        for started ones, expected minus ``decode_tokens_per_s`` x time since their start).
+        Prompts are not summed per request: requests sent together each count a shared
+        uncached prefix that the engine holds once (on a hot prefix such a sum held the queue
+        at a fraction of the real use)."""
         load = self.load(worker_id)
         room = load.room
         if room is None or room.active_blocks is None:
             return load.own_blocks
-        return room.active_blocks + max(load.blocks_since_report, load.pending_blocks)
+        unseen = max(load.prompt_since_report, load.pending_blocks)
+        return room.active_blocks + unseen + self._output_to_come(load)
+
+    def _output_to_come(self, load: WorkerLoad) -> int:
+        if not load.started_runs:
+            return 0
+        elapsed = load.started_runs * self.now - load.started_at_sum
+        tokens = load.started_output_tokens - self.params.decode_tokens_per_s * elapsed
+        if tokens <= 0:
+            return 0
+        return math.ceil(tokens / load.block_size) if load.block_size > 0 else 0
 
     def has_room(self, worker_id: str, need_blocks: int) -> bool:
         running = self.running(worker_id)
@@ -105,26 +129,51 @@ class Admission:
             fit = max(fit, 1)  # an idle worker always takes one, however large
         return max(0, min(slots, fit))
 
-    def charge(self, worker_id: str, blocks: int) -> None:
+    def charge(self, worker_id: str, blocks: int, output_blocks: int = 0) -> None:
+        """A request of ``blocks`` new KV blocks (``output_blocks`` of them its expected
+        output) was sent to ``worker_id``."""
         load = self.load(worker_id)
         load.sent_since_report += 1
         load.blocks_since_report += blocks
+        load.prompt_since_report += blocks - output_blocks
         load.own_running += 1
         load.own_blocks += blocks
         load.pending_blocks += blocks
 
-    def started(self, worker_id: str, blocks: int) -> None:
-        """The engine started a request charged here: its reports count it from now on."""
+    def started(
+        self, worker_id: str, blocks: int, output_tokens: int, now: float, block_size: int
+    ) -> None:
+        """The engine started a request charged here: its report shows the prompt from now,
+        and its output as it is generated."""
         load = self.workers.get(worker_id)
-        if load is not None:
-            load.pending_blocks = max(load.pending_blocks - blocks, 0)
+        if load is None:
+            return
+        load.pending_blocks = max(load.pending_blocks - blocks, 0)
+        load.started_runs += 1
+        load.started_output_tokens += output_tokens
+        load.started_at_sum += now
+        load.block_size = block_size
 
-    def discharge(self, worker_id: str, blocks: int, *, started: bool = True) -> None:
+    def discharge(
+        self,
+        worker_id: str,
+        blocks: int,
+        *,
+        started_at: float | None = None,
+        output_tokens: int = 0,
+    ) -> None:
+        """A run charged here ended (``started_at``: when the engine started it, if it did)."""
         load = self.workers.get(worker_id)
         if load is None:
             return
         load.done_since_report += 1
         load.own_running = max(load.own_running - 1, 0)
         load.own_blocks = max(load.own_blocks - blocks, 0)
-        if not started:
+        if started_at is None:
             load.pending_blocks = max(load.pending_blocks - blocks, 0)
+        elif load.started_runs > 0:
+            load.started_runs -= 1
+            load.started_output_tokens -= output_tokens
+            load.started_at_sum -= started_at
+            if not load.started_runs:
+                load.started_output_tokens, load.started_at_sum = 0, 0.0

@@ -32,12 +32,12 @@ class SchedParams:
     """Cap when neither the knob nor the worker names one (SGLang's default is larger, but
     keeping requests here instead of in engine queues is the point)."""
     kv_watermark: float = 1.0
-    """Admit while the KV held by running requests (their expected output included) stays under
-    this fraction of the pool. The expected output is already the margin for decode growth, so
-    none more is kept by default: on the generated workloads (thunder routing, virtual time)
-    0.9 / 0.95 / 1.0 gave TTFT p99 3,966 / 1,022 / 850 ms on the hot-spot trace at 10x,
-    10,714 / 11,567 / 8,937 ms on the bursty trace at 12x, and 18,343 ms (0.9) vs 13,193 ms
-    (1.0) on the agent trace at 5x; below those loads all three are identical."""
+    """Admit while the KV running requests will hold (their expected output included) stays
+    under this fraction of the pool. The expected output is already the margin for decode
+    growth, so none more is kept by default: on the generated workloads (thunder routing,
+    virtual time) 0.9 against 1.0 gave TTFT p99 1,687 / 798 ms, 3,966 / 850 ms and
+    12,797 / 7,033 ms on the hot-spot trace at 8x / 10x / 12x, and 3,860 / 3,316 ms and
+    11,251 / 9,210 ms on the bursty trace at 10x / 12x; below those loads they are identical."""
     spill_after_s: float = 0.5
     """A request whose first candidate gave it no room this long may go to the next one: long
     enough that a short decode frees a slot first, short against a re-prefill elsewhere."""

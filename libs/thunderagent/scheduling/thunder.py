@@ -149,9 +149,10 @@ class ThunderScheduler:
             return
         run.started_at = now
         if run.decode_worker is not None:  # the prefill worker is done with it
-            self.admission.discharge(run.worker_id, run.kv_blocks, started=False)
+            self.admission.discharge(run.worker_id, run.kv_blocks)
         else:
-            self.admission.started(run.worker_id, run.kv_blocks)
+            out = remaining_output_tokens(run.req)
+            self.admission.started(run.worker_id, run.kv_blocks, out, now, run.req.block_size)
 
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         self.gate.done(request_id)
@@ -181,8 +182,8 @@ class ThunderScheduler:
         self.counters["submitted"] += 1
         self.counters["direct"] += 1
         cached = self._cached(request, worker_id)
-        need = _kv_need(request, cached)
-        self.admission.charge(worker_id, need)
+        need, out = _kv_need(request, cached), _out_blocks(request)
+        self.admission.charge(worker_id, need, out)
         self.running[rid] = Running(request, worker_id, cached, need, now)
         self.groups.lead(rid, worker_id, request.block_hashes, cached)
         self._note_need(need)
@@ -215,6 +216,7 @@ class ThunderScheduler:
     # ---- decisions ------------------------------------------------------------------------
 
     def poll(self, now: float) -> list[Action]:
+        self.admission.now = now
         out, self._out = self._out, []
         for rid in self.buffer.due(now):
             entry = self.entries.get(rid)
@@ -404,10 +406,11 @@ class ThunderScheduler:
         req = entry.req
         rid = req.request_id
         del self.entries[rid]
-        self.admission.charge(w, need)
+        out = _out_blocks(req)
+        self.admission.charge(w, need, out)
         self._note_need(need)
         if decode is not None:
-            self.admission.charge(decode, need)
+            self.admission.charge(decode, need, out)
             self.gate.start(rid, decode)
         self.running[rid] = Running(req, w, cached, need, now, decode_worker=decode)
         self.groups.lead(rid, w, req.block_hashes, cached)
@@ -461,13 +464,15 @@ class ThunderScheduler:
         run = self.running.pop(rid, None)
         if run is None:
             return
-        started = run.started_at is not None
         if run.decode_worker is None:
-            self.admission.discharge(run.worker_id, run.kv_blocks, started=started)
+            out = remaining_output_tokens(run.req)
+            self.admission.discharge(
+                run.worker_id, run.kv_blocks, started_at=run.started_at, output_tokens=out
+            )
         else:  # the decode side is charged as pending until the end (no start is reported there)
-            if not started:
-                self.admission.discharge(run.worker_id, run.kv_blocks, started=False)
-            self.admission.discharge(run.decode_worker, run.kv_blocks, started=False)
+            if run.started_at is None:
+                self.admission.discharge(run.worker_id, run.kv_blocks)
+            self.admission.discharge(run.decode_worker, run.kv_blocks)
         self.gate.done(rid)
         for held in self.groups.on_leader_done(rid):
             self.entries[held].regrouped = True
@@ -591,11 +596,15 @@ class ThunderScheduler:
         }
 
 
+def _out_blocks(req: SchedRequest) -> int:
+    return math.ceil(remaining_output_tokens(req) / req.block_size)
+
+
 def _kv_need(req: SchedRequest, cached: int) -> int:
     """New KV blocks the request will hold: its uncached prompt plus its expected output (a
     cached prefix is shared, so counting it per request would overcount)."""
     prompt = max(math.ceil(req.prompt_tokens / req.block_size) - cached, 0)
-    return prompt + math.ceil(remaining_output_tokens(req) / req.block_size)
+    return prompt + _out_blocks(req)
 
 
 def _workers_of(run: Running) -> tuple[str, ...]:

@@ -197,3 +197,19 @@ def test_shared_prefix_counted_once_the_engine_reports_it() -> None:
     assert sent(s.poll(0.1)) == ["r2"]
     s.submit(req("r3", prompt=640, out=1), 0.1)
     assert sent(s.poll(0.1)) == []  # 42 reported + 41 not started + 41 > 90
+
+
+def test_output_still_to_come_is_counted_after_the_start() -> None:
+    """A started run's report shows its prompt and the output so far; the output it is still
+    expected to generate (expected minus decode rate x time since its start) counts too."""
+    s = SCHEDULERS.create("fcfs")  # kv_watermark 1.0 of 100 blocks
+    s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
+    for i in range(3):
+        s.submit(req(f"r{i}", prompt=160, out=640), 0.0)  # 10 + 40 blocks each
+    assert sent(s.poll(0.0)) == ["r0", "r1"]
+    s.on_started("r0", "w0", 0.05)
+    s.on_started("r1", "w0", 0.05)
+    s.update_worker(room(total=100, max_running=10, active_blocks=20), 0.1)  # prompts only
+    assert sent(s.poll(0.1)) == []  # 20 reported + 80 blocks of output to come: full
+    s.update_worker(room(total=100, max_running=10, active_blocks=40), 15.0)
+    assert sent(s.poll(15.0)) == ["r2"]  # 598 of 640 tokens each: 40 + 6 to come + 50 <= 100
