@@ -148,6 +148,28 @@ async def test_sync_sdk(nats_server):
     assert got["missing"] is not None and got["missing"].status_code == 404
 
 
+async def no_interest(url: str, subject: str, timeout_s: float = 10.0) -> None:
+    """Wait until the NATS server has dropped every subscription to ``subject``: a service's
+    stop returns when its connection closes, and a publish racing the server's clean-up can
+    still be routed to the closing subscription (and never answered)."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await nc.request(subject, b"", timeout=0.2)
+            except nats.errors.NoRespondersError:
+                return
+            except nats.errors.TimeoutError:
+                pass
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{subject} still has subscribers after {timeout_s} s")
+    finally:
+        await nc.close()
+
+
 async def test_error_statuses_the_stack_produces(nats_server):
     config = GatewayConfig(port=0, max_body_bytes=16 * 2**20)
     async with gateway_stack(nats_server.url, config=config) as run:
@@ -186,6 +208,7 @@ async def test_error_statuses_the_stack_produces(nats_server):
         assert "too large for NATS" in big.value.message
 
         await run.stack.stop_service("router")
+        await no_interest(nats_server.url, subjects.requests(MODEL))
         with pytest.raises(openai.InternalServerError) as down:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
         assert down.value.status_code == 503 and "no router" in down.value.message

@@ -93,7 +93,9 @@ class Thunder(PolicyHooks):
     on the generated agent, bursty and hot-spot workloads (``bench tune``, 0/1/2/4, speeds
     1-8): every value ties on capacity there; 1, 2 and 4 have 2 TTFT p99 misses against the
     best peer meeting the SLO where 0 has 6 (all on the bursty workload), and 2 has the most
-    goodput."""
+    goodput. A re-check to 16x (bursty and hot spot; the agent part did not finish) gave
+    capacities 8 / 10 / 10 / 10 (bursty) and 10 / 8 / 10 / 12 (hot spot) for 0 / 1 / 2 / 4:
+    not monotone at the edge; 4 is the candidate for a full re-tune."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
