@@ -84,18 +84,16 @@ class Thunder(PolicyHooks):
     overflow_weight: float = 1.0
     """Each KV token past the threshold costs this many tokens of prefill (1: it is computed
     once more after a retraction)."""
-    recompute_gain: float = 2.0
+    recompute_gain: float = 4.0
     """How fast recompute grows expensive with cluster load. The request's own uncached
     prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued on the least
     loaded worker in units of a typical request's prefill (measured each decision): while some
     worker is idle a miss costs only its own TTFT and load spreads; once none is, the work a
-    miss adds takes capacity from every request behind it, so cache affinity wins. 2 was chosen
-    on the generated agent, bursty and hot-spot workloads (``bench tune``, 0/1/2/4, speeds
-    1-8): every value ties on capacity there; 1, 2 and 4 have 2 TTFT p99 misses against the
-    best peer meeting the SLO where 0 has 6 (all on the bursty workload), and 2 has the most
-    goodput. A re-check to 16x (bursty and hot spot; the agent part did not finish) gave
-    capacities 8 / 10 / 10 / 10 (bursty) and 10 / 8 / 10 / 12 (hot spot) for 0 / 1 / 2 / 4:
-    not monotone at the edge; 4 is the candidate for a full re-tune."""
+    miss adds takes capacity from every request behind it, so cache affinity wins. Chosen on
+    the generated bursty, hot-spot and agent workloads (``bench tune``, 0 / 1 / 2 / 4, speeds
+    1-16, seed 0): capacities bursty 8 / 10 / 10 / 10, hot spot 10 / 8 / 10 / 12, agent 4 at
+    every value; 4 is the only value level with the best peer's capacity on all three (an
+    earlier sweep to 8x, before the scheduler's admission fix, tied every value)."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
