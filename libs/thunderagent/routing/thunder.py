@@ -91,9 +91,11 @@ class Thunder(PolicyHooks):
     worker is idle a miss costs only its own TTFT and load spreads; once none is, the work a
     miss adds takes capacity from every request behind it, so cache affinity wins. Chosen on
     the generated bursty, hot-spot and agent workloads (``bench tune``, 0 / 1 / 2 / 4, speeds
-    1-16, seed 0): capacities bursty 8 / 10 / 10 / 10, hot spot 10 / 8 / 10 / 12, agent 4 at
-    every value; 4 is the only value level with the best peer's capacity on all three (an
-    earlier sweep to 8x, before the scheduler's admission fix, tied every value)."""
+    1-16, seed 0): capacities bursty 8 / 10 / 10 / 10, hot spot 10 / 8 / 10 / 12 (the best
+    peers': 10, 12); agent 4x with 2 and 4 (their full replays; the agent part of the tune did
+    not finish) and with every value in an earlier sweep to 8x, before the scheduler's
+    admission fix, that tied every value. 4 is the only value level with the best peer on all
+    three. It costs ``bench sched``'s program scenario 1.42x -> 1.34x (not in the tune)."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
