@@ -70,7 +70,7 @@ def run_one(
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thunderagent bench tune", description=__doc__.split("\n")[0])
     p.add_argument("--traces", required=True, help="comma list of Mooncake traces")
     p.add_argument("--speeds", default="1,2,3,4")
@@ -83,48 +83,63 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", default="llama-3.1-8b-h100")
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def workload(path: str, profile, param: tuple[str, str, list[float]], speeds, peers) -> dict:
+    """One trace: thunder at every value of the parameter and every peer, at every speed."""
+    policy, field, values = param
+    trace = load_trace(path, block_size=profile.engine.block_size)
+    timing = TimingModel(profile)
+    slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
+    runs: dict[str, list[dict]] = {}
+    for v in values:
+        route, sched = ({}, {field: v}) if policy == "scheduler" else ({field: v}, {})
+        runs[f"{policy}@{v:g}"] = [
+            run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds
+        ]
+    for peer in peers:
+        runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]
+    caps = {name: capacity(entries) for name, entries in runs.items()}
+    return {
+        "slo_ms": slo,
+        "capacity": caps,
+        "best_peer_capacity": max(caps[peer] for peer in peers),
+        "goodput": {n: [round(e["goodput_rps"], 3) for e in es] for n, es in runs.items()},
+        "ttft_p99_ms": {n: [round(e["ttft_p99_all_ms"]) for e in es] for n, es in runs.items()},
+    }
+
+
+def scores(workloads: dict, name: str, peers: list[str]) -> tuple[float, int, float]:
+    """(worst capacity ratio to the best peer, -p99 misses, summed goodput): larger is better."""
+    ratios = [
+        w["capacity"][name] / w["best_peer_capacity"] if w["best_peer_capacity"] else 0.0
+        for w in workloads.values()
+    ]
+    goodput = sum(sum(w["goodput"][name]) for w in workloads.values())
+    misses = sum(p99_misses(w, name, peers) for w in workloads.values())
+    return min(ratios), -misses, goodput
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     policy, field, values = _values(args.param)
     speeds = [float(s) for s in args.speeds.split(",")]
+    peers = args.peers.split(",")
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
-    timing = TimingModel(profile)
     report: dict = {"param": f"{policy}.{field}", "values": values, "workloads": {}}
     for path in args.traces.split(","):
-        trace = load_trace(path, block_size=args.block_size)
-        slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
-        runs: dict[str, list[dict]] = {}
-        for v in values:
-            route, sched = ({}, {field: v}) if policy == "scheduler" else ({field: v}, {})
-            runs[f"{policy}@{v:g}"] = [
-                run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds
-            ]
-        for peer in args.peers.split(","):
-            runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]
-        caps = {name: capacity(entries) for name, entries in runs.items()}
-        best_peer = max(caps[peer] for peer in args.peers.split(","))
-        report["workloads"][Path(path).stem] = {
-            "slo_ms": slo,
-            "capacity": caps,
-            "best_peer_capacity": best_peer,
-            "goodput": {n: [round(e["goodput_rps"], 3) for e in es] for n, es in runs.items()},
-            "ttft_p99_ms": {n: [round(e["ttft_p99_all_ms"]) for e in es] for n, es in runs.items()},
-        }
-        print(f"{Path(path).stem}: SLO {slo / 1000:.2f} s, capacity {caps}", flush=True)
-    scores = {}
-    peers = args.peers.split(",")
-    for v in values:
-        name = f"{policy}@{v:g}"
-        ratios = [
-            w["capacity"][name] / w["best_peer_capacity"] if w["best_peer_capacity"] else 0.0
-            for w in report["workloads"].values()
-        ]
-        goodput = sum(sum(w["goodput"][name]) for w in report["workloads"].values())
-        misses = sum(p99_misses(w, name, peers) for w in report["workloads"].values())
-        scores[v] = (min(ratios), -misses, goodput)
-    best = max(values, key=lambda v: scores[v])
+        w = workload(path, profile, (policy, field, values), speeds, peers)
+        report["workloads"][Path(path).stem] = w
+        print(
+            f"{Path(path).stem}: SLO {w['slo_ms'] / 1000:.2f} s, capacity {w['capacity']}",
+            flush=True,
+        )
+    score = {v: scores(report["workloads"], f"{policy}@{v:g}", peers) for v in values}
+    best = max(values, key=lambda v: score[v])
     report["scores"] = {
         f"{v:g}": {"worst_ratio": s[0], "p99_misses": -s[1], "goodput": s[2]}
-        for v, s in scores.items()
+        for v, s in score.items()
     }
     report["recommended"] = best
     print(json.dumps({"scores": report["scores"], "recommended": best}, indent=2))

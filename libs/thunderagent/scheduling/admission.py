@@ -25,7 +25,6 @@ class WorkerLoad:
     room: WorkerRoom | None = None
     sent_since_report: int = 0
     done_since_report: int = 0
-    blocks_since_report: int = 0
     own_running: int = 0
     own_blocks: int = 0
     """KV blocks (prompt + expected output) of requests this scheduler has running there."""
@@ -56,8 +55,7 @@ class Admission:
     def report(self, room: WorkerRoom) -> None:
         load = self.load(room.worker_id)
         load.room = room
-        load.sent_since_report = load.done_since_report = load.blocks_since_report = 0
-        load.prompt_since_report = 0
+        load.sent_since_report = load.done_since_report = load.prompt_since_report = 0
 
     def remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
@@ -134,7 +132,6 @@ class Admission:
         output) was sent to ``worker_id``."""
         load = self.load(worker_id)
         load.sent_since_report += 1
-        load.blocks_since_report += blocks
         load.prompt_since_report += blocks - output_blocks
         load.own_running += 1
         load.own_blocks += blocks
