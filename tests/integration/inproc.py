@@ -273,3 +273,5 @@ async def start_full_stack(
         "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, router_config)
     )
     await stack.wait_for_workers(workers)
+    # the router subscribes to requests only after its index replica has caught up
+    await asyncio.wait_for(stack.services["router"].runtime.serving.wait(), 15)

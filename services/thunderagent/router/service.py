@@ -309,6 +309,9 @@ class RouterService:
         )
         self.fleet = FleetWatcher(ctx.bus, self.core.fleet, on_change=self._on_fleet_change)
         self.router.fleet_ready = self.fleet.ready
+        self.serving = asyncio.Event()
+        """Set once the NATS server has the request subscription (after the index replica has
+        caught up): until then a client gets "no router subscribes"."""
 
     def _on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
@@ -350,6 +353,8 @@ class RouterService:
             queue=subjects.ROUTER_QUEUE,
             concurrent=True,
         )
+        await bus.nc.flush()
+        self.serving.set()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.fleet.run(self.ctx.stop))
