@@ -98,3 +98,54 @@ async def test_connect_gives_up_with_a_clear_error():
 
     with pytest.raises(ConnectionError, match="cannot connect to NATS"):
         await connect(f"nats://127.0.0.1:{free_port()}", name="x", deadline_s=0.5)
+
+
+async def test_drain_answers_every_request_that_reached_the_service(nats_server):
+    """A stopping service (a router replica going away) takes no new work, and every message
+    that reached it before its interest was gone is handled to the end: each request gets its
+    answer or, once no one subscribes, NATS's 503 at once; none is left to a client's timeout.
+    The case that used to be lost: requests arriving while the drain waited for the running
+    handlers started handlers of their own that nobody waited for."""
+    nc = await connect(nats_server.url, name="svc")
+    bus = Bus(nc, service="svc")
+
+    async def slow_echo(msg: ResyncRequest, delivery) -> None:
+        await asyncio.sleep(0.05)  # waits on something, as a router waits for an adapter's ack
+        await bus.publish(delivery.reply, Ack(accepted=True, reason=msg.worker_id))
+
+    await bus.subscribe("t.echo", ResyncRequest, slow_echo, queue="q", concurrent=True)
+    client = await connect(nats_server.url, name="client")
+    inbox = client.new_inbox()
+    answered, refused = set(), set()
+
+    async def on_reply(msg) -> None:
+        if msg.headers and msg.headers.get("Status") == "503":
+            refused.add(msg.subject.rsplit(".", 1)[1])
+        else:
+            answered.add(msgspec.json.decode(msg.data, type=Ack).reason[1:])
+
+    await client.subscribe(inbox + ".*", cb=on_reply)
+    await client.flush()
+    sent = 300
+
+    async def send() -> None:  # a steady stream of requests across the drain
+        for i in range(sent):
+            payload = msgspec.json.encode(ResyncRequest(worker_id=f"w{i}", reason="x"))
+            await client.publish("t.echo", payload, reply=f"{inbox}.{i}", headers={})
+            await client.flush()
+            await asyncio.sleep(0.001)
+
+    sender = asyncio.create_task(send())
+    await asyncio.sleep(0.1)
+    await bus.drain()
+    await sender
+    assert nc.is_closed
+    for _ in range(100):
+        if len(answered | refused) == sent:
+            break
+        await asyncio.sleep(0.02)
+    assert answered and refused, "the drain ran while requests were arriving"
+    missing = {str(i) for i in range(sent)} - answered - refused
+    assert not missing, f"requests got no answer: {sorted(missing, key=int)} of {sent}; answered {len(answered)}, refused {len(refused)}"
+    assert not answered & refused
+    await client.close()

@@ -2,57 +2,84 @@
 
 Starts the embedded stack (real NATS, Redis and service processes, simulated engines with their
 clock sped up so the modelled GPU time is negligible), then sends N sequential requests through
-the control plane (client -> router -> scheduler -> adapter -> engine -> client) and N straight
-to one engine's ``/generate`` over HTTP, and prints both distributions and their difference:
-the latency the control plane adds.
+the control plane (client -> router -> adapter -> engine -> client; the router holds scheduler
+credit, so the scheduler hears of each request after) and N straight to one engine's
+``/generate`` over HTTP, in alternating rounds, and prints both distributions and their
+difference: the latency the control plane adds. Both clients run on uvloop, like the services;
+each request is timed until its answer is complete (the final reply; straight to the engine, the
+chunk that carries the finish reason).
 
-    python -m thunderagent.bench.latency [--requests 1000] [--workers 2] [--json FILE]
+    python -m thunderagent.bench.latency [--requests 1000] [--rounds 10] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
+import re
 import time
 
 import aiohttp
+import uvloop
 
 from thunderagent import stats
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import GenerateRequest
 from thunderagent.stack.up import Stack, StackConfig
 
+WARM_UP = 20
+FINISHED = re.compile(rb'"finish_reason":\s*\{')
+
 
 def summary(values: list[float]) -> dict:
     return stats.summary(values, digits=3)
 
 
-async def through_stack(nats_url: str, model: str, n: int, prompt: list[int]) -> list[float]:
-    client = await ThunderClient.connect(nats_url, idle_timeout_s=30)
-    for _ in range(20):  # warm up connections, caches and the router's fleet view
-        await client.generate(GenerateRequest(model=model, token_ids=prompt, max_tokens=1))
+async def through_stack(
+    client: ThunderClient, model: str, n: int, prompt: list[int]
+) -> list[float]:
     out = []
     for _ in range(n):
         started = time.perf_counter()
         await client.generate(GenerateRequest(model=model, token_ids=prompt, max_tokens=1))
         out.append((time.perf_counter() - started) * 1e3)
-    await client.close()
     return out
 
 
-async def straight_to_engine(engine_url: str, n: int, prompt: list[int]) -> list[float]:
+async def straight_to_engine(
+    session: aiohttp.ClientSession, engine_url: str, n: int, prompt: list[int]
+) -> list[float]:
+    """Timed to the chunk that carries the finish reason, where the adapter answers its client
+    (the stream's ``[DONE]`` and end follow)."""
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "stream": True}
     out = []
-    async with aiohttp.ClientSession() as session:
-        for i in range(n + 20):
-            started = time.perf_counter()
-            async with session.post(engine_url + "/generate", json=body) as resp:
-                async for _ in resp.content:
-                    pass
-            if i >= 20:
-                out.append((time.perf_counter() - started) * 1e3)
+    for _ in range(n):
+        started = answered = time.perf_counter()
+        async with session.post(engine_url + "/generate", json=body) as resp:
+            async for line in resp.content:
+                if answered == started and FINISHED.search(line):
+                    answered = time.perf_counter()
+        out.append((answered - started) * 1e3)
     return out
+
+
+async def measure(
+    nats_url: str, engine_url: str, model: str, n: int, rounds: int, prompt: list[int]
+) -> tuple[list[float], list[float]]:
+    """Both paths in alternating rounds, so a drift in the machine's load hits both alike."""
+    client = await ThunderClient.connect(nats_url, idle_timeout_s=30)
+    stacked: list[float] = []
+    direct: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        await straight_to_engine(session, engine_url, WARM_UP, prompt)
+        await through_stack(client, model, WARM_UP, prompt)  # connections, caches, fleet view
+        per_round = max(1, n // rounds)
+        for _ in range(rounds):
+            direct += await straight_to_engine(session, engine_url, per_round, prompt)
+            stacked += await through_stack(client, model, per_round, prompt)
+    await client.close()
+    return stacked, direct
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,18 +89,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--speedup", type=float, default=1000.0)
     parser.add_argument("--policy", default="thunder")
+    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two paths")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, policy=args.policy)
     prompt = [4 + (i * 31) % 250 for i in range(args.prompt_tokens)]
     stack = Stack.start(config)
     try:
-        direct = asyncio.run(straight_to_engine(stack.engine_urls[0], args.requests, prompt))
-        stacked = asyncio.run(through_stack(stack.nats_url, config.model, args.requests, prompt))
+        stacked, direct = uvloop.run(
+            measure(stack.nats_url, stack.engine_urls[0], config.model, args.requests,
+                    args.rounds, prompt)
+        )  # fmt: skip
     finally:
         stack.stop()
     result = {
-        "requests": args.requests,
+        "requests": len(stacked),
+        "rounds": args.rounds,
+        "client_loop": "uvloop",
+        "load_average": os.getloadavg(),
         "workers": args.workers,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": 1,

@@ -37,6 +37,10 @@ from thunderagent.telemetry.setup import meter
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+LATE_DELIVERY_GRACE_S = 0.05
+"""How long a draining subscription still takes messages after the server acknowledged its
+UNSUB (a message in flight inside the server lands within microseconds)."""
+
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder] = {}
 
@@ -82,6 +86,8 @@ class Bus(JetStreamMixin):
     service: str
     stats: dict[str, SubscriptionStats] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
+    _subs: list[Subscription] = field(default_factory=list)
+    """What :meth:`subscribe` made: :meth:`drain` removes their interest first."""
     _replies: Replies | None = field(default=None, repr=False)
     """The shared reply subscription of :meth:`request` (made on first use)."""
 
@@ -207,7 +213,9 @@ class Bus(JetStreamMixin):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        self._subs.append(sub)
+        return sub
 
     async def reject(
         self, delivery: Delivery, reason: str, code: ErrorCode = ErrorCode.BAD_REQUEST
@@ -234,12 +242,36 @@ class Bus(JetStreamMixin):
         except Exception:  # the connection may be closing; the log line above keeps the record
             log.exception("%s: could not publish dead letter", self.service)
 
-    async def drain(self) -> None:
-        """Let running handler tasks finish, then drain the connection."""
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Stop taking work, finish it, then close. Interest in this bus's subscriptions goes
+        first (a server round trip, so nothing more arrives: a queue group's next message goes
+        to another member), what already arrived is handled, the handler tasks finish while
+        replies and requests still work, and only then does the connection drain."""
+        if self.nc.is_closed:
+            return
+        subs, self._subs = self._subs, []
+        if subs:
+            drains = (_drain_subscription(self.nc, sub) for sub in subs)
+            done = await asyncio.gather(*drains, return_exceptions=True)
+            for sub, result in zip(subs, done, strict=True):
+                if isinstance(result, Exception):  # unsubscribed before, or the server is gone
+                    log.debug("%s: drain of %s: %r", self.service, sub.subject, result)
         if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5)
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
         if not self.nc.is_closed:
             await self.nc.drain()
+
+
+async def _drain_subscription(nc: NATS, sub: Subscription) -> None:
+    """nats-py's ``Subscription.drain`` after a grace: the server can still deliver a message
+    it routed to this subscription before it read the UNSUB (a queue group's pick made by the
+    publisher's connection), and nats-py drops a message for a subscription it has removed.
+    So: UNSUB, a round trip, a pause for such stragglers while the subscription still takes
+    them, then the drain (its own UNSUB is a no-op for the server)."""
+    await nc._send_unsubscribe(sub._id)  # nats-py has no public "stop interest, keep taking"
+    await nc.flush()
+    await asyncio.sleep(LATE_DELIVERY_GRACE_S)
+    await sub.drain()
 
 
 def _type_name(message_type: Any) -> str:

@@ -60,6 +60,12 @@ class GatewayConfig:
     """SO_REUSEPORT: several gateway processes on one host share the port (one core each)."""
     idle_timeout_s: float = 120.0
     """No reply for this long: the request is cancelled and answered 504."""
+    retries: int = 3
+    retry_after_s: float = 5.0
+    """A request with no first reply after ``retry_after_s`` (a router replica went away
+    holding it), or refused as unavailable by a restarting router or scheduler, is sent again
+    with the same id, up to ``retries`` times (it still runs once): the ThunderClient's
+    defaults."""
     max_body_bytes: int = 8 * 2**20
     """Larger bodies are answered 413 (NATS's own limit is the server's ``max_payload``)."""
     shutdown_grace_s: float = 10.0
@@ -193,7 +199,8 @@ class Gateway:
             span.set_attribute("http.request.method", "POST")
             span.set_attribute("url.path", request.path)
             call = Call(self.mux, parsed.request, idle_timeout_s=self.config.idle_timeout_s,
-                        spawn=self.spawn, service="gateway")  # fmt: skip
+                        spawn=self.spawn, service="gateway", retries=self.config.retries,
+                        retry_after_s=self.config.retry_after_s)  # fmt: skip
             try:
                 first = await call.start()
                 if isinstance(first, ErrorReply):

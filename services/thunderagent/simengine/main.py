@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ async def _serve(config: SimEngineConfig) -> None:
         kv_pool=kv_pool,
     )
     info = EngineInfo(
-        model=config.model, block_size=config.block_size, kv_events_config=config.kv_events_config
+        model=config.model,
+        block_size=config.block_size,
+        kv_events_config=_as_bound(config.kv_events_config, publisher),
     )
     info.kv_pull_gbps = config.kv_pull_gbps
     info.instant = config.instant
@@ -92,3 +95,17 @@ def serve(config: SimEngineConfig) -> None:
         uvloop.run(_serve(config))
     finally:
         telemetry.shutdown()
+
+
+def _as_bound(kv_events_config: str | None, publisher: ZmqKvEventPublisher | None) -> str | None:
+    """The events config ``/server_info`` reports, with the addresses the publisher bound: a
+    wildcard port (``tcp://127.0.0.1:*``, what ``thunderagent up`` passes, so no port picked
+    in advance can be taken by another process first) becomes the port it got."""
+    if not kv_events_config or publisher is None:
+        return kv_events_config
+    reported = json.loads(kv_events_config)
+    if publisher.endpoint:
+        reported["endpoint"] = publisher.endpoint
+    if publisher.replay_endpoint:
+        reported["replay_endpoint"] = publisher.replay_endpoint
+    return json.dumps(reported)

@@ -234,12 +234,12 @@ class Stack:
         if c.kv_blocks is not None:
             pool += ["--kv-blocks", str(c.kv_blocks)]
         for i in range(c.workers):
-            port, events_port, replay_port = free_port(), free_port(), free_port()
+            port = free_port()
             events = json.dumps(
-                {
+                {  # any free port: the engine reports what it bound in /server_info
                     "publisher": "zmq",
-                    "endpoint": f"tcp://127.0.0.1:{events_port}",
-                    "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                    "endpoint": "tcp://127.0.0.1:*",
+                    "replay_endpoint": "tcp://127.0.0.1:*",
                     "topic": "kv",
                     # SGLang connects a PUB socket to a concrete host; bind it here instead
                     "bind": True,

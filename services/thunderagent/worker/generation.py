@@ -62,6 +62,9 @@ class Generation:
     max_request_s: float = 600.0
     """No run holds an engine slot longer than this (nor past the request's deadline)."""
     task: asyncio.Task | None = None
+    final: FinalReply | None = None
+    """The answer, once sent: a run stopped or broken after it (while the engine's stream
+    drains) has nothing more to tell anyone."""
 
     @property
     def request_id(self) -> str:
@@ -79,6 +82,8 @@ class Generation:
     async def stop(self) -> None:
         """Stop streaming and abort at the engine (SGLang's ``/abort_request``; closing the
         stream also aborts it there, this just does not wait for the next token to notice)."""
+        if self.final is not None:
+            return  # answered: its stream is only draining, the engine has finished it
         self.stopped = True
         if self.task is not None:
             self.task.cancel()
@@ -94,6 +99,8 @@ class Generation:
     def abandon(self, reason: str) -> None:
         """The engine under this run stopped answering: stop waiting for it and hand the
         run back to the scheduler (it resumes elsewhere as a continuation)."""
+        if self.final is not None:
+            return  # answered: nothing to hand back
         self.lost = reason
         if self.task is not None:
             self.task.cancel()
@@ -107,6 +114,8 @@ class Generation:
                     return await self._prefill_then_hand_off()
                 return await self._run()
         except asyncio.CancelledError:
+            if self.final is not None and (self.stopped or self.lost):
+                return self.final  # stopped while the stream drained: it had finished
             if self.lost:
                 await self._fail(RuntimeError(self.lost))
                 return None
@@ -116,6 +125,8 @@ class Generation:
             return None
         except TimeoutError:  # the time limit: free the engine slot, tell the client why
             await self.engine.abort(self.engine_rid)
+            if self.final is not None:
+                return self.final
             why = (
                 "its deadline passed"
                 if limit < self.max_request_s
@@ -135,24 +146,38 @@ class Generation:
                                           cache_salt=req.cache_salt)  # fmt: skip
             async for chunk in stream:
                 meta = chunk.meta
-                if not chunk.new_token_ids:
-                    continue
-                if first_token_at is None:
-                    first_token_at = time.monotonic()
-                    await self._started()
-                if req.stream:
-                    await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
-                else:
-                    text_parts.append(chunk.new_text)
-                self.output.extend(chunk.new_token_ids)
+                if chunk.new_token_ids:
+                    if req.stream:  # the client's token before our own bookkeeping
+                        await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
+                    else:
+                        text_parts.append(chunk.new_text)
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                        await self._started()
+                    self.output.extend(chunk.new_token_ids)
+                if self.final is None and meta.get("finish_reason"):
+                    # answer now: the stream's "[DONE]" and its end are read after, off the
+                    # client's path (the connection goes back to the pool only once drained)
+                    await self._finish(meta, text_parts, started, first_token_at)
         except (TimeoutError, EngineError, OSError) as err:
+            if self.final is not None:  # the client has its answer; only the drain failed
+                log.info("request %s: engine stream broke after its last token: %s",
+                         self.request_id, err)  # fmt: skip
+                return self.final
             await self._fail(err)
             return None
+        if self.final is None:  # the stream ended without a finish reason
+            await self._finish(meta, text_parts, started, first_token_at)
+        return self.final
+
+    async def _finish(
+        self, meta: dict, text_parts: list[str], started: float, first_token_at: float | None
+    ) -> None:
         finished = time.monotonic()
         final = self._final(meta, "".join(text_parts), started, first_token_at or finished)
+        self.final = final
         await self.bus.publish(self.work.reply_subject, final)
         await self._progress("finished", usage=final.usage)
-        return final
 
     async def _prefill_then_hand_off(self) -> FinalReply | None:
         """PD disaggregation: prefill here up to the first token, move the KV to the decode

@@ -1,0 +1,129 @@
+"""A run answers its client as soon as the engine's chunk carries the finish reason; the rest of
+the engine's stream (``[DONE]``, the end of the body) is read after, off the client's path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from thunderagent.bus import Bus, connect
+from thunderagent.fleet import AcceptedRuns
+from thunderagent.schemas import (
+    REPLY_DECODER,
+    FinalReply,
+    GenerateRequest,
+    RequestProgress,
+    TokenChunk,
+    WorkerGenerate,
+    subjects,
+)
+from thunderagent.worker.engine_client import EngineChunk, EngineError
+from thunderagent.worker.generation import Generation
+
+pytestmark = pytest.mark.integration
+
+PROGRESS = msgspec.json.Decoder(RequestProgress)
+FINISHED = {"finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 2}
+
+
+class SlowEndEngine:
+    """Streams two tokens, the second with its finish reason, then holds the stream open until
+    ``release`` is set (an engine slow to send ``[DONE]``), then ends it or breaks it."""
+
+    def __init__(self, *, break_after: bool = False) -> None:
+        self.release = asyncio.Event()
+        self.break_after = break_after
+        self.drained = False
+        self.aborted: list[str] = []
+
+    async def generate(self, rid, input_ids, sampling, *, cache_salt=None):
+        yield EngineChunk(new_token_ids=[7], new_text="a", meta={"completion_tokens": 1})
+        yield EngineChunk(new_token_ids=[8], new_text="b", meta=FINISHED)
+        await self.release.wait()
+        if self.break_after:
+            raise EngineError(502, "connection reset after the last token")
+        self.drained = True
+
+    async def abort(self, rid: str) -> bool:
+        self.aborted.append(rid)
+        return True
+
+
+async def start(nats_url: str, engine: SlowEndEngine, rid: str = "r1"):
+    nc = await connect(nats_url, name="adapter")
+    bus = Bus(nc, service="worker")
+    client = await connect(nats_url, name="client")
+    replies: asyncio.Queue = asyncio.Queue()
+    await client.subscribe(f"reply.{rid}", cb=replies.put)
+    phases: list[str] = []
+
+    async def on_progress(msg):
+        progress = PROGRESS.decode(msg.data)
+        if progress.request_id == rid:
+            phases.append(progress.phase)
+
+    await client.subscribe(subjects.progress("*"), cb=on_progress)
+    await client.flush()
+    work = WorkerGenerate(
+        request=GenerateRequest(model="m", token_ids=[1, 2, 3, 4], max_tokens=2, request_id=rid),
+        reply_subject=f"reply.{rid}",
+    )
+    runs = AcceptedRuns()
+    generation = Generation(work, "w0", bus, engine, runs)  # type: ignore[arg-type]
+    runs.accept(generation.engine_rid, 4)
+    task = asyncio.create_task(generation.run())
+    return nc, client, replies, phases, generation, task
+
+
+async def read_until_final(replies: asyncio.Queue) -> list:
+    got = []
+    while not got or not isinstance(got[-1], FinalReply):
+        got.append(REPLY_DECODER.decode((await asyncio.wait_for(replies.get(), 5)).data))
+    return got
+
+
+async def test_final_reply_does_not_wait_for_the_end_of_the_engine_stream(nats_server):
+    engine = SlowEndEngine()
+    nc, client, replies, phases, _, task = await start(nats_server.url, engine)
+    got = await read_until_final(replies)
+    assert [type(r) for r in got] == [TokenChunk, TokenChunk, FinalReply]
+    assert got[-1].usage.completion_tokens == 2
+    assert not engine.drained and not task.done(), "answered while the stream was still open"
+    engine.release.set()
+    final = await asyncio.wait_for(task, 5)
+    assert final is got[-1] or final == got[-1]
+    assert engine.drained
+    await client.flush()
+    await asyncio.sleep(0.1)
+    assert phases == ["started", "finished"]
+    await nc.close()
+    await client.close()
+
+
+async def test_a_stream_broken_or_stopped_after_the_answer_reports_nothing_more(nats_server):
+    broken = SlowEndEngine(break_after=True)
+    nc, client, replies, phases, _, task = await start(nats_server.url, broken)
+    await read_until_final(replies)
+    broken.release.set()
+    assert isinstance(await asyncio.wait_for(task, 5), FinalReply)  # no failure, no hand-back
+
+    stopped = SlowEndEngine()
+    nc2, client2, replies2, phases2, generation2, task2 = await start(
+        nats_server.url, stopped, "r2"
+    )
+    await read_until_final(replies2)
+    await generation2.stop()  # a preemption or cancel that arrives after the answer
+    await asyncio.sleep(0.05)
+    assert not task2.done() and not stopped.aborted, "an answered run is left to drain"
+    stopped.release.set()
+    assert isinstance(await asyncio.wait_for(task2, 5), FinalReply)
+    assert stopped.drained
+    await client.flush()
+    await asyncio.sleep(0.1)
+    await client2.flush()
+    assert phases == phases2 == ["started", "finished"]
+    assert replies.empty() and replies2.empty(), "nothing after the final reply"
+    for c in (nc, client, nc2, client2):
+        await c.close()
