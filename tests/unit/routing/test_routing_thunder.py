@@ -1,5 +1,5 @@
 """thunder: hand-computed seconds, load-decayed credit, host tier, KV overflow, load-scaled
-recompute, p2c, online tuning."""
+recompute, no-hit ranking (all, or power of two choices), online tuning."""
 
 import math
 import random
@@ -116,8 +116,24 @@ def test_free_kv_breaks_cost_ties() -> None:
         assert ids(unit().rank(query, workers, random.Random(seed))) == ["b", "a"]
 
 
-def test_no_hit_uses_power_of_two_choices() -> None:
+def test_no_hit_ranks_every_worker_by_cost() -> None:
     p = unit(decode_s_per_seq=1.0)
+    workers = [WorkerView(f"w{i}", running=(i * 5) % 6) for i in range(6)]
+    query = q(4, expected_output_tokens=1)
+    for seed in range(10):
+        ranked = [int(c.worker_id[1:]) for c in p.rank(query, workers, random.Random(seed))]
+        assert [(i * 5) % 6 for i in ranked] == sorted((i * 5) % 6 for i in range(6))
+        assert ranked[0] == 0  # the least loaded, whatever the draw
+
+
+def test_no_hit_sample_must_be_all_or_a_real_choice() -> None:
+    for bad in (1, -2, 2.5, True):
+        with pytest.raises(ParamError):
+            unit(no_hit_sample=bad)
+
+
+def test_no_hit_sample_two_is_power_of_two_choices() -> None:
+    p = unit(decode_s_per_seq=1.0, no_hit_sample=2)
     workers = [WorkerView(f"w{i}", running=i) for i in range(6)]
     query = q(4, expected_output_tokens=1)
     firsts = set()
