@@ -101,10 +101,13 @@ class Thunder(PolicyHooks):
     """Workers compared when none holds any of the prompt: 0 ranks them all on the cost (it
     already counts what this router sent since the last load report, so the cheapest is not a
     stale pick); 2 is power of two choices, for load views that lag (many router replicas).
-    Chosen on generated workloads, seeds 0 and 1: bursty with unique prompts (no system prompt,
-    no document reuse; TTFT p50, p99, hit ratio and preemptions better at every speed swept,
-    4-16x), hot spot (level: capacity 12x vs 10x on seed 0 at the edge, 10x either way on
-    seed 1), bursty and agent as generated (identical: a hit somewhere nearly always)."""
+    Chosen on generated workloads: bursty with unique prompts (``bench gen --kind bursty
+    --param system_prompt_tokens=0 --param doc_reuse=0.0 --background-rate 3``), seeds 0 and
+    1: TTFT p50, p99, hit ratio better at every speed to 16x, capacity 12x against 2's 10x (the
+    best peer's 12x; at 20x, past every policy's capacity, 2 did better); bursty and agent as
+    generated: identical (a hit somewhere nearly always); hot spot: 12x is its edge, where the
+    replay seed's tie-breaks decide (seed 0: 4.57 s against 2's 3.56 s, over the 4.06 s SLO;
+    seed 1: 3.56 s both, and 13x 7.6 s against 15.7 s)."""
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
