@@ -146,6 +146,9 @@ async def test_drain_answers_every_request_that_reached_the_service(nats_server)
         await asyncio.sleep(0.02)
     assert answered and refused, "the drain ran while requests were arriving"
     missing = {str(i) for i in range(sent)} - answered - refused
-    assert not missing, f"requests got no answer: {sorted(missing, key=int)} of {sent}; answered {len(answered)}, refused {len(refused)}"
+    assert not missing, (
+        f"requests got no answer: {sorted(missing, key=int)} of {sent}; "
+        f"answered {len(answered)}, refused {len(refused)}"
+    )
     assert not answered & refused
     await client.close()
