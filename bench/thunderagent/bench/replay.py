@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
     )
+    p.add_argument(
+        "--sched-param", action="append", default=[],
+        help="FIELD=VALUE override of the scheduler's SchedParams (repeatable; runs with a "
+        "scheduler other than direct)",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     migration_cli.add_arguments(p)
     args = p.parse_args(argv)
@@ -132,6 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workers < 1 or args.load_interval <= 0:
         p.error("--workers must be >= 1 and --load-interval > 0")
     args.params = _params(args.param)
+    args.sched_params = _params([f"scheduler.{item}" for item in args.sched_param]).get(
+        "scheduler", {}
+    )
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     return args
 
@@ -147,6 +155,11 @@ this margin for queueing."""
 
 def scheduler_for(policy: str, override: str | None) -> str:
     return override or DEPLOYED_SCHEDULER.get(policy, "direct")
+
+
+def _sched_params(params: dict, policy: str, override: str | None) -> dict:
+    """The scheduler knobs for a run; none for direct dispatch, which has no knobs."""
+    return {} if scheduler_for(policy, override) == "direct" else dict(params)
 
 
 def default_slo_ms(trace, timing: TimingModel, chunk: int) -> float:
@@ -189,6 +202,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         "load_interval_s": args.load_interval,
         "index_ttl_s": args.index_ttl,
         "policy_params": args.params,
+        "scheduler_params": args.sched_params,
         "migration": args.migration,
         "migration_params": args.migration_params,
         "hot_window_s": list(window) if window else None,
@@ -211,6 +225,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 seed=args.seed,
                 load_interval=args.load_interval,
                 index_ttl=args.index_ttl,
+                scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
             )
             start = time.perf_counter()
             replay = Replay(cfg, bs)

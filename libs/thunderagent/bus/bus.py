@@ -158,62 +158,9 @@ class Bus(JetStreamMixin):
         ``concurrent=True`` runs each handler in its own task (for handlers that stream for a long
         time, such as a generate request); otherwise messages are handled one at a time in order.
         """
-        decoder = decoder_for(message_type)
         stats = self.stats.setdefault(subject, SubscriptionStats())
-        span_name = f"{self.service} {subject.split('.')[1] if '.' in subject else subject}"
-
-        async def process(msg: Msg) -> None:
-            headers = msg.headers
-            delivery = Delivery(msg.subject, msg.reply or "", headers or {}, msg.data)
-            sampled = sampled_flag(headers) if headers else None
-            if sampled is None:  # no trace context: no span, nothing to pass on
-                await handle(msg, delivery, None)
-                return
-            ctx = extract_context(headers)
-            if sampled and tracing_active():
-                with self._tracer.start_as_current_span(
-                    span_name, context=ctx, kind=SpanKind.CONSUMER
-                ) as span:
-                    span.set_attribute("messaging.destination.name", msg.subject)
-                    await handle(msg, delivery, span)
-                return
-            # sampled out, or tracing off here: no span, but the context goes on unchanged
-            token = otel_context.attach(ctx)
-            try:
-                await handle(msg, delivery, None)
-            finally:
-                otel_context.detach(token)
-
-        async def handle(msg: Msg, delivery: Delivery, span: trace.Span | None) -> None:
-            try:
-                decoded = decoder.decode(msg.data)
-            except DECODE_ERRORS as err:
-                if span is not None:
-                    span.set_status(Status(StatusCode.ERROR, str(err)))
-                await self.reject(delivery, f"invalid {_type_name(message_type)}: {err}")
-                return
-            stats.delivered += 1
-            try:
-                await handler(decoded, delivery)
-            except Exception as err:
-                stats.handler_errors += 1
-                if span is not None:
-                    span.record_exception(err)
-                    span.set_status(Status(StatusCode.ERROR, str(err)))
-                log.exception("%s: handler for %s failed", self.service, msg.subject)
-                await self.reject(
-                    delivery, f"handler failed: {type(err).__name__}: {err}", ErrorCode.INTERNAL
-                )
-
-        async def on_message(msg: Msg) -> None:
-            if not concurrent:
-                await process(msg)
-                return
-            task = asyncio.create_task(process(msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        consumer = _Consumer(self, subject, message_type, handler, stats, concurrent)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=consumer.on_message)
         self._subs.append(sub)
         return sub
 
@@ -285,3 +232,77 @@ def _bad_reply(subject: str, data: bytes, err: Exception) -> BadReply:
     except DECODE_ERRORS:
         return BadReply(subject, f"unreadable reply ({err})")
     return BadReply(subject, f"{error.code.value}: {error.message}", error.code.value)
+
+
+class _Consumer:
+    """One subscription's message path: trace context in, decode, handler, rejection out."""
+
+    __slots__ = ("bus", "concurrent", "decoder", "handler", "message_type", "span_name", "stats")
+
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        message_type: Any,
+        handler: Handler,
+        stats: SubscriptionStats,
+        concurrent: bool,
+    ) -> None:
+        self.bus = bus
+        self.decoder = decoder_for(message_type)
+        self.message_type = message_type
+        self.handler = handler
+        self.stats = stats
+        self.concurrent = concurrent
+        self.span_name = f"{bus.service} {subject.split('.')[1] if '.' in subject else subject}"
+
+    async def on_message(self, msg: Msg) -> None:
+        if not self.concurrent:
+            await self.process(msg)
+            return
+        task = asyncio.create_task(self.process(msg))
+        self.bus._tasks.add(task)
+        task.add_done_callback(self.bus._tasks.discard)
+
+    async def process(self, msg: Msg) -> None:
+        headers = msg.headers
+        delivery = Delivery(msg.subject, msg.reply or "", headers or {}, msg.data)
+        sampled = sampled_flag(headers) if headers else None
+        if sampled is None:  # no trace context: no span, nothing to pass on
+            await self.handle(msg, delivery, None)
+            return
+        ctx = extract_context(headers)
+        if sampled and tracing_active():
+            with self.bus._tracer.start_as_current_span(
+                self.span_name, context=ctx, kind=SpanKind.CONSUMER
+            ) as span:
+                span.set_attribute("messaging.destination.name", msg.subject)
+                await self.handle(msg, delivery, span)
+            return
+        # sampled out, or tracing off here: no span, but the context goes on unchanged
+        token = otel_context.attach(ctx)
+        try:
+            await self.handle(msg, delivery, None)
+        finally:
+            otel_context.detach(token)
+
+    async def handle(self, msg: Msg, delivery: Delivery, span: trace.Span | None) -> None:
+        try:
+            decoded = self.decoder.decode(msg.data)
+        except DECODE_ERRORS as err:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(err)))
+            await self.bus.reject(delivery, f"invalid {_type_name(self.message_type)}: {err}")
+            return
+        self.stats.delivered += 1
+        try:
+            await self.handler(decoded, delivery)
+        except Exception as err:
+            self.stats.handler_errors += 1
+            if span is not None:
+                span.record_exception(err)
+                span.set_status(Status(StatusCode.ERROR, str(err)))
+            log.exception("%s: handler for %s failed", self.bus.service, msg.subject)
+            await self.bus.reject(
+                delivery, f"handler failed: {type(err).__name__}: {err}", ErrorCode.INTERNAL
+            )

@@ -29,6 +29,11 @@ class EngineChunk:
     new_text: str
     meta: dict[str, Any]
 
+    @property
+    def finished(self) -> bool:
+        """The engine named a finish reason: this is the run's last token."""
+        return bool(self.meta.get("finish_reason"))
+
 
 class EngineClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:

@@ -155,7 +155,7 @@ class Generation:
                         first_token_at = time.monotonic()
                         await self._started()
                     self.output.extend(chunk.new_token_ids)
-                if self.final is None and meta.get("finish_reason"):
+                if self.final is None and chunk.finished:
                     # answer now: the stream's "[DONE]" and its end are read after, off the
                     # client's path (the connection goes back to the pool only once drained)
                     await self._finish(meta, text_parts, started, first_token_at)
