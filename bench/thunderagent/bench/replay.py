@@ -40,6 +40,7 @@ from thunderagent.replay import (
 from thunderagent.replay.migration import ReplayMigration, hot_summary, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
+from thunderagent.scheduling.params import ParamError, SchedParams
 from thunderagent.stats import percentile
 
 
@@ -91,6 +92,16 @@ def _params(items: list[str]) -> dict[str, dict]:
     return out
 
 
+def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
+    """``FIELD=VALUE`` (VALUE as JSON, else a string) -> SchedParams overrides, checked now."""
+    out = _params([f"scheduler.{item}" for item in items]).get("scheduler", {})
+    try:
+        SchedParams(**out).validate()
+    except (ParamError, TypeError) as err:
+        p.error(f"--sched-param: {err}")
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="thunderagent bench replay", description=__doc__.split("\n")[0]
@@ -137,9 +148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workers < 1 or args.load_interval <= 0:
         p.error("--workers must be >= 1 and --load-interval > 0")
     args.params = _params(args.param)
-    args.sched_params = _params([f"scheduler.{item}" for item in args.sched_param]).get(
-        "scheduler", {}
-    )
+    args.sched_params = _sched_overrides(args.sched_param, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     return args
 

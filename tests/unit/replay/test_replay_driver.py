@@ -167,3 +167,27 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
     assert all(e["completed"] == 20 for e in doc["results"])
     assert "| thunder | 2 | 20 |" in report.read_text()
     assert "thunder" in capsys.readouterr().out
+
+
+def test_cli_sched_params_reach_the_scheduler_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    from thunderagent.bench.replay import _sched_params, main
+
+    assert _sched_params({"order": "fcfs"}, "thunder", None) == {"order": "fcfs"}
+    assert _sched_params({"order": "fcfs"}, "round_robin", None) == {}  # peers ship as direct
+    assert _sched_params({"order": "fcfs"}, "round_robin", "fcfs") == {"order": "fcfs"}
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 10 * i, "input_length": 9, "output_length": 3, "hash_ids": [0, i]}
+        for i in range(6)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    common = ["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2"]
+    common += ["--policies", "round_robin,thunder", "--quiet"]
+    main([*common, "--sched-param", "order=fcfs", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["scheduler_params"] == {"order": "fcfs"}
+    assert all(e["completed"] == 6 for e in doc["results"])
+    for bad in ("order=lifo", "no_such_knob=1", "max_running=-1"):
+        with pytest.raises(SystemExit):
+            main([*common, "--sched-param", bad])
