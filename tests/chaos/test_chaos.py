@@ -29,7 +29,7 @@ from thunderagent.schemas import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
-    RequestProgress,
+    ProgressBatch,
     TokenChunk,
     subjects,
 )
@@ -105,13 +105,15 @@ async def count_starts(nats_url: str, where: dict | None = None) -> tuple[Counte
     nc = await connect(nats_url, name="chaos-watch")
     starts: Counter = Counter()
 
-    async def on_started(p: RequestProgress, _) -> None:
-        starts[p.request_id] += 1
-        if where is not None:
-            where[p.request_id] = p.worker_id
+    async def on_progress(batch: ProgressBatch, _) -> None:
+        for p in batch.events:
+            if p.phase == "started":
+                starts[p.request_id] += 1
+                if where is not None:
+                    where[p.request_id] = p.worker_id
 
     await Bus(nc, service="chaos-watch").subscribe(
-        subjects.progress("started"), RequestProgress, on_started
+        subjects.PROGRESS_WILDCARD, ProgressBatch, on_progress
     )
     return starts, nc
 

@@ -64,12 +64,18 @@ def _examples() -> dict[type, Any]:
         s.ScheduleRequest: _schedule(),
         s.CancelRequest: s.CancelRequest(request_id="fuzz-1", reason="fuzz"),
         s.ProgramRelease: s.ProgramRelease(program_id="p1"),
-        s.RequestProgress: s.RequestProgress(
-            request_id="fuzz-1",
+        s.ProgressBatch: s.ProgressBatch(
             worker_id="w0",
-            phase="finished",
-            ts=now,
-            usage=s.Usage(prompt_tokens=40, cached_tokens=16, completion_tokens=4),
+            events=[
+                s.RequestProgress(request_id="fuzz-1", worker_id="w0", phase="started", ts=now),
+                s.RequestProgress(
+                    request_id="fuzz-1",
+                    worker_id="w0",
+                    phase="finished",
+                    ts=now,
+                    usage=s.Usage(prompt_tokens=40, cached_tokens=16, completion_tokens=4),
+                ),
+            ],
         ),
         s.Dispatched: s.Dispatched(request_id="fuzz-1", worker_id="w0"),
         s.DirectDispatch: s.DirectDispatch(submit=_schedule(), worker_id="w0"),

@@ -34,7 +34,7 @@ from thunderagent.schemas import (
     LoadReport,
     MigrationOrder,
     ProgramRelease,
-    RequestProgress,
+    ProgressBatch,
     ResyncRequest,
     RouteDecision,
     RouterHello,
@@ -48,7 +48,7 @@ from thunderagent.sglang import kv_wire
 pytestmark = pytest.mark.fuzz
 
 TYPES = [
-    GenerateRequest, ScheduleRequest, CancelRequest, ProgramRelease, RequestProgress, Dispatched,
+    GenerateRequest, ScheduleRequest, CancelRequest, ProgramRelease, ProgressBatch, Dispatched,
     WorkerGenerate, AbortRequest, KvTransfer, ResyncRequest, KvExportRequest, KvPullRequest,
     KvRelease, LoadReport, KvEventBatch, RouteDecision, MigrationOrder, DrainNotice,
     WorkerRegistration, DirectDispatch, RouterHello, CreditGrant, RunFailed,

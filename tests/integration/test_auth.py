@@ -170,7 +170,7 @@ async def test_a_client_cannot_publish_worker_or_kv_subjects(auth_server):
     client, seen = await _as(server, creds, "client")
     forbidden = [subjects.kv_events("w0"), subjects.worker_load("w0"),
                  subjects.worker_generate("w0"), subjects.sched_submit("any-model"),
-                 subjects.progress("started")]  # fmt: skip
+                 subjects.progress("w0")]  # fmt: skip
     try:
         got = await _collect(admin, "thunderagent.>")
         for subject in forbidden:

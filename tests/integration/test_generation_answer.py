@@ -1,5 +1,7 @@
 """A run answers its client as soon as the engine's chunk carries the finish reason; the rest of
-the engine's stream (``[DONE]``, the end of the body) is read after, off the client's path."""
+the engine's stream (``[DONE]``, the end of the body) is read after, off the client's path. The
+run's end reaches the routers and the scheduler before the client's answer does, and a run whose
+first token is its last sends its start and end as one batch."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from thunderagent.schemas import (
     REPLY_DECODER,
     FinalReply,
     GenerateRequest,
-    RequestProgress,
+    ProgressBatch,
     TokenChunk,
     WorkerGenerate,
     subjects,
@@ -24,7 +26,7 @@ from thunderagent.worker.generation import Generation
 
 pytestmark = pytest.mark.integration
 
-PROGRESS = msgspec.json.Decoder(RequestProgress)
+PROGRESS = msgspec.json.Decoder(ProgressBatch)
 FINISHED = {"finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 2}
 
 
@@ -32,15 +34,21 @@ class SlowEndEngine:
     """Streams two tokens, the second with its finish reason, then holds the stream open until
     ``release`` is set (an engine slow to send ``[DONE]``), then ends it or breaks it."""
 
-    def __init__(self, *, break_after: bool = False) -> None:
+    def __init__(self, *, break_after: bool = False, one_token: bool = False) -> None:
         self.release = asyncio.Event()
+        self.one_token = one_token
         self.break_after = break_after
         self.drained = False
         self.aborted: list[str] = []
 
     async def generate(self, rid, input_ids, sampling, *, cache_salt=None):
-        yield EngineChunk(new_token_ids=[7], new_text="a", meta={"completion_tokens": 1})
-        yield EngineChunk(new_token_ids=[8], new_text="b", meta=FINISHED)
+        if self.one_token:
+            yield EngineChunk(
+                new_token_ids=[7], new_text="a", meta={**FINISHED, "completion_tokens": 1}
+            )
+        else:
+            yield EngineChunk(new_token_ids=[7], new_text="a", meta={"completion_tokens": 1})
+            yield EngineChunk(new_token_ids=[8], new_text="b", meta=FINISHED)
         await self.release.wait()
         if self.break_after:
             raise EngineError(502, "connection reset after the last token")
@@ -56,15 +64,23 @@ async def start(nats_url: str, engine: SlowEndEngine, rid: str = "r1"):
     bus = Bus(nc, service="worker")
     client = await connect(nats_url, name="client")
     replies: asyncio.Queue = asyncio.Queue()
-    await client.subscribe(f"reply.{rid}", cb=replies.put)
-    phases: list[str] = []
+    phases: list[str | list[str]] = []
+    """Each progress batch's phases, and "reply" where the client's final reply came: one
+    subscription, so in the order the server delivered them."""
 
-    async def on_progress(msg):
-        progress = PROGRESS.decode(msg.data)
-        if progress.request_id == rid:
-            phases.append(progress.phase)
+    async def on_message(msg):
+        if msg.subject == f"reply.{rid}":
+            await replies.put(msg)
+            if isinstance(REPLY_DECODER.decode(msg.data), FinalReply):
+                phases.append("reply")
+        elif msg.subject.startswith(subjects.progress("")):
+            batch = PROGRESS.decode(msg.data)
+            assert msg.subject == subjects.progress(batch.worker_id)
+            mine = [p.phase for p in batch.events if p.request_id == rid]
+            if mine:
+                phases.append(mine)
 
-    await client.subscribe(subjects.progress("*"), cb=on_progress)
+    await client.subscribe(">", cb=on_message)
     await client.flush()
     work = WorkerGenerate(
         request=GenerateRequest(model="m", token_ids=[1, 2, 3, 4], max_tokens=2, request_id=rid),
@@ -97,7 +113,7 @@ async def test_final_reply_does_not_wait_for_the_end_of_the_engine_stream(nats_s
     assert engine.drained
     await client.flush()
     await asyncio.sleep(0.1)
-    assert phases == ["started", "finished"]
+    assert phases == [["started"], ["finished"], "reply"], "the run's end before the answer"
     await nc.close()
     await client.close()
 
@@ -123,7 +139,21 @@ async def test_a_stream_broken_or_stopped_after_the_answer_reports_nothing_more(
     await client.flush()
     await asyncio.sleep(0.1)
     await client2.flush()
-    assert phases == phases2 == ["started", "finished"]
+    assert phases == phases2 == [["started"], ["finished"], "reply"]
     assert replies.empty() and replies2.empty(), "nothing after the final reply"
     for c in (nc, client, nc2, client2):
         await c.close()
+
+
+async def test_a_one_token_run_sends_its_start_and_end_together_before_the_answer(nats_server):
+    engine = SlowEndEngine(one_token=True)
+    nc, client, replies, phases, _, task = await start(nats_server.url, engine)
+    got = await read_until_final(replies)
+    assert [type(r) for r in got] == [TokenChunk, FinalReply]
+    engine.release.set()
+    await asyncio.wait_for(task, 5)
+    await client.flush()
+    await asyncio.sleep(0.1)
+    assert phases == [["started", "finished"], "reply"]
+    await nc.close()
+    await client.close()

@@ -33,6 +33,7 @@ from thunderagent.schemas import (
     GenerateRequest,
     KvEventBatch,
     LoadReport,
+    ProgressBatch,
     RequestProgress,
     ScheduleRequest,
     Usage,
@@ -201,7 +202,8 @@ async def live_decisions(
                               completion_tokens=4)  # fmt: skip
                 progress = RequestProgress(request_id=rid, worker_id=worker, phase="finished",
                                            ts=time.time(), usage=usage)  # fmt: skip
-                await bus.publish(subjects.progress("finished"), progress)
+                batch = ProgressBatch(worker_id=worker, events=[progress])
+                await bus.publish(subjects.progress(worker), batch)
                 await wait_for(lambda r=rid: r not in router.core.verifier._dispatched, "finish")
         await nc.close()
         return out, router

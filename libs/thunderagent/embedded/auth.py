@@ -70,7 +70,7 @@ def worker_permissions(worker_id: str = "*") -> Permissions:
         publish=(
             subjects.worker_load(w),
             subjects.kv_events(w),
-            subjects.progress("*"),
+            subjects.progress(w),
             subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
             # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
             subjects.worker_kv_import("*"),
@@ -117,7 +117,7 @@ def role_permissions(role: str) -> Permissions:
                 s.REQUESTS_WILDCARD,
                 s.WORKER_LOAD_WILDCARD,
                 s.KV_EVENTS_WILDCARD,
-                s.progress("*"),
+                s.PROGRESS_WILDCARD,
                 s.router_dispatched("*"),
                 s.router_credits("*"),
                 *common_sub,
@@ -182,7 +182,7 @@ def role_permissions(role: str) -> Permissions:
         # watch routing decisions and run ends. No JetStream, no worker subject.
         "client": Permissions(
             publish=(s.REQUESTS_WILDCARD, s.SCHED_CANCEL, s.PROGRAM_RELEASE, s.HEALTH_WILDCARD),
-            subscribe=(INBOX, s.ROUTE_DECISIONS, s.progress("finished")),
+            subscribe=(INBOX, s.ROUTE_DECISIONS, s.PROGRESS_WILDCARD),
         ),
     }
     try:

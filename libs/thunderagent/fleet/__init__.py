@@ -1,8 +1,10 @@
 """The fleet as the control plane sees it (pure, clock injected): registrations with leases and
-latest loads (``workers``), the run model (``runs``) and the one translation from wire types to
-what the routing and scheduling cores see (``views``)."""
+latest loads (``workers``), the run model (``runs``), which run-event batches to trust
+(``progress``) and the one translation from wire types to what the routing and scheduling cores
+see (``views``)."""
 
 from thunderagent.fleet.limits import check_limits
+from thunderagent.fleet.progress import progress_refusal
 from thunderagent.fleet.runs import (
     AcceptedRuns,
     Run,
@@ -23,6 +25,7 @@ __all__ = [
     "continuation",
     "engine_request_id",
     "load_report",
+    "progress_refusal",
     "sched_request",
     "worker_room",
     "worker_view",

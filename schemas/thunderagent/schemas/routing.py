@@ -215,7 +215,8 @@ class KvTransfer(Struct, frozen=True, kw_only=True):
 
 
 class RequestProgress(Struct, frozen=True, kw_only=True):
-    """Adapter -> scheduler: a request's life on a worker (admission accounting)."""
+    """One event of a run's life on a worker (admission accounting, verification); adapters
+    send them in ``ProgressBatch``es."""
 
     request_id: str
     """The request."""
@@ -231,3 +232,16 @@ class RequestProgress(Struct, frozen=True, kw_only=True):
     """``transferred``: the prefill worker the KV came from."""
     usage: Usage | None = None
     """``finished``: the engine's token accounting (cached tokens verify the router's hit)."""
+
+
+class ProgressBatch(Struct, frozen=True, kw_only=True):
+    """Adapter -> scheduler and routers, on ``subjects.progress(worker_id)``: run events of
+    one adapter, in the order they happened (a run whose first token is also its last sends
+    its start and its end together). Every event names ``worker_id`` (a PD ``transferred``
+    event names the decode worker and has ``from_worker`` = ``worker_id``); a batch that speaks
+    for another worker, or for none, is dead-lettered."""
+
+    worker_id: str
+    """The adapter that sent it (the subject's worker)."""
+    events: list[RequestProgress]
+    """Oldest first; at least one."""

@@ -21,8 +21,8 @@ ROUTER_QUEUE: Final = "router"
 SCHED_SUBMIT_WILDCARD: Final = f"{PREFIX}.sched.submit.*"
 SCHEDULER_QUEUE: Final = "scheduler"
 
-# adapters -> scheduler (every phase) and routers (the phases that end a run): a run's life.
-PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.>"
+# adapters -> scheduler and routers: runs' lives, one subject per adapter (``progress``).
+PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.*"
 
 # adapters -> scheduler: a run its engine failed, to be resumed elsewhere (request/reply).
 SCHED_RUN_FAILED_WILDCARD: Final = f"{PREFIX}.sched.run_failed.*"
@@ -104,9 +104,9 @@ def sched_run_failed(model: str) -> str:
     return f"{PREFIX}.sched.run_failed.{model_token(model)}"
 
 
-def progress(phase: str) -> str:
-    """``RequestProgress`` of one phase (``started``, ``transferred``, ``finished``, ...)."""
-    return f"{PREFIX}.progress.{phase}"
+def progress(worker_id: str) -> str:
+    """One adapter's ``ProgressBatch``es (its runs' ``RequestProgress``)."""
+    return f"{PREFIX}.progress.{worker_id}"
 
 
 def router_credits(router_id: str) -> str:

@@ -3,7 +3,7 @@
 Everything the router decides or learns lives in the pure ``RouterCore`` (the virtual-time replay
 runs the same object); this shell only feeds it NATS: registrations and load reports (the fleet
 watcher), KV-event batches (the index follower: Redis snapshot, then the stream), where the
-scheduler sent each request (``Dispatched``), and how runs ended (``RequestProgress``). Any number
+scheduler sent each request (``Dispatched``), and how runs ended (``ProgressBatch``). Any number
 of replicas share the ``router`` queue group; each keeps its own index replica.
 """
 
@@ -21,7 +21,7 @@ from msgspec import structs
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
-from thunderagent.fleet import WorkerState, check_limits
+from thunderagent.fleet import WorkerState, check_limits, progress_refusal
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
 from thunderagent.scheduling.credits import CreditWallet, Grant
@@ -33,6 +33,7 @@ from thunderagent.schemas import (
     ErrorCode,
     ErrorReply,
     GenerateRequest,
+    ProgressBatch,
     RequestProgress,
     RouterHello,
     ScheduleRequest,
@@ -46,6 +47,10 @@ from thunderagent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.router")
+
+RUN_ENDS = frozenset({"finished", "failed", "aborted"})
+"""Progress phases after which a run holds nothing on its worker (``started`` and the PD
+``transferred`` change nothing the router books)."""
 
 FLEET_WAIT_S = 5.0
 """Longest a request waits for a starting replica to load the fleet's registrations."""
@@ -206,8 +211,17 @@ class Router:
     async def on_dispatched(self, dispatched: Dispatched, _: Delivery) -> None:
         self.core.on_dispatched(dispatched.request_id, dispatched.worker_id, time.time())
 
-    async def on_progress(self, progress: RequestProgress, _: Delivery) -> None:
+    async def on_progress(self, batch: ProgressBatch, delivery: Delivery) -> None:
+        refusal = progress_refusal(batch, delivery.subject)
+        if refusal:
+            await self.bus.reject(delivery, refusal)
+            return
         now = time.time()
+        for progress in batch.events:
+            if progress.phase in RUN_ENDS:
+                self._on_run_end(progress, now)
+
+    def _on_run_end(self, progress: RequestProgress, now: float) -> None:
         usage = progress.usage
         if progress.phase == "finished" and usage is not None:
             verdict = self.core.on_finished(
@@ -219,7 +233,7 @@ class Router:
             )
             if verdict is not None:
                 self._count(verdict)
-        elif progress.phase in ("finished", "failed", "aborted"):
+        else:
             self.core.on_finished(progress.request_id, progress.worker_id, now)
 
     def _count(self, verdict: Verdict) -> None:
@@ -342,8 +356,7 @@ class RouterService:
         await bus.subscribe(
             subjects.router_credits(router.config.router_id), CreditGrant, router.on_credits
         )
-        for phase in ("finished", "failed", "aborted"):
-            await bus.subscribe(subjects.progress(phase), RequestProgress, router.on_progress)
+        await bus.subscribe(subjects.PROGRESS_WILDCARD, ProgressBatch, router.on_progress)
         # Concurrent: a request waits for the scheduler's ack without holding up the next one;
         # the decision itself runs without an await, so the core stays consistent.
         await bus.subscribe(

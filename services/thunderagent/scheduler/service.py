@@ -24,7 +24,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import Run, WorkerRegistry, continuation, sched_request, worker_room
+from thunderagent.fleet import (
+    Run,
+    WorkerRegistry,
+    continuation,
+    progress_refusal,
+    sched_request,
+    worker_room,
+)
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject, SchedRequest
 from thunderagent.scheduling.credits import CreditIssuer
@@ -41,6 +48,7 @@ from thunderagent.schemas import (
     LoadReport,
     Preempted,
     ProgramRelease,
+    ProgressBatch,
     RequestProgress,
     RouterHello,
     RunFailed,
@@ -179,7 +187,7 @@ class SchedulerService:
         self.core.admitted(self._sched_request(pending), direct.worker_id, self.clock())
         self.dispatches.append(self.clock())
         for progress in self._early.pop(rid, []):
-            await self.on_progress(progress, None)  # type: ignore[arg-type]
+            self._on_run_event(progress)
         self.wake.set()
 
     def _forget_early(self, now: float) -> None:
@@ -308,7 +316,16 @@ class SchedulerService:
             )
             await self.bus.publish(delivery.reply, answer)
 
-    async def on_progress(self, progress: RequestProgress, _: Delivery) -> None:
+    async def on_progress(self, batch: ProgressBatch, delivery: Delivery) -> None:
+        refusal = progress_refusal(batch, delivery.subject)
+        if refusal:
+            await self.bus.reject(delivery, refusal)
+            return
+        for progress in batch.events:
+            self._on_run_event(progress)
+        self.wake.set()
+
+    def _on_run_event(self, progress: RequestProgress) -> None:
         now, rid = self.clock(), progress.request_id
         pending = self.pending.get(rid)
         if pending is None and now - progress.ts < EARLY_PROGRESS_S:
@@ -328,7 +345,6 @@ class SchedulerService:
         elif pending is not None and pending.worker_id == progress.worker_id:
             self._forget(pending)  # ends of runs this scheduler no longer tracks are stale
             self.core.on_finished(rid, progress.worker_id, now)
-        self.wake.set()
 
     async def on_cancel(self, cancel: CancelRequest, _: Delivery) -> None:
         pending = self.pending.get(cancel.request_id)
@@ -548,7 +564,7 @@ class SchedulerService:
             await bus.subscribe(submits, ScheduleRequest, self.on_submit, queue=queue)
             await bus.subscribe(failures, RunFailed, self.on_run_failed)
             await bus.subscribe(directs, DirectDispatch, self.on_direct)
-        await bus.subscribe(subjects.PROGRESS_WILDCARD, RequestProgress, self.on_progress)
+        await bus.subscribe(subjects.PROGRESS_WILDCARD, ProgressBatch, self.on_progress)
         await bus.subscribe(subjects.SCHED_CANCEL, CancelRequest, self.on_cancel)
         await bus.subscribe(subjects.ROUTER_PRESENCE, RouterHello, self.on_hello)
         await bus.subscribe(subjects.PROGRAM_RELEASE, ProgramRelease, self.on_release)

@@ -28,6 +28,7 @@ from thunderagent.schemas import (
     FinalReply,
     FinishReason,
     KvTransfer,
+    ProgressBatch,
     RequestProgress,
     RunFailed,
     TokenChunk,
@@ -65,6 +66,8 @@ class Generation:
     final: FinalReply | None = None
     """The answer, once sent: a run stopped or broken after it (while the engine's stream
     drains) has nothing more to tell anyone."""
+    held_start: RequestProgress | None = None
+    """The start of a run whose first token is also its last: it goes with the run's end."""
 
     @property
     def request_id(self) -> str:
@@ -153,7 +156,7 @@ class Generation:
                         text_parts.append(chunk.new_text)
                     if first_token_at is None:
                         first_token_at = time.monotonic()
-                        await self._started()
+                        await self._started(with_end=self.final is None and chunk.finished)
                     self.output.extend(chunk.new_token_ids)
                 if self.final is None and chunk.finished:
                     # answer now: the stream's "[DONE]" and its end are read after, off the
@@ -176,8 +179,11 @@ class Generation:
         finished = time.monotonic()
         final = self._final(meta, "".join(text_parts), started, first_token_at or finished)
         self.final = final
-        await self.bus.publish(self.work.reply_subject, final)
+        # the run's end before the answer: a client's next turn (an agent loop sends it at
+        # once) must find this worker freed in the routers' books. One connection, so NATS
+        # delivers them in this order; both leave in the same socket write.
         await self._progress("finished", usage=final.usage)
+        await self.bus.publish(self.work.reply_subject, final)
 
     async def _prefill_then_hand_off(self) -> FinalReply | None:
         """PD disaggregation: prefill here up to the first token, move the KV to the decode
@@ -266,10 +272,15 @@ class Generation:
             engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
         )
 
-    async def _started(self) -> None:
+    async def _started(self, *, with_end: bool = False) -> None:
+        """The first token is out. ``with_end``: it is also the last, so the start waits for
+        the end (one message for both, sent before the answer)."""
         if self.engine_rid in self.runs and not self.output:
             self.runs.started(self.engine_rid)
-            await self._progress("started")
+            if with_end:
+                self.held_start = self._event("started")
+            else:
+                await self._progress("started")
 
     async def _fail(self, err: Exception) -> None:
         """The engine failed the run. The scheduler may resume it elsewhere as a
@@ -309,7 +320,17 @@ class Generation:
     async def _progress(
         self, phase: str, *, worker_id: str = "", from_worker: str = "", usage: Usage | None = None
     ) -> None:
-        progress = RequestProgress(
+        events = [self._event(phase, worker_id=worker_id, from_worker=from_worker, usage=usage)]
+        if self.held_start is not None:
+            events.insert(0, self.held_start)
+            self.held_start = None
+        batch = ProgressBatch(worker_id=self.worker_id, events=events)
+        await self.bus.publish(subjects.progress(self.worker_id), batch)
+
+    def _event(
+        self, phase: str, *, worker_id: str = "", from_worker: str = "", usage: Usage | None = None
+    ) -> RequestProgress:
+        return RequestProgress(
             request_id=self.request_id,
             worker_id=worker_id or self.worker_id,
             phase=phase,  # type: ignore[arg-type]
@@ -317,7 +338,6 @@ class Generation:
             from_worker=from_worker,
             usage=usage,
         )
-        await self.bus.publish(subjects.progress(phase), progress)
 
 
 def _sampling(req) -> dict:
