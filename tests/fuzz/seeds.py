@@ -106,6 +106,7 @@ def _examples() -> dict[type, Any]:
             events=[s.AllCleared(), stored, s.BlocksRemoved(hashes=[12])],
         ),
         s.RouteDecision: _decision(),
+        s.RouteDecisionBatch: s.RouteDecisionBatch(router_id="r1", decisions=[_decision()]),
         s.MigrationOrder: s.MigrationOrder(prefix_hash=12345, blocks=2, source="w0", target="w1"),
         s.DrainNotice: s.DrainNotice(worker_id="w1", draining=False, reason="fuzz"),
     }

@@ -37,6 +37,7 @@ from thunderagent.schemas import (
     ProgressBatch,
     ResyncRequest,
     RouteDecision,
+    RouteDecisionBatch,
     RouterHello,
     RunFailed,
     ScheduleRequest,
@@ -50,7 +51,8 @@ pytestmark = pytest.mark.fuzz
 TYPES = [
     GenerateRequest, ScheduleRequest, CancelRequest, ProgramRelease, ProgressBatch, Dispatched,
     WorkerGenerate, AbortRequest, KvTransfer, ResyncRequest, KvExportRequest, KvPullRequest,
-    KvRelease, LoadReport, KvEventBatch, RouteDecision, MigrationOrder, DrainNotice,
+    KvRelease, LoadReport, KvEventBatch, RouteDecision, RouteDecisionBatch,
+    MigrationOrder, DrainNotice,
     WorkerRegistration, DirectDispatch, RouterHello, CreditGrant, RunFailed,
 ]  # fmt: skip
 EXPECTED = DECODE_ERRORS

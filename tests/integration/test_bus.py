@@ -152,3 +152,42 @@ async def test_drain_answers_every_request_that_reached_the_service(nats_server)
     )
     assert not answered & refused
     await client.close()
+
+
+async def test_a_durable_consumer_acks_cumulatively_and_its_lag_clears(nats_server):
+    """Every message handled once, in order; acks go out a batch at a time (not one per
+    message), and the server's ack floor reaches the last message within a tenth of a second
+    of it being handled."""
+    from thunderagent.bus.jetstream import ACK_EVERY
+    from thunderagent.schemas import KvEventBatch
+
+    nc = await connect(nats_server.url, name="index")
+    bus = Bus(nc, service="index")
+    await bus.ensure_kv_events_stream()
+    acks: list[bytes] = []
+
+    async def on_ack(msg) -> None:
+        acks.append(msg.data)
+
+    await nc.subscribe("$JS.ACK.>", cb=on_ack)
+    seen: list[int] = []
+
+    async def handle(batch: KvEventBatch, seq: int) -> None:
+        seen.append(batch.seq)
+
+    durable = "test-durable"
+    await bus.consume(subjects.KV_EVENTS_STREAM, subjects.KV_EVENTS_WILDCARD, KvEventBatch,
+                      handle, durable=durable)  # fmt: skip
+    n = 3 * ACK_EVERY + 5
+    for i in range(1, n + 1):
+        batch = KvEventBatch(worker_id="w0", seq=i, ts=0.0, events=[])
+        await bus.stream_publish(subjects.kv_events("w0"), msgspec.json.encode(batch))
+    for _ in range(100):
+        info = await nc.jetstream().consumer_info(subjects.KV_EVENTS_STREAM, durable)
+        if info.ack_floor.stream_seq == n:
+            break
+        await asyncio.sleep(0.02)
+    assert seen == list(range(1, n + 1))
+    assert info.ack_floor.stream_seq == n and info.num_ack_pending == 0
+    assert 3 <= len(acks) <= n // 8, f"{len(acks)} acks for {n} messages"
+    await nc.close()

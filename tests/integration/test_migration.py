@@ -42,6 +42,7 @@ from thunderagent.schemas import (
     MigrationOrder,
     MigrationReport,
     RouteDecision,
+    RouteDecisionBatch,
     subjects,
 )
 from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl
@@ -353,8 +354,11 @@ async def test_route_decisions_are_the_planners_demand(nats_server):
                             Candidate(worker_id="w0", score=0.5, overlap_blocks=6)],
                 policy="thunder", decided_at=time.time(),
             )  # fmt: skip
-            for decision in (hit, spilled, hit):
-                await bus.publish(subjects.ROUTE_DECISIONS, decision)
+            batch = RouteDecisionBatch(router_id="r1", decisions=[hit, spilled])
+            await bus.publish(subjects.ROUTE_DECISIONS, batch)
+            await bus.publish(
+                subjects.ROUTE_DECISIONS, RouteDecisionBatch(router_id="r2", decisions=[hit])
+            )
             await wait_for(lambda: service.planner.demand.hits(0xBEEF, time.time()) == 3,
                            what="three requests counted for the prefix")  # fmt: skip
             assert service.planner.demand.get(0xBEEF).blocks == 6

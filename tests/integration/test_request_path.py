@@ -17,6 +17,7 @@ from thunderagent.schemas import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
+    RouteDecisionBatch,
     TokenChunk,
     subjects,
 )
@@ -143,3 +144,37 @@ async def test_no_router_is_an_immediate_error_not_a_timeout(nats_server):
     await client.close()
     assert info.value.error.code == ErrorCode.UNAVAILABLE
     assert loop.time() - started < 5
+
+
+async def test_route_decisions_reach_observers_in_batches(nats_server):
+    """Every routed request's decision reaches a watcher of ``ROUTE_DECISIONS``, once, in
+    batches of one router replica's decisions (not one message per request)."""
+    decoder = msgspec.json.Decoder(RouteDecisionBatch)
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2)
+        client = await _routable_client(stack, nats_server.url)
+        watcher = await connect(nats_server.url, name="decision-watcher")
+        batches: list[RouteDecisionBatch] = []
+
+        async def on_batch(msg) -> None:
+            batches.append(decoder.decode(msg.data))
+
+        await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
+        await watcher.flush()
+        requests = [
+            GenerateRequest(model=MODEL, token_ids=[7, i], max_tokens=2, request_id=f"d{i}")
+            for i in range(20)
+        ]
+        await asyncio.gather(*(client.generate(r) for r in requests))
+        for _ in range(100):  # the last batch leaves a window after its first decision
+            if sum(d.request_id.startswith("d") for b in batches for d in b.decisions) >= 20:
+                break
+            await asyncio.sleep(0.02)
+        await client.close()
+        await watcher.close()
+        router_id = stack.services["router"].runtime.router.config.router_id
+    mine = {r.request_id for r in requests}  # (the warm-up request's may be in a batch too)
+    ids = [d.request_id for b in batches for d in b.decisions if d.request_id in mine]
+    assert sorted(ids) == sorted(mine)
+    assert len(batches) < 20, "decisions of concurrent requests share messages"
+    assert {b.router_id for b in batches} == {router_id}

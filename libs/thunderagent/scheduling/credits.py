@@ -24,6 +24,14 @@ ROUTER_TTL_S: Final = 3.0
 """A router replica that has not said hello for this long gets no more credit (its share goes
 to the others); it says hello every second."""
 
+REGRANT_SLACK: Final = 4
+"""A router's share of a worker is re-sent when it moves by more than 1/4 of what the router
+still holds there (any move while it holds 3 or fewer, and always from or to none). Room changes
+with every run that starts or ends, and a grant per change was more than one message per
+request; a direct dispatch moves nothing (the share drops by one as the booking rises by one).
+Between grants a router may be off by that quarter, which the engine's own queue absorbs; the
+scheduler's periodic grant (every second) sets it exact again."""
+
 
 @dataclass(slots=True, frozen=True)
 class Grant:
@@ -43,7 +51,8 @@ class CreditIssuer:
     """router id -> when it last said hello."""
     booked: dict[str, dict[str, int]] = field(default_factory=dict)
     """router id -> worker id -> its direct dispatches booked so far."""
-    _last: dict[str, dict[str, int]] = field(default_factory=dict)
+    _last: dict[str, Grant] = field(default_factory=dict)
+    """router id -> the last grant it was sent."""
 
     def hello(self, router_id: str, now: float) -> bool:
         """A router is alive; True when it is new (the shares change)."""
@@ -66,8 +75,8 @@ class CreditIssuer:
         per[worker_id] = per.get(worker_id, 0) + 1
 
     def grants(self, rooms: Mapping[str, int], *, force: bool = False) -> dict[str, Grant]:
-        """Per router, its share of every worker's room; only routers whose share changed
-        since the last grant (or all with ``force``) get a new one."""
+        """Per router, its share of every worker's room; only routers whose share moved past
+        ``REGRANT_SLACK`` from what they still hold (or all with ``force``) get a new one."""
         if not self.routers:
             return {}
         n = len(self.routers)
@@ -77,10 +86,32 @@ class CreditIssuer:
             # the remainder goes to the first routers, so the shares add up to the room
             share = {w: room // n + (1 if i < room % n else 0) for w, room in rooms.items()}
             share = {w: c for w, c in share.items() if c > 0}
-            if force or share != self._last.get(router):
-                self._last[router] = share
-                out[router] = Grant(share, dict(self.booked.get(router, {})))
+            if force or self._moved(router, share):
+                grant = Grant(share, dict(self.booked.get(router, {})))
+                self._last[router] = out[router] = grant
         return out
+
+    def in_hand(self, router_id: str, worker_id: str) -> int:
+        """What the router's last grant still lets it dispatch to the worker, as far as the
+        scheduler knows (its direct dispatches not yet booked here are unknown to both sides
+        of the comparison in ``_moved``, so they cancel out)."""
+        last = self._last.get(router_id)
+        if last is None:
+            return 0
+        booked_since = self.booked.get(router_id, {}).get(worker_id, 0) - last.booked.get(
+            worker_id, 0
+        )
+        return max(0, last.credits.get(worker_id, 0) - booked_since)
+
+    def _moved(self, router_id: str, share: Mapping[str, int]) -> bool:
+        last = self._last.get(router_id)
+        if last is None:
+            return True
+        for worker in share.keys() | last.credits.keys():
+            held, new = self.in_hand(router_id, worker), share.get(worker, 0)
+            if (held == 0) != (new == 0) or abs(new - held) > held // REGRANT_SLACK:
+                return True
+        return False
 
 
 @dataclass(slots=True)

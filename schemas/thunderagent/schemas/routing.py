@@ -22,7 +22,8 @@ class Candidate(Struct, frozen=True, kw_only=True):
 
 
 class RouteDecision(Struct, frozen=True, kw_only=True):
-    """Published by the router for every routed request (observability, benchmarks, migration)."""
+    """The router's choice for one request: in its ``ScheduleRequest``, and for observers in a
+    ``RouteDecisionBatch``."""
 
     request_id: str
     """Routed request."""
@@ -45,6 +46,18 @@ class RouteDecision(Struct, frozen=True, kw_only=True):
     prefix_hash: int | None = None
     """Hash of the deepest prompt block cached on the chosen worker (names the reused prefix;
     the index counts these to find hot prefixes). None without a hit."""
+
+
+class RouteDecisionBatch(Struct, frozen=True, kw_only=True):
+    """Router -> observers (the migration service, dashboards, benchmarks) on
+    ``subjects.ROUTE_DECISIONS``: the decisions of one router replica over a short window (its
+    first waits at most 50 ms), oldest first. Read in aggregate, so one message per request
+    would be pure overhead."""
+
+    router_id: RouterId
+    """The replica that decided."""
+    decisions: list[RouteDecision]
+    """Oldest first."""
 
 
 class ScheduleRequest(Struct, frozen=True, kw_only=True):

@@ -37,7 +37,7 @@ SCHED_CANCEL: Final = f"{PREFIX}.sched.cancel"
 # clients -> scheduler: an agent program ended.
 PROGRAM_RELEASE: Final = f"{PREFIX}.programs.release"
 
-# router -> observers (benchmarks, dashboards, the migration service).
+# router -> observers (benchmarks, dashboards, the migration service): RouteDecisionBatch.
 ROUTE_DECISIONS: Final = f"{PREFIX}.route.decisions"
 
 # adapters -> index/routers: KV events, captured by a JetStream stream so nothing is missed.

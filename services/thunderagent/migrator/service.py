@@ -41,7 +41,7 @@ from thunderagent.schemas import (
     MigrationMode,
     MigrationOrder,
     MigrationReport,
-    RouteDecision,
+    RouteDecisionBatch,
     is_valid_worker_id,
     subjects,
 )
@@ -85,15 +85,19 @@ class MigrationService:
         held = self.follower.feeder.gpu_index.overlap([prefix], None)
         return {w for w in held if w in self.registry}
 
-    async def on_decision(self, decision: RouteDecision, _: Delivery) -> None:
-        route = RouteSeen(
-            worker_id=decision.worker_id,
-            prefix_hash=decision.prefix_hash,
-            blocks=decision.overlap_blocks,
-            model=decision.model,
-            candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
-        )
-        self.planner.observe_route(route, time.time())
+    async def on_decisions(self, batch: RouteDecisionBatch, _: Delivery) -> None:
+        now = time.time()
+        for decision in batch.decisions:
+            route = RouteSeen(
+                worker_id=decision.worker_id,
+                prefix_hash=decision.prefix_hash,
+                blocks=decision.overlap_blocks,
+                model=decision.model,
+                candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
+            )
+            # counted on arrival (up to a batch window late): demand is counted over seconds,
+            # and arrival order keeps each prefix's hit times in order across router replicas
+            self.planner.observe_route(route, now)
 
     def on_load(self, load: LoadReport) -> None:
         state = self.registry.get(load.worker_id)
@@ -222,7 +226,7 @@ class MigrationService:
             bus, self.registry, on_change=self.on_fleet_change, on_load=self.on_load
         )
         await self.follower.start()
-        await bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecision, self.on_decision)
+        await bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecisionBatch, self.on_decisions)
         await bus.subscribe(
             subjects.MIGRATION_REQUEST,
             MigrationOrder,

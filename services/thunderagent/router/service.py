@@ -21,6 +21,7 @@ from msgspec import structs
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
+from thunderagent.bus.batches import BatchPublisher
 from thunderagent.fleet import WorkerState, check_limits, progress_refusal
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
@@ -35,6 +36,8 @@ from thunderagent.schemas import (
     GenerateRequest,
     ProgressBatch,
     RequestProgress,
+    RouteDecision,
+    RouteDecisionBatch,
     RouterHello,
     ScheduleRequest,
     WorkerGenerate,
@@ -58,6 +61,9 @@ FLEET_WAIT_S = 5.0
 TICK_S = 0.25
 HELLO_S = 1.0
 """The replica tells the scheduler it is alive this often (its credit share depends on it)."""
+DECISION_WINDOW_S = 0.05
+"""Route decisions go to observers in batches, the first of each waiting at most this long (the
+migration planner counts demand over seconds)."""
 GRANT_TTL_S = 3.0
 """Credit older than this (the scheduler re-grants every second) is dropped: if the scheduler
 is gone, requests queue for it instead of going out on stale room."""
@@ -95,6 +101,12 @@ class Router:
         self.fleet_ready = asyncio.Event()
         """Set once the fleet's registrations are loaded; requests wait for it (a replica that
         just started would otherwise answer "no worker serves this model")."""
+        router_id = config.router_id
+        self.decisions = BatchPublisher[RouteDecision](
+            bus, subjects.ROUTE_DECISIONS,
+            lambda ds: RouteDecisionBatch(router_id=router_id, decisions=ds), DECISION_WINDOW_S,
+        )  # fmt: skip
+        """Every decision, for observers (``RouteDecisionBatch``)."""
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
         reply = delivery.reply
@@ -132,7 +144,7 @@ class Router:
             span.set_attribute("thunderagent.request_id", req.request_id)
             span.set_attribute("thunderagent.worker_id", decision.worker_id)
             span.set_attribute("thunderagent.overlap_blocks", decision.overlap_blocks)
-            await self.bus.publish(subjects.ROUTE_DECISIONS, decision)
+            self.decisions.add(decision)
             if not await self._dispatch_directly(*routed):
                 await self._submit(submit)
 
@@ -373,6 +385,7 @@ class RouterService:
                 tg.create_task(self.fleet.run(self.ctx.stop))
                 tg.create_task(self._tick(self.ctx.stop))
         finally:
+            await router.decisions.close()
             await self.follower.stop()
             if self.redis is not None:
                 await self.redis.aclose()

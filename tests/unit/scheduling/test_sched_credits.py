@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest, WorkerRoom
 from thunderagent.scheduling.credits import (
+    REGRANT_SLACK,
     CreditIssuer,
     CreditWallet,
     may_dispatch_directly,
@@ -41,6 +45,56 @@ def test_a_grant_crossing_the_routers_own_dispatches_never_counts_room_twice() -
     assert wallet.available("w0") == 1
     wallet.drop()
     assert wallet.available("w0") == 0
+
+
+def test_a_booked_dispatch_sends_nothing_a_move_past_the_slack_does() -> None:
+    issuer = CreditIssuer()
+    issuer.hello("r", 0.0)
+    assert issuer.grants({"w0": 12, "w1": 2})["r"].credits == {"w0": 12, "w1": 2}
+    issuer.book("r", "w0")  # the router used one: its room and its booking move together
+    assert issuer.in_hand("r", "w0") == 11
+    assert issuer.grants({"w0": 11, "w1": 2}) == {}
+    assert issuer.grants({"w0": 13, "w1": 2}) == {}  # two runs ended: within 11 // 4
+    assert issuer.grants({"w0": 14, "w1": 2})["r"].credits == {"w0": 14, "w1": 2}  # three
+    assert issuer.grants({"w0": 14, "w1": 1})["r"].credits["w1"] == 1  # little held: any move
+    assert issuer.grants({"w0": 14}) != {}  # to none: always
+    assert issuer.grants({"w0": 14, "w1": 1}) != {}  # from none: always
+
+
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("book"), st.sampled_from(["w0", "w1"])),
+            st.tuples(st.just("room"), st.dictionaries(st.sampled_from(["w0", "w1"]),
+                                                       st.integers(0, 40))),
+        ),
+        max_size=40,
+    )
+)  # fmt: skip
+def test_after_every_grant_round_each_router_holds_its_share_within_the_slack(steps) -> None:
+    issuer = CreditIssuer()
+    for r in ("a", "b"):
+        issuer.hello(r, 0.0)
+    rooms: dict[str, int] = {"w0": 8, "w1": 1}
+    issuer.grants(rooms)
+    for kind, arg in steps:
+        if kind == "book":
+            if issuer.in_hand("a", arg) > 0:  # a router dispatches only on credit it holds
+                issuer.book("a", arg)
+                rooms[arg] = max(0, rooms.get(arg, 0) - 2)  # its run took the room (both shares)
+        else:
+            rooms = dict(arg)
+        sent = issuer.grants(rooms)
+        for r, i in (("a", 0), ("b", 1)):
+            for w in ("w0", "w1"):
+                room = rooms.get(w, 0)
+                share = room // 2 + (1 if i < room % 2 else 0)
+                held = issuer.in_hand(r, w)
+                if r in sent:
+                    assert held == share
+                else:
+                    assert (held == 0) == (share == 0)
+                    assert abs(held - share) <= held // REGRANT_SLACK
 
 
 def test_only_plain_requests_may_skip_the_queue() -> None:
