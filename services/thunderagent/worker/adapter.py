@@ -163,6 +163,8 @@ class WorkerAdapter:
                 tg.create_task(self._lease_loop(bucket, stop))
                 tg.create_task(self._load_loop(stop))
         finally:
+            if relay is not None:
+                await relay.close()
             try:
                 await bucket.delete(subjects.worker_key(self.config.worker_id))
             except Exception:

@@ -1,7 +1,11 @@
 """Relay an engine's ZMQ KV events onto NATS: re-hashed, with the adapter's own sequence.
 
-Each engine batch becomes one ``KvEventBatch`` published to JetStream (acked), so the index and
-late router replicas can replay it. ZMQ gaps are repaired by replay while the engine still
+Engine batches become ``KvEventBatch``es published to JetStream (acked), so the index and late
+router replicas can replay them. One publish is in flight at a time; engine batches that arrive
+while it waits for its ack go out together in the next one (in order, one adapter sequence
+number), so a quiet engine's events leave at once and a busy one's cost one message per round
+trip instead of one each: every consumer (index, routers, scheduler, migration) pays per
+message. ZMQ gaps are repaired by replay while the engine still
 buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
 mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
 them). A resync request is answered by republishing the whole mirror as one batch, in sequence.
@@ -10,8 +14,10 @@ them). A resync request is answered by republishing the whole mirror as one batc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from typing import Final
 
 from thunderagent.bus import Bus, Delivery
 from thunderagent.bus.bus import encode
@@ -28,6 +34,11 @@ from thunderagent.telemetry import inject_headers
 
 log = logging.getLogger(__name__)
 
+MAX_MERGED_EVENTS: Final = 4096
+"""Engine batches are merged into one message up to this many events (~0.5 MB of JSON at the
+most hashes a stored event carries, under NATS's 1 MB payload); a single larger one, a resync's
+whole mirror, still goes as one."""
+
 
 class KvRelay:
     def __init__(self, bus: Bus, worker_id: str, block_size: int) -> None:
@@ -37,7 +48,11 @@ class KvRelay:
         self.epoch = int(time.time() * 1000)
         self.seq = -1
         self._subject = subjects.kv_events(worker_id)
-        self._lock = asyncio.Lock()
+        self._pending: list[tuple[list[KvEvent], asyncio.Future | None]] = []
+        """Event lists not yet published, oldest first, each with who waits for it."""
+        self._sender: asyncio.Task | None = None
+        self.published = 0
+        """Batches published."""
 
     async def start(self) -> None:
         await self.bus.ensure_kv_events_stream()
@@ -71,7 +86,7 @@ class KvRelay:
         if isinstance(notice, Received):
             events = self.mirror.apply(list(notice.batch.events))
             if events:
-                await self._publish(events)
+                self._enqueue(events, wait=False)  # read on while it goes out
         elif isinstance(notice, Restarted):
             await self.engine_restarted(f"engine event sequence went back to {notice.seq}")
         elif isinstance(notice, Gap) and not notice.recovered:
@@ -114,19 +129,57 @@ class KvRelay:
         await self._publish([AllCleared()])
 
     async def _publish(self, events: list[KvEvent]) -> None:
-        async with self._lock:  # seq order == publish order
-            self.seq += 1
-            batch = KvEventBatch(
-                worker_id=self.worker_id,
-                seq=self.seq,
-                ts=time.time(),
-                events=events,
-                epoch=self.epoch,
-            )
-            try:
-                await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
-            except Exception as err:  # NATS away: consumers see the gap and ask for a resync
-                log.warning("%s: KV batch %d not published (%r)", self.worker_id, self.seq, err)
+        """Publish ``events`` after everything queued before them; returns once they are out."""
+        done = self._enqueue(events, wait=True)
+        assert done is not None
+        await asyncio.shield(done)
+
+    def _enqueue(self, events: list[KvEvent], *, wait: bool) -> asyncio.Future | None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future() if wait else None
+        self._pending.append((events, done))
+        if self._sender is None or self._sender.done():
+            self._sender = loop.create_task(self._send_pending())
+        return done
+
+    async def _send_pending(self) -> None:
+        waiting: list[asyncio.Future] = []
+        try:
+            while self._pending:
+                events: list[KvEvent] = []
+                while self._pending and (
+                    not events or len(events) + len(self._pending[0][0]) <= MAX_MERGED_EVENTS
+                ):
+                    more, done = self._pending.pop(0)
+                    events.extend(more)
+                    if done is not None:
+                        waiting.append(done)
+                await self._send(events)
+                for done in waiting:
+                    if not done.done():
+                        done.set_result(None)
+                waiting = []
+        finally:  # cancelled (the adapter stops): nobody may wait forever
+            for done in [*waiting, *(d for _, d in self._pending if d is not None)]:
+                done.cancel()
+
+    async def _send(self, events: list[KvEvent]) -> None:
+        self.seq += 1
+        batch = KvEventBatch(
+            worker_id=self.worker_id, seq=self.seq, ts=time.time(), events=events,
+            epoch=self.epoch,
+        )  # fmt: skip
+        try:
+            await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
+            self.published += 1
+        except Exception as err:  # NATS away: consumers see the gap and ask for a resync
+            log.warning("%s: KV batch %d not published (%r)", self.worker_id, self.seq, err)
+
+    async def close(self) -> None:
+        """Publish what is queued (the adapter is stopping)."""
+        if self._sender is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._sender), 2.0)
 
     async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
         log.info("%s: resync requested (%s)", self.worker_id, request.reason)
