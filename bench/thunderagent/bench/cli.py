@@ -40,6 +40,10 @@ BENCHES = {
         "thunderagent.bench.busbench",
         "per-message CPU of the bus (deliveries by trace context, request/reply, headers)",
     ),
+    "messages": (
+        "thunderagent.bench.messages",
+        "NATS messages per request through the stack, by kind (instant engines)",
+    ),
     "throughput": (
         "thunderagent.bench.throughput",
         "stepped open-loop rates vs instant engines: added latency, CPU/request, vs SMG",

@@ -25,12 +25,13 @@ ROUTER_TTL_S: Final = 3.0
 to the others); it says hello every second."""
 
 REGRANT_SLACK: Final = 4
-"""A router's share of a worker is re-sent when it moves by more than 1/4 of what the router
-still holds there (any move while it holds 3 or fewer, and always from or to none). Room changes
-with every run that starts or ends, and a grant per change was more than one message per
-request; a direct dispatch moves nothing (the share drops by one as the booking rises by one).
-Between grants a router may be off by that quarter, which the engine's own queue absorbs; the
-scheduler's periodic grant (every second) sets it exact again."""
+"""A router's share of a worker is re-sent at once when it falls below what the router still
+holds there (a router must never hold more room than there is), but when it grows only past a
+quarter of that (any growth while it holds 3 or fewer, and always from none). Room grows with
+every run that ends, and a grant per change was more than one message per request; a direct
+dispatch moves nothing (the share drops by one as the booking rises by one). Room not yet lent
+costs only a hop (the request goes through the scheduler's queue); the periodic grant (every
+second) lends it all again."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,7 +77,8 @@ class CreditIssuer:
 
     def grants(self, rooms: Mapping[str, int], *, force: bool = False) -> dict[str, Grant]:
         """Per router, its share of every worker's room; only routers whose share moved past
-        ``REGRANT_SLACK`` from what they still hold (or all with ``force``) get a new one."""
+        ``REGRANT_SLACK`` allows from what they still hold (or all with ``force``) get a new
+        one."""
         if not self.routers:
             return {}
         n = len(self.routers)
@@ -109,7 +111,7 @@ class CreditIssuer:
             return True
         for worker in share.keys() | last.credits.keys():
             held, new = self.in_hand(router_id, worker), share.get(worker, 0)
-            if (held == 0) != (new == 0) or abs(new - held) > held // REGRANT_SLACK:
+            if new < held or (new > held and (held == 0 or new - held > held // REGRANT_SLACK)):
                 return True
         return False
 

@@ -139,3 +139,24 @@ async def test_open_loop_sends_them_all_at_the_rate() -> None:
     summary = result.summary()
     assert summary["completed"] == 100 and summary["errors"] == 0
     await asyncio.sleep(0)
+
+
+def test_bench_messages_names_every_subject_kind_the_stack_uses():
+    from thunderagent.bench.messages import KINDS, kind
+    from thunderagent.schemas import subjects as s
+
+    assert kind(s.requests("sim/llama-3.1-8b")) == "requests"
+    assert kind(s.worker_generate("w0")) == "worker.generate"
+    assert kind(s.worker_load("w0")) == "worker.load"
+    assert kind(s.sched_direct("m")) == "sched.direct"
+    assert kind(s.sched_submit("m")) == "sched.submit"
+    assert kind(s.progress("w0")) == "progress"
+    assert kind(s.ROUTE_DECISIONS) == "route.decisions"
+    assert kind(s.router_credits("r1")) == "router.credits"
+    assert kind(s.router_dispatched("r1")) == "router.dispatched"
+    assert kind(s.kv_events("w1")) == "kv.events"
+    assert kind("$JS.ACK.THUNDERAGENT_KV.index.1.2.3.4.5") == "js.ack"
+    assert kind("_INBOX.abc.1") == "replies"
+    assert kind("$JS.API.STREAM.INFO.X") == "jetstream api"
+    named = ["requests", "worker.generate", "sched.direct", "progress", "kv.events", "replies"]
+    assert set(named) <= set(KINDS)
