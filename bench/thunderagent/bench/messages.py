@@ -61,8 +61,8 @@ def kind(subject: str) -> str:
         return "other"
     parts = subject[len(PREFIX) :].split(".")
     if parts[0] in ("worker", "router") and len(parts) >= 3:
-        return f"{parts[0]}.{parts[-1]}"
-    if parts[0] in ("sched", "route", "kv"):
+        return f"{parts[0]}.{parts[-1]}"  # the id in between
+    if parts[0] in ("sched", "route", "kv", "router"):
         return ".".join(parts[:2])
     return parts[0]
 
@@ -117,6 +117,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"| messages per request | {head} | what |")
     print("|---|" + "---|" * len(rows) + "---|")
     for k in kinds:
+        if all(abs(r["per_request"].get(k, 0)) < 0.005 for r in rows):
+            continue  # idle traffic only (load reports, leases, hellos)
         cells = " | ".join(f"{r['per_request'].get(k, 0):.2f}" for r in rows)
         print(f"| {k} | {cells} | {KINDS.get(k, '')} |")
     print("| **total** | " + " | ".join(f"**{r['total_per_request']:.2f}**" for r in rows) + " | |")

@@ -154,6 +154,7 @@ def test_bench_messages_names_every_subject_kind_the_stack_uses():
     assert kind(s.ROUTE_DECISIONS) == "route.decisions"
     assert kind(s.router_credits("r1")) == "router.credits"
     assert kind(s.router_dispatched("r1")) == "router.dispatched"
+    assert kind(s.ROUTER_PRESENCE) == "router.presence"
     assert kind(s.kv_events("w1")) == "kv.events"
     assert kind("$JS.ACK.THUNDERAGENT_KV.index.1.2.3.4.5") == "js.ack"
     assert kind("_INBOX.abc.1") == "replies"
