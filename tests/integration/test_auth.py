@@ -170,7 +170,7 @@ async def test_a_client_cannot_publish_worker_or_kv_subjects(auth_server):
     client, seen = await _as(server, creds, "client")
     forbidden = [subjects.kv_events("w0"), subjects.worker_load("w0"),
                  subjects.worker_generate("w0"), subjects.sched_submit("any-model"),
-                 subjects.progress("w0")]  # fmt: skip
+                 subjects.progress("w0", ended=True)]  # fmt: skip
     try:
         got = await _collect(admin, "thunderagent.>")
         for subject in forbidden:
@@ -187,7 +187,7 @@ async def test_a_client_cannot_publish_worker_or_kv_subjects(auth_server):
         await admin.close()
 
 
-async def test_a_worker_publishes_only_its_own_events_load_and_registration(auth_server):
+async def test_a_worker_publishes_only_its_own_events_load_progress_and_registration(auth_server):
     server, creds = auth_server
     admin, _ = await _as(server, creds, "admin")
     w0, seen = await _as(server, creds, "worker-w0")
@@ -200,6 +200,8 @@ async def test_a_worker_publishes_only_its_own_events_load_and_registration(auth
         await w0.publish(subjects.kv_events("w1"), b"{}")
         own_load = msgspec.structs.replace(load, worker_id="w0")
         await w0.publish(subjects.worker_load("w0"), encode(own_load))
+        await w0.publish(subjects.progress("w1", ended=True), b"{}")  # another worker's runs
+        await w0.publish(subjects.progress("w0", ended=True), b"{}")
         own = KvEventBatch(worker_id="w0", seq=0, ts=time.time(), events=[])
         js = w0.jetstream()
         ack = await js.publish(subjects.kv_events("w0"), encode(own), timeout=2)
@@ -214,8 +216,11 @@ async def test_a_worker_publishes_only_its_own_events_load_and_registration(auth
             await js.subscribe(subjects.KV_EVENTS_WILDCARD, stream=subjects.KV_EVENTS_STREAM)
         await _settle(w0, admin)
         assert seen.about(subjects.worker_load("w1")) and seen.about(subjects.kv_events("w1"))
+        assert seen.about(subjects.progress("w1", ended=True))
         assert subjects.worker_load("w1") not in got and subjects.kv_events("w1") not in got
+        assert subjects.progress("w1", ended=True) not in got
         assert subjects.worker_load("w0") in got and subjects.kv_events("w0") in got
+        assert subjects.progress("w0", ended=True) in got
     finally:
         await w0.close()
         await admin.close()

@@ -73,9 +73,9 @@ async def start(nats_url: str, engine: SlowEndEngine, rid: str = "r1"):
             await replies.put(msg)
             if isinstance(REPLY_DECODER.decode(msg.data), FinalReply):
                 phases.append("reply")
-        elif msg.subject.startswith(subjects.progress("")):
+        elif msg.subject.startswith(subjects.worker_progress("w0")[:-1]):
             batch = PROGRESS.decode(msg.data)
-            assert msg.subject == subjects.progress(batch.worker_id)
+            assert msg.subject == subjects.progress(batch.worker_id, ended=batch.ends_runs)
             mine = [p.phase for p in batch.events if p.request_id == rid]
             if mine:
                 phases.append(mine)

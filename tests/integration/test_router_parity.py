@@ -203,7 +203,7 @@ async def live_decisions(
                 progress = RequestProgress(request_id=rid, worker_id=worker, phase="finished",
                                            ts=time.time(), usage=usage)  # fmt: skip
                 batch = ProgressBatch(worker_id=worker, events=[progress])
-                await bus.publish(subjects.progress(worker), batch)
+                await bus.publish(subjects.progress(worker, ended=True), batch)
                 await wait_for(lambda r=rid: r not in router.core.verifier._dispatched, "finish")
         await nc.close()
         return out, router

@@ -70,7 +70,7 @@ def worker_permissions(worker_id: str = "*") -> Permissions:
         publish=(
             subjects.worker_load(w),
             subjects.kv_events(w),
-            subjects.progress(w),
+            subjects.worker_progress(w),
             subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
             # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
             subjects.worker_kv_import("*"),
@@ -117,7 +117,7 @@ def role_permissions(role: str) -> Permissions:
                 s.REQUESTS_WILDCARD,
                 s.WORKER_LOAD_WILDCARD,
                 s.KV_EVENTS_WILDCARD,
-                s.PROGRESS_WILDCARD,
+                s.PROGRESS_ENDED_WILDCARD,
                 s.router_dispatched("*"),
                 s.router_credits("*"),
                 *common_sub,

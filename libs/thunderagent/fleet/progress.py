@@ -1,8 +1,9 @@
 """Which run-event batches a receiver may trust.
 
-An adapter publishes its runs' events (``RequestProgress``) only on its own subject,
-``subjects.progress(worker_id)``, which NATS auth lets no other worker publish on; the batch
-must also speak only for that worker's runs, so a compromised or misconfigured adapter cannot
+An adapter publishes its runs' events (``RequestProgress``) only on its own subjects,
+``subjects.progress(worker_id, ended=...)``, which NATS auth lets no other worker publish on; the
+batch must also speak only for that worker's runs, and say on its subject whether it ends one
+(routers read only those), so a compromised or misconfigured adapter cannot
 end or start another worker's runs in the scheduler's and the routers' books.
 """
 
@@ -15,7 +16,7 @@ def progress_refusal(batch: ProgressBatch, subject: str) -> str:
     """Why a receiver must not act on ``batch`` ("" when it may): it came on another worker's
     subject, or an event names another worker (except a PD ``transferred`` event, which names
     the decode worker the sender handed its run to)."""
-    if subject != subjects.progress(batch.worker_id):
+    if subject != subjects.progress(batch.worker_id, ended=batch.ends_runs):
         return f"progress batch of {batch.worker_id!r} arrived on {subject}"
     me = batch.worker_id
     for event in batch.events:

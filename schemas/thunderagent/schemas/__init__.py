@@ -42,6 +42,7 @@ from thunderagent.schemas.migration import (
     MigrationReport,
 )
 from thunderagent.schemas.routing import (
+    RUN_END_PHASES,
     AbortRequest,
     Ack,
     CancelRequest,
@@ -65,6 +66,7 @@ from thunderagent.schemas.workers import LoadReport, WorkerRegistration, WorkerR
 
 __all__ = [
     "REPLY_DECODER",
+    "RUN_END_PHASES",
     "WORKER_ID_PATTERN",
     "AbortRequest",
     "Ack",

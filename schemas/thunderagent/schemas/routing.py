@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from msgspec import Struct, field
 
@@ -247,14 +247,25 @@ class RequestProgress(Struct, frozen=True, kw_only=True):
     """``finished``: the engine's token accounting (cached tokens verify the router's hit)."""
 
 
+RUN_END_PHASES: Final = frozenset({"finished", "failed", "aborted"})
+"""The phases after which a run holds nothing on its worker."""
+
+
 class ProgressBatch(Struct, frozen=True, kw_only=True):
-    """Adapter -> scheduler and routers, on ``subjects.progress(worker_id)``: run events of
-    one adapter, in the order they happened (a run whose first token is also its last sends
-    its start and its end together). Every event names ``worker_id`` (a PD ``transferred``
-    event names the decode worker and has ``from_worker`` = ``worker_id``); a batch that speaks
-    for another worker, or for none, is dead-lettered."""
+    """Adapter -> scheduler and routers, on ``subjects.progress(worker_id, ended=...)``: run
+    events of one adapter, in the order they happened (a run whose first token is also its last
+    sends its start and its end together). A batch holding a run's end goes on the ``ended``
+    subject, which routers read too; starts and PD hand-offs alone go on ``running``, which only
+    the scheduler reads. Every event names ``worker_id`` (a PD ``transferred`` event names the
+    decode worker and has ``from_worker`` = ``worker_id``); a batch that speaks for another
+    worker, or for none, or arrives on the wrong subject, is dead-lettered."""
 
     worker_id: str
     """The adapter that sent it (the subject's worker)."""
     events: list[RequestProgress]
     """Oldest first; at least one."""
+
+    @property
+    def ends_runs(self) -> bool:
+        """Some event ends a run (the batch goes on the ``ended`` subject)."""
+        return any(event.phase in RUN_END_PHASES for event in self.events)

@@ -21,8 +21,10 @@ ROUTER_QUEUE: Final = "router"
 SCHED_SUBMIT_WILDCARD: Final = f"{PREFIX}.sched.submit.*"
 SCHEDULER_QUEUE: Final = "scheduler"
 
-# adapters -> scheduler and routers: runs' lives, one subject per adapter (``progress``).
-PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.*"
+# adapters -> scheduler (every batch) and routers (the batches that end runs): runs' lives,
+# two subjects per adapter (``progress``).
+PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.*.*"
+PROGRESS_ENDED_WILDCARD: Final = f"{PREFIX}.progress.*.ended"
 
 # adapters -> scheduler: a run its engine failed, to be resumed elsewhere (request/reply).
 SCHED_RUN_FAILED_WILDCARD: Final = f"{PREFIX}.sched.run_failed.*"
@@ -104,9 +106,15 @@ def sched_run_failed(model: str) -> str:
     return f"{PREFIX}.sched.run_failed.{model_token(model)}"
 
 
-def progress(worker_id: str) -> str:
-    """One adapter's ``ProgressBatch``es (its runs' ``RequestProgress``)."""
-    return f"{PREFIX}.progress.{worker_id}"
+def progress(worker_id: str, *, ended: bool) -> str:
+    """One adapter's ``ProgressBatch``es: ``ended`` for a batch that ends a run (what routers
+    read), else ``running`` (starts and PD hand-offs, for the scheduler alone)."""
+    return f"{PREFIX}.progress.{worker_id}.{'ended' if ended else 'running'}"
+
+
+def worker_progress(worker_id: str) -> str:
+    """Both of one adapter's progress subjects (its publish permission)."""
+    return f"{PREFIX}.progress.{worker_id}.*"
 
 
 def router_credits(router_id: str) -> str:

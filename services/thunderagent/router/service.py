@@ -27,6 +27,7 @@ from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
 from thunderagent.scheduling.credits import CreditWallet, Grant
 from thunderagent.schemas import (
+    RUN_END_PHASES,
     Ack,
     CreditGrant,
     DirectDispatch,
@@ -50,10 +51,6 @@ from thunderagent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.router")
-
-RUN_ENDS = frozenset({"finished", "failed", "aborted"})
-"""Progress phases after which a run holds nothing on its worker (``started`` and the PD
-``transferred`` change nothing the router books)."""
 
 FLEET_WAIT_S = 5.0
 """Longest a request waits for a starting replica to load the fleet's registrations."""
@@ -230,7 +227,7 @@ class Router:
             return
         now = time.time()
         for progress in batch.events:
-            if progress.phase in RUN_ENDS:
+            if progress.phase in RUN_END_PHASES:  # starts and hand-offs book nothing here
                 self._on_run_end(progress, now)
 
     def _on_run_end(self, progress: RequestProgress, now: float) -> None:
@@ -368,7 +365,7 @@ class RouterService:
         await bus.subscribe(
             subjects.router_credits(router.config.router_id), CreditGrant, router.on_credits
         )
-        await bus.subscribe(subjects.PROGRESS_WILDCARD, ProgressBatch, router.on_progress)
+        await bus.subscribe(subjects.PROGRESS_ENDED_WILDCARD, ProgressBatch, router.on_progress)
         # Concurrent: a request waits for the scheduler's ack without holding up the next one;
         # the decision itself runs without an await, so the core stays consistent.
         await bus.subscribe(

@@ -325,7 +325,7 @@ class Generation:
             events.insert(0, self.held_start)
             self.held_start = None
         batch = ProgressBatch(worker_id=self.worker_id, events=events)
-        await self.bus.publish(subjects.progress(self.worker_id), batch)
+        await self.bus.publish(subjects.progress(self.worker_id, ended=batch.ends_runs), batch)
 
     def _event(
         self, phase: str, *, worker_id: str = "", from_worker: str = "", usage: Usage | None = None
