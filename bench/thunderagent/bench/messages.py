@@ -92,22 +92,27 @@ async def count(stack, rates: list[float], requests: int) -> list[dict]:
             )
             await asyncio.sleep(0.5)  # the last batches' windows
             wall = time.monotonic() - started
-            per = {k: (v - idle[k] * wall / idle_s) / requests for k, v in seen.items()}
-            rows.append(
-                {
-                    "rate": rate,
-                    "requests": len(result.samples),
-                    "completed": len(result.ok),
-                    "rejected": sum(1 for s in result.samples if s.error),
-                    "in_flight": sum(1 for s in result.samples if not s.error and s.ttft_ms < 0),
-                    "per_request": {k: round(v, 3) for k, v in sorted(per.items())},
-                    "total_per_request": round(sum(per.values()), 2),
-                }
-            )
+            idle_rate = {k: v / idle_s for k, v in idle.items()}
+            rows.append(row(rate, result, seen, idle_rate, wall))
         return rows
     finally:
         await spy.close()
         await client.close()
+
+
+def row(rate: float, result: loadgen.LoadResult, seen, idle_rate: dict, wall: float) -> dict:
+    """One rate's counts per request, less what the idle stack sends in as long."""
+    n = len(result.samples)
+    per = {k: (v - idle_rate.get(k, 0.0) * wall) / n for k, v in seen.items()}
+    return {
+        "rate": rate,
+        "requests": n,
+        "completed": len(result.ok),
+        "rejected": sum(1 for s in result.samples if s.error),
+        "in_flight": sum(1 for s in result.samples if not s.error and s.ttft_ms < 0),
+        "per_request": {k: round(v, 3) for k, v in sorted(per.items())},
+        "total_per_request": round(sum(per.values()), 2),
+    }
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,11 +1,12 @@
-"""Messages that no one waits for, published in batches.
+"""Messages that no one waits for, sent in batches.
 
 Some messages are read only in aggregate (route decisions feed the migration planner's demand
-counts over seconds), yet one per request costs a publish, a fan-out at the server and a
-wake-up in every subscriber. ``BatchWindow`` decides when a batch goes: its first item waits at
-most ``window_s``, a full batch goes at once; an item after a quiet spell therefore waits one
-window, never more. ``BatchPublisher`` runs it on the event loop. A batch is one message built by
-``make(items)``; a failed publish is logged with its count, like any fire-and-forget publish.
+counts over seconds; a durable consumer's acks are cumulative), yet one per event costs a
+publish, a fan-out at the server and a wake-up in every subscriber. ``BatchWindow`` decides when
+a batch goes: its first item waits at most ``window_s``, a full batch goes at once; an item after
+a quiet spell therefore waits one window, never more. ``BatchSender`` runs it on the event loop
+and hands each batch to ``send(items)`` (one message); a failed send is logged with its count,
+like any fire-and-forget publish.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,18 +51,18 @@ class BatchWindow(Generic[T]):
         return items
 
 
-class BatchPublisher(Generic[T]):
+class BatchSender(Generic[T]):
     def __init__(
         self,
-        bus: Any,
-        subject: str,
-        make: Callable[[list[T]], Any],
+        send: Callable[[list[T]], Awaitable[None]],
         window_s: float,
         max_items: int = 256,
+        *,
+        what: str = "items",
     ) -> None:
-        self.bus = bus
-        self.subject = subject
-        self.make = make
+        self.send = send
+        self.what = what
+        """Named in the log line of a failed send."""
         self.window = BatchWindow[T](window_s, max_items)
         self.sent = 0
         """Batches published."""
@@ -89,10 +90,10 @@ class BatchPublisher(Generic[T]):
 
     async def _publish(self, items: list[T]) -> None:
         try:
-            await self.bus.publish(self.subject, self.make(items))
+            await self.send(items)
             self.sent += 1
         except Exception:  # a closed connection: these are observations, not requests
-            log.warning("%d items for %s not published", len(items), self.subject, exc_info=True)
+            log.warning("%d %s not sent", len(items), self.what, exc_info=True)
 
     async def close(self) -> None:
         """Publish what is held and wait for it (the service is stopping)."""

@@ -30,6 +30,7 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from thunderagent.bus.batches import BatchSender
 from thunderagent.bus.errors import DECODE_ERRORS
 from thunderagent.schemas import subjects
 
@@ -213,7 +214,7 @@ class JetStreamMixin:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
 
         consumer: StreamConsumer | None = None
-        acks = _CumulativeAcks() if durable else None
+        acks = BatchSender[Any](_ack_latest, ACK_AFTER_S, ACK_EVERY, what="stream acks")
 
         async def on_msg(msg: Any) -> None:
             seq = msg.metadata.sequence.stream
@@ -235,8 +236,8 @@ class JetStreamMixin:
                     except Exception as err:  # one bad message must not stop the stream
                         log.exception("stream %s seq %d: handler failed", stream, seq)
                         await self._reject_stream(msg, f"handler failed: {err!r}")
-            if acks is not None:
-                await acks.handled(msg)
+            if durable:
+                acks.add(msg)
 
         if durable:
             config.ack_policy = AckPolicy.ALL
@@ -306,36 +307,6 @@ class JetStreamMixin:
         raise RuntimeError(f"cannot open or create the {name} bucket")
 
 
-class _CumulativeAcks:
-    """Acks a durable consumer's messages ``ACK_EVERY`` at a time, or ``ACK_AFTER_S`` after the
-    first one left unacked (an ack of the latest covers every earlier one)."""
-
-    def __init__(self) -> None:
-        self.latest: Any = None
-        self.unacked = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task | None = None
-
-    async def handled(self, msg: Any) -> None:
-        self.latest = msg
-        self.unacked += 1
-        if self.unacked >= ACK_EVERY:
-            await self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(ACK_AFTER_S, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self.flush())
-
-    async def flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        msg, self.latest, self.unacked = self.latest, None, 0
-        if msg is None:
-            return
-        try:
-            await msg.ack()
-        except Exception:  # the connection is closing: the server redelivers, we dedupe by seq
-            log.debug("stream ack failed", exc_info=True)
+async def _ack_latest(handled: list[Any]) -> None:
+    """Under ``AckPolicy.ALL`` an ack of the latest message covers every earlier one."""
+    await handled[-1].ack()

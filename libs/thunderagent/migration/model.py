@@ -1,12 +1,17 @@
 """What the planner observes and what it decides: plain frozen records, no wire types.
 
 The live service builds observations from ``RouteDecision`` and ``LoadReport`` messages; the
-virtual-time replay builds them from its simulated engines. Either way the planner sees the same.
+virtual-time replay builds them from its simulated engines. Either way the planner sees the same
+(``RouteSeen.of`` is the one translation of a decision).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from thunderagent.schemas import RouteDecision
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,17 @@ class RouteSeen:
     candidates: tuple[tuple[str, int], ...] = ()
     """(worker, cached leading blocks) of every ranked candidate: a request sent away from a
     worker that held its prefix is demand that worker could not take."""
+
+    @classmethod
+    def of(cls, decision: RouteDecision) -> RouteSeen:
+        """The router's decision as the planner sees it (live and in the replay alike)."""
+        return cls(
+            worker_id=decision.worker_id,
+            prefix_hash=decision.prefix_hash,
+            blocks=decision.overlap_blocks,
+            model=decision.model,
+            candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,14 +154,7 @@ class ReplayMigration:
     def routed(self, request_id: str, decision: RouteDecision, t: float) -> None:
         if decision.prefix_hash is not None and decision.overlap_blocks > 0:
             self._chains.setdefault(decision.prefix_hash, (request_id, decision.overlap_blocks))
-        route = RouteSeen(
-            worker_id=decision.worker_id,
-            prefix_hash=decision.prefix_hash,
-            blocks=decision.overlap_blocks,
-            model=decision.model,
-            candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
-        )
-        self.planner.observe_route(route, t)
+        self.planner.observe_route(RouteSeen.of(decision), t)
 
     def load(self, report: LoadReport, model: str, t: float) -> None:
         seen = WorkerSeen(

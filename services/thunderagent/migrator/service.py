@@ -88,16 +88,9 @@ class MigrationService:
     async def on_decisions(self, batch: RouteDecisionBatch, _: Delivery) -> None:
         now = time.time()
         for decision in batch.decisions:
-            route = RouteSeen(
-                worker_id=decision.worker_id,
-                prefix_hash=decision.prefix_hash,
-                blocks=decision.overlap_blocks,
-                model=decision.model,
-                candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
-            )
             # counted on arrival (up to a batch window late): demand is counted over seconds,
             # and arrival order keeps each prefix's hit times in order across router replicas
-            self.planner.observe_route(route, now)
+            self.planner.observe_route(RouteSeen.of(decision), now)
 
     def on_load(self, load: LoadReport) -> None:
         state = self.registry.get(load.worker_id)

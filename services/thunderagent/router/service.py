@@ -21,7 +21,7 @@ from msgspec import structs
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
-from thunderagent.bus.batches import BatchPublisher
+from thunderagent.bus.batches import BatchSender
 from thunderagent.fleet import WorkerState, check_limits, progress_refusal
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
@@ -98,12 +98,14 @@ class Router:
         self.fleet_ready = asyncio.Event()
         """Set once the fleet's registrations are loaded; requests wait for it (a replica that
         just started would otherwise answer "no worker serves this model")."""
-        router_id = config.router_id
-        self.decisions = BatchPublisher[RouteDecision](
-            bus, subjects.ROUTE_DECISIONS,
-            lambda ds: RouteDecisionBatch(router_id=router_id, decisions=ds), DECISION_WINDOW_S,
-        )  # fmt: skip
+        self.decisions = BatchSender[RouteDecision](
+            self._send_decisions, DECISION_WINDOW_S, what="route decisions"
+        )
         """Every decision, for observers (``RouteDecisionBatch``)."""
+
+    async def _send_decisions(self, decisions: list[RouteDecision]) -> None:
+        batch = RouteDecisionBatch(router_id=self.config.router_id, decisions=decisions)
+        await self.bus.publish(subjects.ROUTE_DECISIONS, batch)
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
         reply = delivery.reply

@@ -162,3 +162,15 @@ def test_bench_messages_names_every_subject_kind_the_stack_uses():
     assert kind("$JS.API.STREAM.INFO.X") == "jetstream api"
     named = ["requests", "worker.generate", "sched.direct", "progress", "kv.events", "replies"]
     assert set(named) <= set(KINDS)
+
+
+def test_bench_messages_rows_subtract_idle_traffic_and_account_for_every_request():
+    from thunderagent.bench.messages import row
+
+    result = loadgen.LoadResult(100.0, [loadgen.Sample(ttft_ms=1.0) for _ in range(3)])
+    result.samples.append(loadgen.Sample(error="unavailable: x"))
+    seen = {"requests": 4, "worker.load": 10}
+    r = row(100.0, result, seen, {"worker.load": 2.0}, wall=5.0)  # 10 idle-rate loads in 5 s
+    assert r["per_request"] == {"requests": 1.0, "worker.load": 0.0}
+    assert (r["requests"], r["completed"], r["rejected"], r["in_flight"]) == (4, 3, 1, 0)
+    assert r["requests"] == r["completed"] + r["rejected"] + r["in_flight"]

@@ -13,7 +13,7 @@ from thunderagent.bus.batches import BatchWindow
 
 
 def drive(window: BatchWindow[int], arrivals: list[tuple[float, int]]):
-    """What ``BatchPublisher`` does: send at once when ``add`` says so (dropping the timer),
+    """What ``BatchSender`` does: send at once when ``add`` says so (dropping the timer),
     else when the first item's timer fires. Returns [(sent_at, items)]."""
     sent: list[tuple[float, list[int]]] = []
     timer: float | None = None
