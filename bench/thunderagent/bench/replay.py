@@ -11,7 +11,9 @@ trace, cluster, profile, seed and code version; ``--report`` writes a markdown t
 ``--plot`` PNGs (matplotlib, the ``bench`` extra). ``--migration`` runs the live migration
 service's planner in virtual time (``thunderagent.replay.migration``); with a hot window (the
 option, the generator's sidecar ``.meta.json``, or the trace's ``hot`` rows) each entry gets the
-TTFT of the hot requests and of the requests inside and outside the window.
+TTFT of the hot requests and of the requests inside and outside the window, and, when the
+trace marks hot rows, ``floor_p99_ms``: the hot TTFT p99 no router or planner can beat, since
+nothing holds the hot prefix before a first prefill of it ends (``hot_ttft_floor_ms``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from thunderagent.replay import (
     load_trace,
     pooled_hit_ratio,
 )
-from thunderagent.replay.migration import ReplayMigration, hot_summary, move_summary
+from thunderagent.replay.migration import (
+    ReplayMigration,
+    hot_summary,
+    hot_ttft_floor_ms,
+    move_summary,
+    shared_prefix_blocks,
+)
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
 from thunderagent.scheduling.params import ParamError, SchedParams
@@ -195,6 +203,8 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
     window = migration_cli.hot_window(args, trace)
     hot_ids = {r.request_id for r in trace if r.hot}
+    hot_rows = [r for r in trace if r.hot]
+    hot_prefill_s = alone_ttft_s(timing, shared_prefix_blocks(hot_rows) * bs, 0, chunk)
     doc = {
         "trace": args.trace.name,
         "trace_requests": len(trace),
@@ -258,6 +268,10 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                 entry["hot"] = hot_summary(
                     result.records, hot_ids, (window[0] / speed, window[1] / speed)
                 )
+                if hot_rows:  # what no policy can beat: nothing holds the prefix earlier
+                    entry["hot"]["floor_p99_ms"] = hot_ttft_floor_ms(
+                        [r.arrival / speed for r in hot_rows], hot_prefill_s
+                    )
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results

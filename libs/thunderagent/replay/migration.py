@@ -59,6 +59,7 @@ from thunderagent.stats import percentile
 
 if TYPE_CHECKING:
     from thunderagent.replay.driver import Record, Replay
+    from thunderagent.replay.traces import TraceRequest
 
 MODES = ("off", "replicate", "nixl")
 PLAN_INTERVAL_S = 0.5
@@ -360,3 +361,30 @@ def hot_summary(
         "in_window": part(inside),
         "outside": part([r for r in records if not start <= r.arrival < end]),
     }
+
+
+def shared_prefix_blocks(trace: Sequence[TraceRequest]) -> int:
+    """Leading block ids every request of ``trace`` carries (the hot prefix of its hot rows)."""
+    if not trace:
+        return 0
+    first = trace[0].block_ids
+    n = len(first)
+    for r in trace[1:]:
+        ids = r.block_ids
+        n = min(n, len(ids))
+        for i in range(n):
+            if ids[i] != first[i]:
+                n = i
+                break
+    return n
+
+
+def hot_ttft_floor_ms(arrivals: Sequence[float], prefix_prefill_s: float) -> float:
+    """A lower bound on the hot requests' TTFT p99 for any router and any planner: no worker
+    holds the hot prefix, and no copy of it can leave, before a first prefill of it ends
+    (``prefix_prefill_s`` after the first hot arrival), so a hot request arriving before then
+    waits at least until then; every later one is taken as served at once."""
+    if not arrivals:
+        return 0.0
+    ready = min(arrivals) + prefix_prefill_s
+    return percentile([max(0.0, ready - t) * 1000.0 for t in arrivals], 99)

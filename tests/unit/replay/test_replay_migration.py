@@ -17,7 +17,10 @@ from thunderagent.replay.migration import (
     WARMUP_PREFIX,
     ReplayMigration,
     hot_summary,
+    hot_ttft_floor_ms,
+    shared_prefix_blocks,
 )
+from thunderagent.stats import percentile
 
 BS = 64
 PROFILE = get_profile("llama-3.1-8b-h100").with_engine(block_size=BS, max_running_requests=4)
@@ -192,6 +195,27 @@ def test_hot_summary_splits_by_window_and_hotness() -> None:
     assert out["hot"]["requests"] == 2 and out["hot"]["ttft_p99_ms"] == math.inf
     assert out["in_window"]["requests"] == 2  # b and d (start inclusive)
     assert out["outside"] == {"requests": 2, "ttft_p50_ms": 2000.0, "ttft_p99_ms": 2980.0}
+
+
+def test_shared_prefix_blocks_is_the_common_leading_run() -> None:
+    def req(ids: list[int]) -> TraceRequest:
+        return TraceRequest("r", 0.0, len(ids) * BS, 1, ids)
+
+    assert shared_prefix_blocks([]) == 0
+    assert shared_prefix_blocks([req([1, 2, 3])]) == 3
+    assert shared_prefix_blocks([req([1, 2, 3, 4]), req([1, 2, 9]), req([1, 2, 3])]) == 2
+    assert shared_prefix_blocks([req([1, 2]), req([7, 2])]) == 0
+
+
+def test_hot_floor_counts_only_arrivals_before_the_first_prefill_ends() -> None:
+    """Arrivals 0.0, 0.1 ... 0.9 s; the prefix takes 0.5 s from the first: the five before
+    0.5 s wait 500, 400, 300, 200 and 100 ms at least, the rest nothing."""
+    arrivals = [i / 10 for i in range(10)]
+    waits = [500.0, 400.0, 300.0, 200.0, 100.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert hot_ttft_floor_ms(arrivals, 0.5) == pytest.approx(percentile(waits, 99))
+    assert hot_ttft_floor_ms(arrivals, 0.5) > 400.0
+    assert hot_ttft_floor_ms([3.0] * 200, 0.5) == pytest.approx(500.0)  # all at once
+    assert hot_ttft_floor_ms([], 0.5) == 0.0
 
 
 def write_trace(path: Path, trace: list[TraceRequest]) -> None:
