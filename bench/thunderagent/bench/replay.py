@@ -27,25 +27,19 @@ from importlib import metadata
 from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
+from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.hashing import BlockHasher
 from thunderagent.replay import (
     SCHEDULERS,
     Replay,
     ReplayConfig,
-    ReplayResult,
     TraceError,
     ideal_hit_ratio,
     load_trace,
     pooled_hit_ratio,
 )
-from thunderagent.replay.migration import (
-    ReplayMigration,
-    hot_summary,
-    hot_ttft_floor_ms,
-    move_summary,
-    shared_prefix_blocks,
-)
+from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
 from thunderagent.scheduling.params import ParamError, SchedParams
@@ -191,21 +185,73 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
     bs = args.block_size
-    hasher = BlockHasher(block_size=1)
-    keyed = [
-        (hasher.hash_block_ids(r.block_ids[: r.prompt_len // bs]).primary, r.prompt_len)
-        for r in trace
-    ]
-    ideal = ideal_hit_ratio(keyed, bs)
-    pooled = pooled_hit_ratio(keyed, bs, args.workers * profile.capacity_blocks)
+    ideal, pooled = _hit_bounds(trace, bs, args.workers * profile.capacity_blocks)
     timing = TimingModel(profile)
     chunk = profile.engine.chunked_prefill_size
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
-    window = migration_cli.hot_window(args, trace)
-    hot_ids = {r.request_id for r in trace if r.hot}
-    hot_rows = [r for r in trace if r.hot]
-    hot_prefill_s = alone_ttft_s(timing, shared_prefix_blocks(hot_rows) * bs, 0, chunk)
-    doc = {
+    alone_s = lambda tokens: alone_ttft_s(timing, tokens, 0, chunk)  # noqa: E731
+    hot = migration_cli.HotPeriod.of(args, trace, alone_s)
+    doc = _document(args, profile, trace, slo_ms, hot.window)
+    results: dict = {}
+    runs = [(s, p) for s in args.speed for p in args.policy_list]
+    with _progress(args.quiet) as bar:
+        task = bar.add_task("replay", total=len(runs) * len(trace))
+        for speed, policy in runs:
+            bar.update(task, description=f"{policy} x{speed:g}")
+            start = time.perf_counter()
+            replay = Replay(_config(args, profile, policy), bs)
+            mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
+            result = replay.run(trace, speed, lambda n: bar.advance(task, n))
+            wall = time.perf_counter() - start
+            results[(policy, speed)] = result
+            entry = summarize(
+                result,
+                policy=policy,
+                speed=speed,
+                timing=timing,
+                chunk=chunk,
+                ideal=ideal,
+                pooled=pooled,
+                wall_s=round(wall, 3),
+                slo_ms=slo_ms,
+            )
+            entry.update(mig.summary() if mig else move_summary(args.migration))
+            hot_entry = hot.summary(result.records, speed)
+            if hot_entry is not None:
+                entry["hot"] = hot_entry
+            doc["results"].append(entry)
+    doc["capacity"] = capacity(doc["results"], args.policy_list)
+    return doc, results
+
+
+def _hit_bounds(trace, block_size: int, pool_blocks: int) -> tuple[float, float]:
+    """(ideal, pooled) hit ratios of ``trace``: unlimited cache, and one shared LRU pool."""
+    hasher = BlockHasher(block_size=1)
+    keyed = [
+        (hasher.hash_block_ids(r.block_ids[: r.prompt_len // block_size]).primary, r.prompt_len)
+        for r in trace
+    ]
+    return ideal_hit_ratio(keyed, block_size), pooled_hit_ratio(keyed, block_size, pool_blocks)
+
+
+def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:
+    return ReplayConfig(
+        profile=profile,
+        policy=policy,
+        workers=args.workers,
+        policy_params=args.params.get(policy, {}),
+        scheduler=scheduler_for(policy, args.scheduler),
+        seed=args.seed,
+        load_interval=args.load_interval,
+        index_ttl=args.index_ttl,
+        scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
+    )
+
+
+def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window) -> dict:
+    """The JSON document's header: what was replayed, on what, with which settings."""
+    bs = args.block_size
+    return {
         "trace": args.trace.name,
         "trace_requests": len(trace),
         "cluster": {
@@ -229,52 +275,6 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         "code_version": code_version(),
         "results": [],
     }
-    results: dict = {}
-    runs = [(s, p) for s in args.speed for p in args.policy_list]
-    with _progress(args.quiet) as bar:
-        task = bar.add_task("replay", total=len(runs) * len(trace))
-        for speed, policy in runs:
-            bar.update(task, description=f"{policy} x{speed:g}")
-            cfg = ReplayConfig(
-                profile=profile,
-                policy=policy,
-                workers=args.workers,
-                policy_params=args.params.get(policy, {}),
-                scheduler=scheduler_for(policy, args.scheduler),
-                seed=args.seed,
-                load_interval=args.load_interval,
-                index_ttl=args.index_ttl,
-                scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
-            )
-            start = time.perf_counter()
-            replay = Replay(cfg, bs)
-            mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
-            result = replay.run(trace, speed, lambda n: bar.advance(task, n))
-            wall = time.perf_counter() - start
-            results[(policy, speed)] = result
-            entry = summarize(
-                result,
-                policy=policy,
-                speed=speed,
-                timing=timing,
-                chunk=chunk,
-                ideal=ideal,
-                pooled=pooled,
-                wall_s=round(wall, 3),
-                slo_ms=slo_ms,
-            )
-            entry.update(mig.summary() if mig else move_summary(args.migration))
-            if window is not None:
-                entry["hot"] = hot_summary(
-                    result.records, hot_ids, (window[0] / speed, window[1] / speed)
-                )
-                if hot_rows:  # what no policy can beat: nothing holds the prefix earlier
-                    entry["hot"]["floor_p99_ms"] = hot_ttft_floor_ms(
-                        [r.arrival / speed for r in hot_rows], hot_prefill_s
-                    )
-            doc["results"].append(entry)
-    doc["capacity"] = capacity(doc["results"], args.policy_list)
-    return doc, results
 
 
 def capacity(entries: list[dict], policies: list[str]) -> dict:
@@ -412,97 +412,6 @@ def _rel(p: Path, base: Path) -> str:
         return str(p.resolve().relative_to(base.resolve()))
     except ValueError:
         return str(p)
-
-
-# ---- plots -------------------------------------------------------------------------------
-def write_plots(doc: dict, results: dict[tuple[str, float], ReplayResult], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        print("--plot needs matplotlib (pip install 'thunderagent[bench]')", file=sys.stderr)
-        return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    stem = Path(doc["trace"]).stem
-    speeds = sorted({s for _, s in results})
-    policies = list(dict.fromkeys(p for p, _ in results))
-    paths: list[Path] = []
-    for speed in speeds:
-        tag = f"{stem}_x{speed:g}"
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for policy in policies:
-            ttft = sorted(
-                r.first_token - r.arrival
-                for r in results[(policy, speed)].records
-                if r.status == "completed"
-            )
-            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-            ax.plot(ttft, ys, label=policy)
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"TTFT CDF: {stem}, speed x{speed:g}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        paths.append(_save(fig, out / f"{tag}_ttft_cdf.png", plt))
-
-        entries = [e for e in doc["results"] if e["speed"] == speed]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.bar([e["policy"] for e in entries], [e["prefix_hit_ratio"] for e in entries])
-        ax.axhline(entries[0]["ideal_hit_ratio"], color="k", ls="--", label="ideal (unlimited)")
-        ax.axhline(entries[0]["pooled_hit_ratio"], color="r", ls=":", label="pooled LRU")
-        ax.set_ylabel("prefix hit ratio (tokens)")
-        ax.set_title(f"Cache hits: {stem}, speed x{speed:g}")
-        ax.tick_params(axis="x", labelrotation=20)
-        ax.legend()
-        paths.append(_save(fig, out / f"{tag}_hit_ratio.png", plt))
-
-        fig, axes = plt.subplots(len(policies), 1, figsize=(8, 1.8 * len(policies)), sharex=True)
-        axes = axes if len(policies) > 1 else [axes]
-        for ax, policy in zip(axes, policies, strict=True):
-            tl = results[(policy, speed)].timeline
-            ts = [t / 60 for t, _ in tl]
-            for w in range(len(tl[0][1]) if tl else 0):
-                ax.plot(ts, [v[w] for _, v in tl], lw=0.7)
-            ax.set_ylabel(policy, fontsize=8)
-        axes[-1].set_xlabel("virtual minutes")
-        axes[0].set_title(f"Per-worker requests (running + waiting): {stem}, x{speed:g}")
-        paths.append(_save(fig, out / f"{tag}_worker_load.png", plt))
-    if len(speeds) > 1:
-        paths.append(_capacity_plot(doc, policies, stem, out, plt))
-    return paths
-
-
-def _capacity_plot(doc: dict, policies: list[str], stem: str, out: Path, plt) -> Path:
-    """TTFT p99 (every request; an unanswered one counts as never) and goodput vs speed."""
-    slo_s = doc["slo_ttft_p99_ms"] / 1000
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    for policy in policies:
-        mine = [e for e in doc["results"] if e["policy"] == policy]
-        mine.sort(key=lambda e: e["speed"])
-        speeds = [e["speed"] for e in mine]
-        p99 = [min(e["ttft_p99_all_ms"] / 1000, 10 * slo_s) for e in mine]
-        top.plot(speeds, p99, marker="o", label=policy)
-        bottom.plot(speeds, [e["goodput_rps"] for e in mine], marker="o", label=policy)
-    top.axhline(slo_s, color="k", ls="--", lw=0.8, label="SLO")
-    top.set_yscale("log")
-    top.set_ylabel("TTFT p99 (s)")
-    top.set_title(f"Capacity: {stem}")
-    bottom.set_ylabel("goodput (requests/s within the SLO)")
-    bottom.set_xlabel("speed (arrival-rate multiplier)")
-    for ax in (top, bottom):
-        ax.grid(True, which="both", alpha=0.3)
-    top.legend(fontsize=8)
-    return _save(fig, out / f"{stem}_capacity.png", plt)
-
-
-def _save(fig, path: Path, plt) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from thunderagent.migration import MigrationParams, ParamError
-from thunderagent.replay.migration import MODES
+from thunderagent.replay import Record, TraceRequest
+from thunderagent.replay.migration import (
+    MODES,
+    hot_summary,
+    hot_ttft_floor_ms,
+    shared_prefix_blocks,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,40 @@ def overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
     except (ParamError, TypeError) as err:
         p.error(str(err))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class HotPeriod:
+    """The trace's hot period (trace seconds) and hot rows, for each run's ``hot`` entry."""
+
+    window: tuple[float, float] | None
+    hot_rows: Sequence[TraceRequest]
+    prefix_prefill_s: float
+    """A first prefill of the prefix every hot row shares, alone on a worker."""
+
+    @classmethod
+    def of(
+        cls,
+        args: argparse.Namespace,
+        trace: Sequence[TraceRequest],
+        alone_s: Callable[[int], float],
+    ) -> HotPeriod:
+        """``alone_s(tokens)``: seconds to prefill that many uncached tokens alone."""
+        rows = [r for r in trace if r.hot]
+        prefill_s = alone_s(shared_prefix_blocks(rows) * args.block_size)
+        return cls(hot_window(args, trace), rows, prefill_s)
+
+    def summary(self, records: Sequence[Record], speed: float) -> dict | None:
+        """``hot_summary`` at ``speed``, plus ``floor_p99_ms`` when the trace marks hot rows:
+        what no policy can beat, since nothing holds the prefix before its first prefill ends."""
+        if self.window is None:
+            return None
+        ids = {r.request_id for r in self.hot_rows}
+        out = hot_summary(records, ids, (self.window[0] / speed, self.window[1] / speed))
+        if self.hot_rows:
+            arrivals = [r.arrival / speed for r in self.hot_rows]
+            out["floor_p99_ms"] = hot_ttft_floor_ms(arrivals, self.prefix_prefill_s)
+        return out
 
 
 def hot_window(args: argparse.Namespace, trace) -> tuple[float, float] | None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import Final
 
 from thunderagent.bus import Bus, Delivery
@@ -48,7 +49,7 @@ class KvRelay:
         self.epoch = int(time.time() * 1000)
         self.seq = -1
         self._subject = subjects.kv_events(worker_id)
-        self._pending: list[tuple[list[KvEvent], asyncio.Future | None]] = []
+        self._pending: deque[tuple[list[KvEvent], asyncio.Future | None]] = deque()
         """Event lists not yet published, oldest first, each with who waits for it."""
         self._sender: asyncio.Task | None = None
         self.published = 0
@@ -150,7 +151,7 @@ class KvRelay:
                 while self._pending and (
                     not events or len(events) + len(self._pending[0][0]) <= MAX_MERGED_EVENTS
                 ):
-                    more, done = self._pending.pop(0)
+                    more, done = self._pending.popleft()
                     events.extend(more)
                     if done is not None:
                         waiting.append(done)
