@@ -106,6 +106,47 @@ def test_recompute_weighs_more_as_prefill_queues_grow() -> None:
     assert ids(flat.rank(query, queued, random.Random(0)))[0] == "b"  # own TTFT only: b
 
 
+def test_recompute_weighs_more_once_every_worker_kv_is_held_by_running_requests() -> None:
+    p = unit(recompute_gain=1.0, max_recompute_weight=16.0, busy_kv_share=0.7)
+    p.on_dispatched(q(2), "x")  # a typical prefill: 20 tokens
+
+    def busy(name: str, held: int, **kw) -> WorkerView:  # pools of 100 blocks = 1,000 tokens
+        return WorkerView(name, active_tokens=held, kv_total_blocks=100, **kw)
+
+    # no prefill queued anywhere, but even the least loaded pool is 85% held: (0.85 - 0.7) /
+    # 0.3 of the way to the full weight
+    full = [busy("a", 900, prefill_tokens=0), busy("b", 850, prefill_tokens=0)]
+    assert p.recompute_weight(full, BS) == pytest.approx(8.0)
+    # what was sent since the report holds KV too
+    sent = [busy("a", 700, pending_kv_tokens=300), busy("b", 1000)]
+    assert p.recompute_weight(sent, BS) == pytest.approx(16.0)
+    # one worker with room: a miss there takes capacity from no one
+    room = [busy("a", 1000), busy("b", 500)]
+    assert p.recompute_weight(room, BS) == 0.0
+    # unknown pool size or no block size: no evidence, the prefill queue alone decides
+    assert p.recompute_weight([WorkerView("a", active_tokens=10**6)], BS) == 0.0
+    assert p.recompute_weight(full, 0) == 0.0
+    assert unit(busy_kv_share=1.0).recompute_weight(sent, BS) == 0.0, "1 turns it off"
+    # the holder wins although its prefill queue is longer: a miss would wait for KV anyway
+    # (a: 50 queued ahead, nothing of its own; b: its own 40, x (1 + 8) when busy; overflow off)
+    query = q(4, overlaps={"a": 4})
+    queued = [busy("a", 900, prefill_tokens=50), busy("b", 850, prefill_tokens=0)]
+    aware = unit(recompute_gain=1.0, overflow_weight=0.0)
+    blind = unit(recompute_gain=1.0, overflow_weight=0.0, busy_kv_share=1.0)
+    for policy in (aware, blind):
+        policy.on_dispatched(q(2), "x")
+    assert [(c.worker_id, c.score) for c in aware.rank(query, queued, random.Random(0))] == [
+        ("a", -50.0),
+        ("b", -360.0),
+    ]
+    assert [(c.worker_id, c.score) for c in blind.rank(query, queued, random.Random(0))] == [
+        ("b", -40.0),
+        ("a", -50.0),
+    ]
+    with pytest.raises(ParamError, match="busy_kv_share"):
+        unit(busy_kv_share=1.5)
+
+
 def test_free_kv_breaks_cost_ties() -> None:
     query = q(4, overlaps={"a": 2, "b": 2})
     workers = [
