@@ -112,16 +112,17 @@ class Thunder(PolicyHooks):
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
     busy_kv_share: float = 0.7
-    """The other way no worker has room: even the least loaded worker's KV is mostly held by
+    """The other way no worker has room: even the least held worker's KV is mostly held by
     running requests (and what was sent since its report), so new work anywhere waits for KV
     to free, with or without a prefill queue. Past this share the recompute weight rises
     linearly to ``max_recompute_weight`` at a full pool. Without it the weight stayed 0 for half
     the decisions in the hot-spot overload (some worker always had no prefill queued, its KV
     full of decodes) and the router traded hits for a balance that freed nothing. Chosen on the
-    generated hot-spot workload (seeds 0, 1, 2) with bursty and agent as checks, thunder
-    capacity (``bench replay``, speeds to 16x): off 10 / 10 / 8x, 0.5 10 / 12 / 10x, 0.7
-    12 / 12 / 10x, 0.8 12 / 10 / 10x; bursty 10x and agent 4x with every value. 1 turns it
-    off."""
+    generated hot-spot workload (seeds 0, 1, 2; speeds 1-16x on seed 0, 8-14x on 1, 6-12x on
+    2) with bursty and agent (seed 0, to 16x and 6x) as checks, thunder capacity: off
+    10 / 10 / 8x, 0.5 10 / 12 / 10x, 0.7 12 / 12 / 10x, 0.8 12 / 10 / 10x; bursty 10x and
+    agent 4x with every value. It costs ``bench sched``'s program ratio 1.34x -> 1.26x: the
+    program-unaware baseline there gains from it. 1 turns it off."""
     tuner: OnlineTuner | Mapping[str, float] = field(default_factory=OnlineTuner)
     """Online tuning of ``load_scale``; a mapping (from YAML) is turned into an OnlineTuner."""
 
