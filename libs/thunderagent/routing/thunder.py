@@ -152,12 +152,13 @@ class Thunder(PolicyHooks):
             self.tuner = OnlineTuner(**self.tuner)
         self._uncached = RunningMean(self.mean_alpha, prior=self.prior_prefill_tokens)
 
-    def recompute_weight(self, workers: Sequence[WorkerView], block_size: int = 0) -> float:
+    def recompute_weight(self, workers: Sequence[WorkerView], block_size: int) -> float:
         """``recompute_gain`` x the prefill queued on the least loaded worker, in typical
-        prefills, or more once even the least loaded worker's KV is past ``busy_kv_share``
-        held by running requests: while any worker has room a miss costs only its own time
-        there; only when none has does the extra work take capacity from everyone (a hot
-        spot, one busy worker among idle ones, must not turn this on)."""
+        prefills, or more once even the least held worker's KV is past ``busy_kv_share``
+        held by running requests (``block_size`` <= 0: pool sizes unknown, no such evidence).
+        While any worker has room a miss costs only its own time there; only when none has
+        does the extra work take capacity from everyone (a hot spot, one busy worker among
+        idle ones, must not turn this on)."""
         typical = max(self._uncached.get(), 1.0)
         mean = self._uncached.get()
         queued = min(queued_prefill_tokens(w, mean) for w in workers)
@@ -192,8 +193,7 @@ class Thunder(PolicyHooks):
         capacity = w.kv_total_blocks * query.block_size
         if capacity <= 0:
             return 0.0
-        since = max(0, w.pending_kv_tokens) if w.pending_kv_tokens >= 0 else 0
-        held = w.active_tokens + since + query.prompt_tokens + query.expected_output_tokens
+        held = _running_kv_tokens(w) + query.prompt_tokens + query.expected_output_tokens
         return max(0.0, held - self.pressure_threshold * capacity)
 
     def rank(
@@ -224,10 +224,15 @@ class Thunder(PolicyHooks):
         self.load_scale = self.tuner.update(self.load_scale, feedback)
 
 
+def _running_kv_tokens(w: WorkerView) -> int:
+    """KV tokens held on ``w`` by running requests and by those sent since its report."""
+    return w.active_tokens + max(w.pending_kv_tokens, 0)
+
+
 def _held_share(w: WorkerView, block_size: int) -> float:
-    """Share of ``w``'s KV pool held by running requests and by those sent since its report
-    (0 when the pool size is unknown: no evidence of pressure)."""
+    """Share of ``w``'s KV pool ``_running_kv_tokens`` holds (0 when the pool size is
+    unknown: no evidence of pressure)."""
     capacity = w.kv_total_blocks * block_size
     if capacity <= 0:
         return 0.0
-    return (w.active_tokens + max(w.pending_kv_tokens, 0)) / capacity
+    return _running_kv_tokens(w) / capacity

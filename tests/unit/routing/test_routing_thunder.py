@@ -89,15 +89,15 @@ def test_recompute_weighs_more_as_prefill_queues_grow() -> None:
     p = unit(recompute_gain=1.0, max_recompute_weight=16.0)
     p.on_dispatched(q(2), "x")  # a typical prefill: 20 tokens
     idle = [WorkerView("a"), WorkerView("b")]
-    assert p.recompute_weight(idle) == 0.0
+    assert p.recompute_weight(idle, BS) == 0.0
     queued = [
         WorkerView("a", prefill_tokens=100, pending_prefill_tokens=0),
         WorkerView("b", prefill_tokens=40, pending_prefill_tokens=0),
     ]
     # even the least loaded worker has two typical prefills queued: no idle capacity left
-    assert p.recompute_weight(queued) == pytest.approx(2.0)
+    assert p.recompute_weight(queued, BS) == pytest.approx(2.0)
     hot_spot = [WorkerView("a", prefill_tokens=600, pending_prefill_tokens=0), WorkerView("b")]
-    assert p.recompute_weight(hot_spot) == 0.0, "one busy worker among idle ones: no penalty"
+    assert p.recompute_weight(hot_spot, BS) == 0.0, "one busy worker among idle ones: no penalty"
     # with queues a miss adds work everyone waits for: the holder wins despite its queue
     query = q(4, overlaps={"a": 4})
     assert ids(p.rank(query, queued, random.Random(0)))[0] == "a"
