@@ -158,3 +158,17 @@ async def test_an_export_nobody_releases_unpins_itself() -> None:
         assert [src.driver.core.cache.refcount(k) for k in keys] == [0, 0, 0]
         code, result = await post(src.url, "/kv/export", {"export_id": "x", "block_hashes": [7]})
         assert code == 404 and "not cached" in result["error"]["message"]
+
+
+async def test_a_drop_frees_a_cold_replica_but_not_one_other_prompts_extend() -> None:
+    """``/kv/release`` without an export: the planner's Drop of a replica gone cold."""
+    async with engines(1) as (eng,):
+        eng.driver.import_kv(prefix(4))
+        keys = list(eng.pool.slot_of)
+        body = {"block_hashes": keys[:2], "drop": True}  # the replica: two blocks, two extend it
+        code, rel = await post(eng.url, "/kv/release", body)
+        assert code == 200 and rel == {"released": False, "dropped_blocks": 0}
+        assert set(eng.driver.core.cache.contents()) == set(keys)
+        code, rel = await post(eng.url, "/kv/release", {"block_hashes": keys, "drop": True})
+        assert code == 200 and rel == {"released": False, "dropped_blocks": 4}
+        assert eng.driver.core.cache.contents() == {} and eng.pool.used == 0

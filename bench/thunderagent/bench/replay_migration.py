@@ -121,9 +121,9 @@ def hot_window(args: argparse.Namespace, trace) -> tuple[float, float] | None:
 
 
 COLUMNS = (
-    "| policy | speed | migration | repl | migr | drop | failed | GB moved | move s p50 "
-    "| move s p99 | hot TTFT p50 | hot TTFT p99 | window p50 | window p99 | outside p50 "
-    "| outside p99 | imbalance |"
+    "| policy | speed | migration | repl | migr | drop | drop refused | failed | GB moved "
+    "| move s p50 | move s p99 | hot TTFT p50 | hot TTFT p99 | window p50 | window p99 "
+    "| outside p50 | outside p99 | imbalance |"
 )
 
 
@@ -139,7 +139,7 @@ def table(doc: dict) -> str:
         x = e["transfer_s"]
         lines.append(
             f"| {e['policy']} | {e['speed']:g} | {e['migration']} | {e['replications']} "
-            f"| {e['migrations']} | {e['drops']} | {e['failed_moves']} "
+            f"| {e['migrations']} | {e['drops']} | {e['drops_refused']} | {e['failed_moves']} "
             f"| {e['bytes_moved'] / 1e9:.1f} | {x['p50']:.3f} | {x['p99']:.3f} "
             f"| {' | '.join(ttft)} | {e['load_imbalance']:.3f} |"
         )

@@ -121,15 +121,19 @@ class PrefixCache:
             out.extend(block.tokens)
         return out
 
-    def discard(self, keys: list[int]) -> int:
-        """Evict the unreferenced GPU blocks of a chain and the GPU blocks that extend it,
-        deepest first, stopping at the first block that must stay (pinned, or a parent of a
-        block that stays). Returns blocks evicted. A migration frees its prefix at the source
-        this way: blocks that extend a prefix (the outputs of the requests that used it) are
-        unreachable once it is gone, so they go with it; blocks in use are never touched."""
+    def discard(self, keys: list[int], *, extensions: bool = True) -> int:
+        """Evict the unreferenced GPU blocks of a chain, deepest first, stopping at the first
+        block that must stay (pinned, or a parent of a block that stays). Returns blocks
+        evicted; blocks in use are never touched.
+
+        ``extensions=True`` (a migration freeing its prefix at the source) first evicts the
+        GPU blocks that extend the chain: they are unreachable once it is gone. ``False`` (a
+        replica dropped because its prefix went cold) leaves a chain that anything extends
+        alone: those extensions are other prompts' contexts (an agent program built on a
+        shared tool prompt), which the prefix's own demand figures do not count."""
         done = 0
         last = self._blocks.get(keys[-1]) if keys else None
-        if last is not None and last.gpu_children:
+        if extensions and last is not None and last.gpu_children:
             done += self._discard_below(keys[-1])
         for key in reversed(keys):
             block = self._blocks.get(key)

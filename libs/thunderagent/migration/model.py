@@ -114,6 +114,9 @@ class PlannerStats:
     )
     done: int = 0
     failed: int = 0
+    """Moves (and drops) that did not happen, refused drops apart."""
     timed_out: int = 0
+    drops_refused: int = 0
+    """Drops the worker refused: the replica is in use or other prompts extend it."""
     abandoned_prefixes: int = 0
     moved_bytes: int = 0

@@ -55,14 +55,19 @@ class MigrationParams:
     """... and clear again only when its queue is empty and its prefill backlog is below this
     (two thresholds, so a worker near one line does not flip on every report)."""
     hot_for_s: float = 1.0
-    """Every holder must have been saturated this long before a copy is ordered (0: demand
-    alone). Chosen on the generated workloads (seed 1, thunder as deployed, NIXL moves): on the
-    hot-spot trace nothing moves with either value, because thunder re-prefills the hot prefix
-    on other workers before its holders queue (all 8 workers held it 1.5 s into the hot window;
-    hot TTFT p99 309 / 510 ms at 1x / 2x in every run); on the agent trace 0 copies the shared
-    tool prompt 6-7 times and TTFT p99 rises from 588 / 581 / 630 ms to 650 / 722 / 702 ms at
-    1x / 2x / 3x, while 1.0 leaves it alone. The gate opens behind a router that lets a hot
-    prefix's holders queue (cache-first routers such as sglang's)."""
+    """Saturation gate: a copy is also ordered once every holder has been saturated this long
+    (0: no such gate). It opens behind a router that lets a hot prefix's holders queue
+    (cache-first routers such as sglang's); thunder's router spreads load before its holders
+    queue, so behind it the demand gate (``min_rate_per_holder``) is the one that acts."""
+    min_rate_per_holder: float = 3.0
+    """Demand gate: while a prefix is requested at least this often per holder (copies in
+    flight and just landed count as holders), it gets more copies, whether or not its holders
+    queue (0: no such gate). A holder taking a couple of requests a second for one prefix
+    starts to trade them against its other work; behind a load-aware router each request the
+    holders cannot take is a re-prefill elsewhere, which a copy replaces."""
+    max_moves_per_prefix: int = 4
+    """Copies of one prefix under way at once (each from a different holder): a burst fans
+    out in rounds of one transfer, 1 -> 2 -> 4 -> 8 holders."""
     target_max_live: float = 0.7
     """A target must keep this fraction of its KV for running requests free of them."""
     pressure_live: float = 0.8
@@ -99,7 +104,7 @@ class MigrationParams:
         positive = (
             "kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s", "horizon_s",
             "window_s", "busy_s", "transfer_timeout_s", "max_tracked", "max_inflight",
-            "max_moves_per_worker", "replica_cap", "max_failures",
+            "max_moves_per_worker", "max_moves_per_prefix", "replica_cap", "max_failures",
         )  # fmt: skip
         for name in positive:
             if not getattr(self, name) > 0:

@@ -9,18 +9,28 @@ Rules, in order, for each tracked prefix (most requested first):
 
 1. **Drain.** Every worker holding a prefix is leaving, and the prefix was requested in the
    window: migrate it to the least loaded worker that stays (it would be lost otherwise).
-2. **Hot.** The prefix is requested at least ``min_rate`` (and, when ``hot_for_s`` > 0, every
-   holder has been saturated, queued requests or queued prefill, that long), a worker of the
-   same model has room, there are fewer than ``replica_cap`` holders, and the cost model says
-   the copy pays (``cost.estimate``): replicate it there, or migrate it when the source's
-   running requests are pressing on its KV (freeing the source is then worth it too).
+2. **Hot.** The prefix is requested at least ``min_rate``, there are fewer than
+   ``replica_cap`` holders, a worker of the same model has room, the cost model says the copy
+   pays (``cost.estimate``), and either gate is open:
+
+   * *demand*: the requests per holder (copies in flight and copies just landed count as
+     holders) reach ``min_rate_per_holder``: copies are started, several at once from different
+     sources, until the rate per holder would fall below it (a burst fans out in rounds of one
+     transfer time instead of one move per ``cooldown_s``);
+   * *saturation* (``hot_for_s`` > 0): every holder has been saturated, queued requests or
+     queued prefill, that long (behind a router that queues on holders): one copy at a time.
+
+   Replicate, or migrate when the source's running requests are pressing on its KV (freeing the
+   source is then worth it too).
 3. **Cold.** A replica this planner made, of a prefix hit less than ``drop_rate`` per second for
    ``cold_for_s`` while another worker still holds it: drop it.
 
 Hysteresis: saturation has two thresholds (``busy_s`` in, ``idle_s`` out) and must last
-``hot_for_s`` when that is set; a copy must pay ``benefit_margin`` times its cost; a prefix
-rests ``cooldown_s`` after each move. Failures back off exponentially per prefix and per
-target; after ``max_failures`` in a row a prefix is given up until it goes cold and is forgotten.
+``hot_for_s`` when that is set; demand counts its own copies as holders the moment they are
+ordered; a copy must pay ``benefit_margin`` times its cost; a prefix rests ``cooldown_s`` after
+each move before the saturation gate or a drop acts on it again. Failures back off
+exponentially per prefix and per target; after ``max_failures`` in a row a prefix is given up
+until it goes cold and is forgotten.
 """
 
 from __future__ import annotations
@@ -59,11 +69,18 @@ class _Worker:
 class _Prefix:
     cold_since: float | None = None
     cooldown_until: float = 0.0
+    """After a move ended: the saturation gate and drops wait until then."""
+    backoff_until: float = 0.0
+    """After a failed move: nothing is tried on the prefix until then."""
     failures: int = 0
     abandoned: bool = False
     made: set[str] = field(default_factory=set)
     """Workers holding a replica this planner put there."""
-    inflight: str | None = None
+    landed: dict[str, float] = field(default_factory=dict)
+    """Targets of copies that ended in the last ``cooldown_s`` (worker -> when): holders the
+    index may not show yet."""
+    inflight: set[str] = field(default_factory=set)
+    """Action ids of this prefix's moves in flight."""
 
 
 @dataclass(slots=True)
@@ -141,30 +158,37 @@ class MigrationPlanner:
         for prefix in ranked:
             if budget <= 0:
                 break
-            action = self._consider(prefix, now, holders)
-            if action is not None:
+            for action in self._consider(prefix, now, holders, budget):
                 self._start(action, now)
                 actions.append(action)
                 budget -= 1
         self._forget_cold(now)
         return actions
 
-    def _consider(self, prefix: int, now: float, holders: Holders) -> Action | None:
+    def _consider(self, prefix: int, now: float, holders: Holders, budget: int) -> list[Action]:
         st = self.prefixes.setdefault(prefix, _Prefix())
         rate = self.demand.rate(prefix, now)
         if rate < self.params.drop_rate:
             st.cold_since = now if st.cold_since is None else st.cold_since
         else:
             st.cold_since = None
-        if st.inflight is not None or st.abandoned or now < st.cooldown_until:
-            return None
+        st.landed = {w: t for w, t in st.landed.items() if now - t < self.params.cooldown_s}
+        if st.abandoned or now < st.backoff_until:
+            return []
         live = sorted(w for w in holders(prefix) if w in self.workers)
-        st.made &= set(live)  # a replica the engine evicted on its own is no longer ours
-        return (
+        # a replica the engine evicted on its own is no longer ours (one that just landed may
+        # not show in the index yet)
+        st.made &= {*live, *st.landed}
+        if st.inflight or now < st.cooldown_until:
+            return self._fan_out(prefix, st, rate, live, now, budget)
+        action = (
             self._drain_action(prefix, live, now)
-            or self._hot_action(prefix, rate, live, now)
+            or self._saturated_action(prefix, rate, live, now)
             or self._drop_action(prefix, st, rate, live, now)
         )
+        if action is not None:
+            return [action]
+        return self._fan_out(prefix, st, rate, live, now, budget)
 
     def _drain_action(self, prefix: int, live: list[str], now: float) -> Action | None:
         if not live or not all(self.workers[w].draining for w in live):
@@ -180,28 +204,75 @@ class MigrationPlanner:
         reason = f"drain: {source} is leaving and holds the only copy"
         return self._move(Migrate, prefix, source, target, est, reason)
 
-    def _hot_action(self, prefix: int, rate: float, live: list[str], now: float) -> Action | None:
+    def _hot(self, prefix: int, rate: float, live: list[str]) -> bool:
+        """The conditions both hot gates share."""
         p = self.params
         demand = self.demand.get(prefix)
         if demand.blocks < p.min_blocks or rate < p.min_rate or not live:
+            return False
+        return not any(self.workers[w].draining for w in live)
+
+    def _saturated_action(
+        self, prefix: int, rate: float, live: list[str], now: float
+    ) -> Action | None:
+        """The saturation gate: one copy once every holder has queued for ``hot_for_s``."""
+        p = self.params
+        if p.hot_for_s <= 0 or not self._hot(prefix, rate, live) or len(live) >= p.replica_cap:
             return None
-        if len(live) >= p.replica_cap:
+        if min(self.saturated_for(w, now) for w in live) < p.hot_for_s:
             return None
-        if p.hot_for_s > 0 and min(self.saturated_for(w, now) for w in live) < p.hot_for_s:
-            return None
-        if any(self.workers[w].draining for w in live):
-            return None
-        target = self._pick_target(demand.model, set(live), now, strict=True)
-        source = self._pick_source(live)
+        return self._copy(prefix, rate, live, set(live), now, "all saturated")
+
+    def _fan_out(
+        self, prefix: int, st: _Prefix, rate: float, live: list[str], now: float, budget: int
+    ) -> list[Action]:
+        """The demand gate: copies until the rate per holder (in flight and just landed
+        included) falls under ``min_rate_per_holder``, from holders whose links are free."""
+        p = self.params
+        if p.min_rate_per_holder <= 0 or not self._hot(prefix, rate, live):
+            return []
+        coming = {self.inflight[a].action.target for a in st.inflight if a in self.inflight}
+        have = {*live, *st.landed} | coming
+        out: list[Action] = []
+        while len(have) < p.replica_cap and len(out) < budget:
+            if len(st.inflight) + len(out) >= p.max_moves_per_prefix:
+                break
+            if rate / len(have) < p.min_rate_per_holder:
+                break
+            sources = [w for w in live if w not in {a.source for a in out}]
+            why = f"{len(have)} holder(s)"
+            # more holders is the point: the source keeps its copy even under KV pressure
+            action = self._copy(prefix, rate, sources, have, now, why, may_migrate=False)
+            if action is None:
+                break
+            out.append(action)
+            have.add(action.target)
+        return out
+
+    def _copy(
+        self,
+        prefix: int,
+        rate: float,
+        sources: list[str],
+        have: set[str],
+        now: float,
+        why: str,
+        *,
+        may_migrate: bool = True,
+    ) -> Move | None:
+        """A copy of ``prefix`` to the best worker outside ``have``, if one has room and the
+        copy pays; a ``Migrate`` when ``may_migrate`` and the source is pressed for KV."""
+        p = self.params
+        target = self._pick_target(self.demand.get(prefix).model, have, now, strict=True)
+        source = self._pick_source(sources)
         if target is None or source is None:
             return None
-        est = self._estimate(prefix, source, target, rate, len(live), now)
+        est = self._estimate(prefix, source, target, rate, len(have), now)
         if not est.pays(p.benefit_margin):
             return None
-        pressed = self.live_fraction(self._load(source)) >= p.pressure_live
+        pressed = may_migrate and self.live_fraction(self._load(source)) >= p.pressure_live
         reason = (
-            f"hot: {rate:.1f} req/s on {len(live)} holder(s)"
-            f"{' (all saturated)' if p.hot_for_s > 0 else ''}; saves "
+            f"hot: {rate:.1f} req/s on {why}; saves "
             f"{est.benefit_s:.2f}s of prefill for {est.transfer_s:.3f}s of transfer"
         )
         return self._move(Migrate if pressed else Replicate, prefix, source, target, est, reason)
@@ -218,7 +289,7 @@ class MigrationPlanner:
         reason = f"cold: {rate:.2f} req/s for {now - st.cold_since:.0f}s, {len(live)} holders"
         return Drop(self._new_id(), prefix, self.demand.get(prefix).blocks, worker, reason)
 
-    def _pick_source(self, live: list[str]) -> str | None:
+    def _pick_source(self, live: Collection[str]) -> str | None:
         """The holder under the most KV pressure (a migration frees it), then by id."""
         free = [w for w in live if self.links.moves(w) < self.params.max_moves_per_worker]
         if not free:
@@ -271,7 +342,7 @@ class MigrationPlanner:
 
     def _start(self, action: Action, now: float) -> None:
         self.inflight[action.action_id] = _Inflight(action, now)
-        self.prefixes.setdefault(action.prefix_hash, _Prefix()).inflight = action.action_id
+        self.prefixes.setdefault(action.prefix_hash, _Prefix()).inflight.add(action.action_id)
         kind = "drop" if isinstance(action, Drop) else type(action).__name__.lower()
         self.stats.ordered[kind] += 1
         if not isinstance(action, Drop):
@@ -301,8 +372,8 @@ class MigrationPlanner:
         """A move someone asked for: checked, booked like the planner's own, not judged.
         Raises ``ValueError`` with the reason when it cannot start."""
         st = self.prefixes.setdefault(prefix, _Prefix())
-        if st.inflight is not None:
-            raise ValueError(f"prefix {prefix:#x} already has move {st.inflight} in flight")
+        if st.inflight:
+            raise ValueError(f"prefix {prefix:#x} already has move {min(st.inflight)} in flight")
         live = sorted(holders(prefix))
         if not source and not live:
             raise ValueError(f"no worker is known to hold prefix {prefix:#x}")
@@ -337,6 +408,7 @@ class MigrationPlanner:
             if isinstance(action, Migrate):
                 st.made.discard(action.source)
             st.made.add(action.target)
+            st.landed[action.target] = now
             if action.target in self.workers:
                 self.workers[action.target].failures = 0
         self.stats.done += 1
@@ -349,8 +421,15 @@ class MigrationPlanner:
         p = self.params
         action = flight.action
         st = self.prefixes.setdefault(action.prefix_hash, _Prefix())
+        if isinstance(action, Drop):
+            # the replica stays (in use, extended by other prompts, or the engine cannot free
+            # it): it is no longer ours to drop, and that says nothing against copying later
+            st.made.discard(action.worker)
+            self.stats.drops_refused += 1
+            return
+        self.stats.failed += 1
         st.failures += 1
-        st.cooldown_until = now + p.cooldown_s * 2 ** (st.failures - 1)
+        st.backoff_until = now + p.cooldown_s * 2 ** (st.failures - 1)
         if st.failures >= p.max_failures and not st.abandoned:
             st.abandoned = True
             self.stats.abandoned_prefixes += 1
@@ -359,7 +438,6 @@ class MigrationPlanner:
             w = self.workers[target]
             w.failures += 1
             w.blocked_until = now + p.target_backoff_s * 2 ** (w.failures - 1)
-        self.stats.failed += 1
 
     def expire(self, now: float) -> list[str]:
         """Moves older than ``transfer_timeout_s`` count as failed; returns their ids."""
@@ -379,8 +457,8 @@ class MigrationPlanner:
             return None
         self.links.free(action_id)
         st = self.prefixes.get(flight.action.prefix_hash)
-        if st is not None and st.inflight == action_id:
-            st.inflight = None
+        if st is not None:
+            st.inflight.discard(action_id)
         return flight
 
     def replicated_prefixes(self) -> int:

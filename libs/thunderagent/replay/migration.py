@@ -98,6 +98,8 @@ class MoveStats:
     migrations: int = 0
     drops: int = 0
     failed: int = 0
+    drops_refused: int = 0
+    """Drops the engine refused (the replica in use or extended, or no selective free)."""
     bytes_moved: int = 0
     freed_blocks: int = 0
     """Blocks freed at a source (a Migrate) or at a replica (a Drop)."""
@@ -252,7 +254,8 @@ class ReplayMigration:
             return
         keys = self._chain(action.prefix_hash)
         w = self.replay.slot[action.worker]
-        freed = self.replay.cores[w].cache.discard(keys) if keys is not None else 0
+        cache = self.replay.cores[w].cache
+        freed = cache.discard(keys, extensions=False) if keys is not None else 0
         if not freed:
             # ``discard`` stops at a block that is pinned or that other cached blocks extend
             self._fail(action, t, "dropped nothing: the blocks are in use or extended")
@@ -299,7 +302,10 @@ class ReplayMigration:
         self.planner.on_transfer_done(action.action_id, t, moved_bytes=nbytes)
 
     def _fail(self, action: Action, t: float, reason: str) -> None:
-        self.stats.failed += 1
+        if isinstance(action, Drop):
+            self.stats.drops_refused += 1
+        else:
+            self.stats.failed += 1
         self.stats.reasons[reason] += 1
         self.planner.on_transfer_failed(action.action_id, t, reason)
 
@@ -319,6 +325,7 @@ def move_summary(
         "migrations": s.migrations,
         "replications": s.replications,
         "drops": s.drops,
+        "drops_refused": s.drops_refused,
         "failed_moves": s.failed + (ps.timed_out if ps else 0),
         "bytes_moved": s.bytes_moved,
         "transfer_s": {

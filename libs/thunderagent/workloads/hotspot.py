@@ -11,6 +11,11 @@
   document or system prompt, no block shared with the background) plus a short unique
   question. Hot rows carry ``hot: true``; the first ``hot_prefix_tokens // block_size`` ids of
   every hot row are the same.
+* Lead-in (``hot_lead_s`` > 0): before the window, one client already queries the hot prefix,
+  exponential ``hot_lead_gap_s`` apart, so some worker holds it when the crowd arrives (a
+  document that was read now and then before everyone wanted it). 0: the prefix is new when
+  the window opens, and the window's first requests must prefill it cold. Lead-in rows are not
+  ``hot``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class HotspotParams:
     hot_ramp_s: float = 5.0
     hot_think_s: float = 12.0
     """Mean gap between one client's hot queries (exponential)."""
+    hot_lead_s: float = 0.0
+    """How long before the window the hot prefix is already being queried (0: not at all)."""
+    hot_lead_gap_s: float = 10.0
+    """Mean gap between the lead-in's queries (exponential)."""
     hot_question_tokens_median: float = 80.0
     hot_question_tokens_sigma: float = 0.7
     hot_output_tokens_median: float = 300.0
@@ -85,6 +94,7 @@ def hotspot_trace(p: HotspotParams, seed: int) -> GeneratedTrace:
         t += rng.expovariate(p.session_rate_per_s)
     hot = start_prompt(p.hot_prefix_tokens, ids, p.block_size)
     rows.extend(_hot(p, rng, ids, hot))
+    rows.extend(_lead_in(p, rng, ids, hot))
     shift_s = in_order(rows) / 1000.0
     meta = {
         "hot_start_s": p.hot_start_s - shift_s,
@@ -133,4 +143,19 @@ def _hot(p: HotspotParams, rng: random.Random, ids: BlockIds, hot: Prompt) -> li
             prompt = hot.extend(q, ids, p.block_size)
             out.append(make_row(t, prompt, answer, ids, p.block_size, hot=True))
             t += rng.expovariate(1.0 / p.hot_think_s)
+    return out
+
+
+def _lead_in(p: HotspotParams, rng: random.Random, ids: BlockIds, hot: Prompt) -> list[TraceRow]:
+    """One client's queries of the hot prefix over ``[hot_start_s - hot_lead_s, hot_start_s)``
+    (drawn after the window's, so a trace without a lead-in is unchanged by the option)."""
+    out: list[TraceRow] = []
+    t = p.hot_start_s - p.hot_lead_s
+    while p.hot_lead_s > 0 and t < p.hot_start_s:
+        q = lognormal(rng, p.hot_question_tokens_median, p.hot_question_tokens_sigma, 1, 2048)
+        answer = lognormal(
+            rng, p.hot_output_tokens_median, p.output_tokens_sigma, 1, p.output_tokens_max
+        )
+        out.append(make_row(t, hot.extend(q, ids, p.block_size), answer, ids, p.block_size))
+        t += rng.expovariate(1.0 / p.hot_lead_gap_s)
     return out

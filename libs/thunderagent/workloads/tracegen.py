@@ -24,7 +24,14 @@ KINDS: dict[str, tuple[type, Callable[[Any, int], GeneratedTrace]]] = {
 
 
 MAY_BE_ZERO = frozenset(
-    {"hot_start_s", "hot_duration_s", "hot_clients", "system_prompt_tokens", "tool_prompt_tokens"}
+    {
+        "hot_start_s",
+        "hot_duration_s",
+        "hot_clients",
+        "hot_lead_s",
+        "system_prompt_tokens",
+        "tool_prompt_tokens",
+    }
 )
 """Fields where 0 means "none" (no hot spot, no shared prompt); every other number is > 0."""
 

@@ -7,7 +7,8 @@ docs/migration.md). These endpoints are what the worker adapter's migration hand
   blocks, answer with their tokens, the pool's NIXL metadata, each block's address and checksum.
   The pin lapses after ``hold_s`` unless released first.
 * ``POST /kv/release`` ``{export_id, block_hashes, drop}``: unpin an export; ``drop`` also frees
-  the blocks nobody else uses (a migration's last step, or a replica dropped on its own).
+  the blocks nobody else uses (a migration's last step, with what hangs below the prefix), or,
+  without an export, a replica dropped on its own (only when no cached prompt extends it).
 * ``POST /kv/pull`` ``{export_id, token_ids, block_hashes, nixl_metadata, block_addrs,
   block_bytes, checksums, timeout_s}``: reserve room, NIXL-read the missing blocks into staged
   slots, check each block's checksum, then insert the prefix (``BlockStored`` follows through
@@ -140,7 +141,8 @@ class KvMover:
                     "released": True,
                     "dropped_blocks": core.unpin_prefix(export.keys, drop=drop),
                 }
-            dropped = core.cache.discard(list(keys)) if drop and keys else 0
+            # a Drop (no export): a replica gone cold; prompts built on it keep it
+            dropped = core.cache.discard(list(keys), extensions=False) if drop and keys else 0
             return {"released": False, "dropped_blocks": dropped}
 
         return await self.engine.between_steps(unpin)

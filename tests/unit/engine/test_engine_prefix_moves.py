@@ -80,6 +80,20 @@ def test_drop_takes_the_blocks_that_extend_the_prefix_unless_in_use() -> None:
     assert set(core.cache.contents()) == {*keys, 600}
 
 
+def test_a_drop_without_extensions_leaves_a_prefix_others_built_on() -> None:
+    """A cold replica of a shared prompt that programs extended: their contexts are not the
+    prefix's to give away, so nothing is freed; unextended, the prefix goes."""
+    core, keys, tokens = cached_core(3)
+    core.cache.insert([600], keys[2], tokens[:BS], block_size=BS)  # a context built on it
+    core.cache.release([600])
+    core.drain_events()
+    assert core.cache.discard(keys, extensions=False) == 0
+    assert set(core.cache.contents()) == {*keys, 600}
+    core, keys, _ = cached_core(3)
+    assert core.cache.discard(keys, extensions=False) == 3
+    assert core.cache.contents() == {}
+
+
 def test_import_reserves_then_commits_only_the_missing_blocks() -> None:
     core, keys, tokens = cached_core(3)
     more, more_tokens = keys_and_tokens(6)

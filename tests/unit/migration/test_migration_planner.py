@@ -97,18 +97,50 @@ def test_holders_must_stay_saturated_for_hot_for_s() -> None:
     assert [a.target for a in plan(planner, 10.5, holders)] == ["w1"]
 
 
-def test_hot_for_s_zero_copies_on_demand_alone() -> None:
-    """hot_for_s=0: an idle holder of a prefix requested >= min_rate gets a copy."""
-    planner = MigrationPlanner(MigrationParams(hot_for_s=0.0))
-    for w in ("w0", "w1"):
-        planner.observe_load(idle(w), 0.0)
+def test_the_demand_gate_fans_out_while_requests_per_holder_reach_the_bound() -> None:
+    """12 req/s on one idle holder, 3 req/s per holder asked: one copy (one source); once it
+    has landed, one more from each holder in the same round, then 12 / 4 = 3 still reaches the
+    bound but every holder's link is taken."""
+    planner = MigrationPlanner(MigrationParams(min_rate_per_holder=3.0))
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        planner.observe_load(idle(w, running=int(w[1])), 0.0)
     holders = {P: {"w0"}}
-    demand(planner, 0.0, 0.5, 10.0)  # 0.5 req/s: under min_rate
+    demand(planner, 0.0, 12.0, 10.0)
+    [a] = plan(planner, 10.0, holders)
+    assert isinstance(a, Replicate) and (a.source, a.target) == ("w0", "w1")
+    assert "1 holder(s)" in a.reason and "saturated" not in a.reason
+    assert plan(planner, 10.01, holders) == []  # w0's link is busy; w1 counts as a holder
+    planner.on_transfer_done(a.action_id, 10.02)
+    holders[P] = {"w0", "w1"}
+    b, c = plan(planner, 10.03, holders)  # no cooldown for the demand gate
+    assert {(b.source, b.target), (c.source, c.target)} == {("w0", "w2"), ("w1", "w3")}
+    assert plan(planner, 10.04, holders) == []
+
+
+def test_the_demand_gate_stops_at_the_bound_and_the_cap() -> None:
+    planner = MigrationPlanner(MigrationParams(min_rate_per_holder=3.0, replica_cap=3))
+    for w in ("w0", "w1", "w2", "w3", "w4"):
+        planner.observe_load(idle(w), 0.0)
+    demand(planner, 0.0, 2.9, 10.0)  # 29 hits: under 3 per holder
+    assert plan(planner, 10.0, {P: {"w0"}}) == []
+    demand(planner, 10.0, 30.0, 1.0)  # a burst: 59 hits in the window, 5.9 req/s
+    assert len(plan(planner, 11.0, {P: {"w0"}})) == 1
+    assert plan(planner, 11.0, {P: {"w0", "w1", "w2"}}) == []  # the cap (w1 in flight too)
+    planner = MigrationPlanner(MigrationParams(min_rate_per_holder=0.0, hot_for_s=0.0))
+    planner.observe_load(idle("w1"), 0.0)
+    demand(planner, 0.0, 50.0, 10.0)
+    assert plan(planner, 10.0, {P: {"w0"}}) == []  # both gates off
+
+
+def test_moves_per_prefix_are_bounded() -> None:
+    planner = MigrationPlanner(MigrationParams(min_rate_per_holder=1.0, max_moves_per_prefix=2))
+    workers = [f"w{i}" for i in range(8)]
+    for w in workers:
+        planner.observe_load(idle(w), 0.0)
+    demand(planner, 0.0, 20.0, 10.0)
+    holders = {P: {"w0", "w1", "w2"}}
+    assert len(plan(planner, 10.0, holders)) == 2
     assert plan(planner, 10.0, holders) == []
-    demand(planner, 10.0, 2.0, 10.0)
-    [a] = plan(planner, 20.0, holders)
-    assert (a.source, a.target) == ("w0", "w1")
-    assert "saturated" not in a.reason
 
 
 def test_default_waits_for_saturated_holders() -> None:
@@ -258,6 +290,24 @@ def test_a_cold_replica_the_planner_made_is_dropped() -> None:
     assert isinstance(d, Drop) and (d.worker, d.prefix_hash, d.blocks) == ("w1", P, BLOCKS)
     planner.on_transfer_done(d.action_id, 51.0)
     assert planner.replicated_prefixes() == 0
+
+
+def test_a_refused_drop_gives_the_replica_up_without_giving_up_the_prefix() -> None:
+    planner, holders = hot_setup(cold_for_s=30.0, drop_rate=0.2, max_failures=1)
+    [a] = plan(planner, 10.0, holders)
+    planner.on_transfer_done(a.action_id, 10.0)
+    holders[P] = {"w0", "w1"}
+    assert plan(planner, 21.0, holders) == []  # cold from here
+    [d] = plan(planner, 51.0, holders)
+    planner.on_transfer_failed(d.action_id, 51.0, "dropped nothing: extended")
+    assert planner.replicated_prefixes() == 0  # not ours to drop any more
+    assert planner.stats.drops_refused == 1 and planner.stats.failed == 0
+    assert planner.stats.abandoned_prefixes == 0
+    assert plan(planner, 200.0, holders) == []  # and never asked again
+    demand(planner, 200.0, 2.0, 10.0)
+    planner.observe_load(busy("w0"), 200.0)
+    planner.observe_load(busy("w1"), 200.0)
+    assert [x.target for x in plan(planner, 211.0, holders)] == ["w2"]  # hot again: copied
 
 
 def test_the_only_copy_is_never_dropped() -> None:

@@ -145,6 +145,19 @@ def test_hotspot_hot_requests_share_the_hot_prefix_inside_the_window() -> None:
     assert len(hot) / window > 3 * cold_rate
 
 
+def test_hotspot_lead_in_queries_the_prefix_before_the_window_and_changes_nothing_else() -> None:
+    _, plain = _gen("hotspot", 5)
+    _, led = _gen("hotspot", 5, hot_lead_s=30.0, hot_lead_gap_s=3.0)
+    n = plain.meta["hot_prefix_blocks"]
+    start = led.meta["hot_start_s"] * 1000
+    prefix = next(r for r in led.rows if r.hot).hash_ids[:n]
+    lead = [r for r in led.rows if not r.hot and r.hash_ids[:n] == prefix]
+    assert 3 <= len(lead) <= 30
+    assert all(start - 30_000 <= r.timestamp_ms < start for r in lead)
+    key = lambda r: (r.timestamp_ms, r.hash_ids)  # noqa: E731
+    assert sorted(map(key, plain.rows)) == sorted(key(r) for r in led.rows if r not in lead)
+
+
 def test_hotspot_background_conversations_grow() -> None:
     params, trace = _gen("hotspot", 6)
     bs = params.block_size
