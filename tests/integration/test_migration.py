@@ -178,6 +178,44 @@ async def test_the_planner_copies_a_prefix_whose_holder_is_saturated(nats_server
             await close_runners(runners)
 
 
+async def test_demand_alone_fans_a_prefix_out_to_idle_workers(nats_server):
+    """The demand gate: nobody queues, but the prefix is requested more often per holder than
+    ``min_rate_per_holder``; copies continue from the new holder as they land."""
+    runners: list = []
+    async with inproc_stack(nats_server.url) as stack:
+        try:
+            for wid in ("w0", "w1", "w2"):
+                engine = await start_pooled_engine(stack, wid, runners=runners)
+                await start_adapter(stack, wid, engine.url, load_s=60)
+            await stack.wait_for_workers(3)
+            params = {"min_rate_per_holder": 1.0, "min_rate": 0.5, "window_s": 5.0,
+                      "min_blocks": 2, "hot_for_s": 0.0}  # fmt: skip
+            service = await start_migration(stack, params=params)
+            tokens = prefix_tokens(6, seed=7)
+            p = prefix_hash(tokens)
+            await prefill(stack.engine_urls["w0"], tokens, "warm")
+            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(lambda: len(service.registry) == 3, what="three registrations")
+            now = time.time()
+            for wid in ("w0", "w1", "w2"):  # idle: only demand can open the gate
+                seen = WorkerSeen(wid, MODEL, kv_total_blocks=64, block_size=BLOCK)
+                service.planner.observe_load(seen, now)
+            for i in range(15):  # 3 req/s over the 5 s window, all hitting w0
+                service.planner.observe_route(RouteSeen("w0", p, 6, MODEL), now + i * 0.01)
+            await wait_for(lambda: service.holders(p) == {"w0", "w1", "w2"}, timeout_s=15,
+                           what="the prefix on all three")  # fmt: skip
+            # a move's report is kept once its release step is answered, after the target's
+            # events have shown the new holder
+            await wait_for(lambda: len(service.reports) == 2, what="both moves reported")
+            reports = [r for r in service.reports if r.phase == "done"]
+            assert len(reports) == 2 and {r.target for r in reports} == {"w1", "w2"}
+            assert all(r.verified and r.reason.startswith("hot:") for r in reports)
+            assert "1 holder(s)" in reports[0].reason and "2 holder(s)" in reports[1].reason
+            assert service.planner.stats.failed == 0
+        finally:
+            await close_runners(runners)
+
+
 async def test_engines_without_a_kv_import_path_warm_up_instead(nats_server):
     runners: list = []
     async with inproc_stack(nats_server.url) as stack:
