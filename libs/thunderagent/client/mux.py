@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, MaxPayloadError, OutboundBufferLimitError
 
 from thunderagent.bus.errors import DECODE_ERRORS
+from thunderagent.bus.fastpath import subscribe_fast
 from thunderagent.schemas import (
     REPLY_DECODER,
     CancelRequest,
@@ -105,9 +106,9 @@ class ReplyMux:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._sub is None:
-                self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+                self._sub = await subscribe_fast(self.nc, f"{self.prefix}.*", self._on_msg)
 
-    async def _on_msg(self, msg) -> None:
+    def _on_msg(self, msg) -> None:
         inbox = self._inboxes.get(msg.subject[len(self.prefix) + 1 :])
         if inbox is not None:  # else: the request was abandoned; drop what still comes
             inbox.put(msg)
