@@ -55,6 +55,11 @@ def _worth_retrying(reply: ReplyMessage | None) -> bool:
     )
 
 
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 class Inbox:
     """Replies of one request: a deque and at most one waiter (lighter than asyncio.Queue)."""
 
@@ -72,13 +77,19 @@ class Inbox:
     def pop(self):
         return self._items.popleft() if self._items else None
 
-    async def get(self):
+    async def get(self, timeout_s: float | None = None):
+        """The next reply; TimeoutError after ``timeout_s`` without one. A timer handle rather
+        than ``asyncio.timeout``: this runs on every request's path (1.3 vs 6.5 µs here)."""
+        loop = asyncio.get_running_loop()
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
         return self._items.popleft()
 
 
@@ -194,8 +205,7 @@ class Call:
         if within_s is None:
             return await self.next()
         try:
-            async with asyncio.timeout(within_s):
-                msg = await self._inbox.get()
+            msg = await self._inbox.get(within_s)
         except TimeoutError:
             return None
         return self._decode(msg)
@@ -231,8 +241,7 @@ class Call:
         msg = self._inbox.pop()
         if msg is None:
             try:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    msg = await self._inbox.get()
+                msg = await self._inbox.get(self.idle_timeout_s)
             except TimeoutError:
                 self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
                 return self._error(self.timeout_code, self.cancel_reason)
