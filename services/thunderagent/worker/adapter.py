@@ -1,9 +1,8 @@
 """The worker adapter service: registration lease, load reports, generate forwarding.
 
-One adapter per engine. A generate hand-off is acknowledged once its request is written to the
-engine (before streaming starts), so the scheduler knows the request has an owner; from then on
-every outcome, including an engine failure, reaches the client as a ``FinalReply`` or an
-``ErrorReply``.
+One adapter per engine. A generate hand-off is acknowledged before streaming starts, so the
+scheduler knows the request has an owner; from then on every outcome, including an engine
+failure, reaches the client as a ``FinalReply`` or an ``ErrorReply``.
 """
 
 from __future__ import annotations
@@ -284,9 +283,11 @@ class WorkerAdapter:
             if delivery.reply:
                 await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
             return
+        if delivery.reply:
+            await self.bus.publish(delivery.reply, Ack(accepted=True))
         generation = Generation(
             work, self.config.worker_id, self.bus, self.engine, self.runs,
-            max_request_s=self.config.max_request_s, on_sent=self._acker(delivery.reply),
+            max_request_s=self.config.max_request_s,
         )  # fmt: skip
         self.running[rid] = generation
         context = len(work.request.token_ids or [])
@@ -296,21 +297,8 @@ class WorkerAdapter:
         finally:
             self.runs.finished(generation.engine_rid)
             self.running.pop(rid, None)
-            await generation.acknowledge()  # a run that ended before reaching its engine
         if final is not None:
             self._count(final, work.request.model)
-
-    def _acker(self, reply: str):
-        """The hand-off's acceptance, sent once the request is written to the engine: the
-        sender (a router on credit) then tells the scheduler while the engine works, instead
-        of before the engine has the request."""
-        if not reply:
-            return None
-
-        async def ack() -> None:
-            await self.bus.publish(reply, Ack(accepted=True))
-
-        return ack
 
     async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
         """PD: the decode side takes over a prefilled prompt's KV before its continuation."""

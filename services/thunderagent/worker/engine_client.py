@@ -11,7 +11,7 @@ import aiohttp
 import msgspec
 
 from thunderagent.telemetry import inject_headers
-from thunderagent.worker.http1 import Http1Pool, OnSent
+from thunderagent.worker.http1 import Http1Pool
 
 _encode = msgspec.json.encode
 _decode_chunk = msgspec.json.Decoder(dict).decode
@@ -93,15 +93,13 @@ class EngineClient:
         sampling_params: dict[str, Any],
         *,
         cache_salt: str | None = None,
-        on_sent: OnSent | None = None,
     ) -> AsyncIterator[EngineChunk]:
         """Stream ``/generate``. SGLang sends cumulative ``text``/``output_ids`` by default and
         incremental ones with ``--incremental-streaming-output``; both are turned into deltas.
 
         ``cache_salt``: the tenant's KV namespace (SGLang's ``GenerateReqInput.cache_salt``): the
-        engine reuses cached prefixes only between requests with the same salt. ``on_sent`` is
-        awaited once the request is written. The body is read to its end (past ``[DONE]``), so
-        the connection can carry the next request."""
+        engine reuses cached prefixes only between requests with the same salt. The body is read
+        to its end (past ``[DONE]``), so the connection can carry the next request."""
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": input_ids,
@@ -112,7 +110,7 @@ class EngineClient:
             body["cache_salt"] = cache_salt
         headers = inject_headers({"Content-Type": "application/json"})
         # msgspec, not json.dumps: prompts are thousands of ints, on every request
-        async with self._streams.stream("/generate", _encode(body), headers, on_sent) as resp:
+        async with self._streams.stream("/generate", _encode(body), headers) as resp:
             if resp.status != 200:
                 raise EngineError(resp.status, (await resp.read()).decode(errors="replace")[:500])
             deltas = _Deltas()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from thunderagent.bus import Bus, BusError
@@ -69,14 +68,6 @@ class Generation:
     drains) has nothing more to tell anyone."""
     held_start: RequestProgress | None = None
     """The start of a run whose first token is also its last: it goes with the run's end."""
-    on_sent: Callable[[], Awaitable[None]] | None = None
-    """Awaited once: when the request is on its way to the engine, or before any failure is
-    reported (the adapter acknowledges the hand-off there, so the engine works meanwhile)."""
-
-    async def acknowledge(self) -> None:
-        if self.on_sent is not None:
-            on_sent, self.on_sent = self.on_sent, None
-            await on_sent()
 
     @property
     def request_id(self) -> str:
@@ -155,8 +146,7 @@ class Generation:
         meta: dict = {}
         try:
             stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req),
-                                          cache_salt=req.cache_salt,
-                                          on_sent=self.acknowledge)  # fmt: skip
+                                          cache_salt=req.cache_salt)  # fmt: skip
             async for chunk in stream:
                 meta = chunk.meta
                 if chunk.new_token_ids:
@@ -203,9 +193,9 @@ class Generation:
         try:
             prefill = {**_sampling(req), "max_new_tokens": 1}
             salt = req.cache_salt
-            stream = self.engine.generate(self.engine_rid, req.token_ids or [], prefill,
-                                          cache_salt=salt, on_sent=self.acknowledge)  # fmt: skip
-            async for chunk in stream:
+            async for chunk in self.engine.generate(
+                self.engine_rid, req.token_ids or [], prefill, cache_salt=salt
+            ):
                 if chunk.new_token_ids:
                     await self._started()
                     if req.stream:
@@ -296,7 +286,6 @@ class Generation:
         """The engine failed the run. The scheduler may resume it elsewhere as a
         continuation (the client's stream goes on); only if it will not is the client told."""
         log.warning("request %s failed at the engine: %s", self.request_id, err)
-        await self.acknowledge()  # the scheduler hears of a run on credit through the ack
         failed = RunFailed(
             request_id=self.request_id,
             worker_id=self.worker_id,
@@ -321,7 +310,6 @@ class Generation:
         await self._fail_with(ErrorCode.ENGINE_ERROR, str(err))
 
     async def _fail_with(self, code: ErrorCode, message: str) -> None:
-        await self.acknowledge()
         await self._progress("failed")
         error = ErrorReply(
             code=code, message=message, request_id=self.request_id,

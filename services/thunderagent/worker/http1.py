@@ -5,8 +5,7 @@ Why not aiohttp here (the adapter's other calls to the engine stay on it): a str
 ``/generate`` against the simulated engine cost the client ~300 µs of CPU per request through
 aiohttp's session (timeouts, header multidicts, URL objects, its connector and response
 machinery) and ~90 µs through a plain protocol on a pooled connection, on this 2-core VM; wall
-p50 ~570 µs against ~330 µs. It also writes the request in the caller's own turn of the event
-loop, so the caller can tell (``on_sent``) when the request is on the wire.
+p50 ~570 µs against ~330 µs.
 
 What it speaks: one request at a time per connection, ``Content-Length`` request bodies, and
 responses framed by ``Transfer-Encoding: chunked`` (SGLang's and aiohttp's streams),
@@ -18,7 +17,7 @@ broken) closes it, which is also how SGLang notices a client that went away.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 MAX_HEAD = 64 * 1024
@@ -191,9 +190,6 @@ async def _read_head(conn: _Connection) -> Response:
     return Response(conn, status, headers, version)
 
 
-OnSent = Callable[[], Awaitable[None]]
-
-
 class Http1Pool:
     """Keep-alive connections to one server (``base_url``: ``http(s)://host:port[/prefix]``)."""
 
@@ -207,16 +203,13 @@ class Http1Pool:
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[_Connection] = []
 
-    def stream(
-        self, path: str, body: bytes, headers: dict[str, str], on_sent: OnSent | None = None
-    ) -> _Exchange:
-        """``async with pool.stream(...) as response``: POST ``body``; ``on_sent`` is awaited
-        once the request is written."""
+    def stream(self, path: str, body: bytes, headers: dict[str, str]) -> _Exchange:
+        """``async with pool.stream(...) as response``: POST ``body``."""
         lines = [f"POST {self.prefix}{path} HTTP/1.1", f"Host: {self.authority}",
                  f"Content-Length: {len(body)}"]  # fmt: skip
         lines += [f"{k}: {v}" for k, v in headers.items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        return _Exchange(self, head + body, on_sent)
+        return _Exchange(self, head + body)
 
     async def connection(self) -> _Connection:
         """An idle connection still open, else a new one."""
@@ -249,10 +242,9 @@ class Http1Pool:
 class _Exchange:
     """One request and its response on a pooled connection."""
 
-    def __init__(self, pool: Http1Pool, request: bytes, on_sent: OnSent | None) -> None:
+    def __init__(self, pool: Http1Pool, request: bytes) -> None:
         self.pool = pool
         self.request = request
-        self.on_sent = on_sent
         self.conn: _Connection | None = None
         self.response: Response | None = None
 
@@ -261,9 +253,6 @@ class _Exchange:
             conn = self.conn = await self.pool.connection()
             try:
                 conn.transport.write(self.request)
-                if self.on_sent is not None:
-                    on_sent, self.on_sent = self.on_sent, None
-                    await on_sent()
                 self.response = await _read_head(conn)
                 return self.response
             except ConnectionResetError:
