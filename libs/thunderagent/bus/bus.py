@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from thunderagent.bus.errors import DECODE_ERRORS, BadReply, PayloadTooLarge, check_subject
+from thunderagent.bus.fastpath import subscribe_fast
 from thunderagent.bus.jetstream import JetStreamMixin
 from thunderagent.bus.replies import Replies
 from thunderagent.schemas import DeadLetter, ErrorCode, ErrorReply, subjects
@@ -156,11 +157,15 @@ class Bus(JetStreamMixin):
         """Decode each message into ``message_type`` and call ``handler(message, delivery)``.
 
         ``concurrent=True`` runs each handler in its own task (for handlers that stream for a long
-        time, such as a generate request); otherwise messages are handled one at a time in order.
+        time, such as a generate request), started as the message is read (``fastpath``);
+        otherwise messages are handled one at a time in order.
         """
         stats = self.stats.setdefault(subject, SubscriptionStats())
         consumer = _Consumer(self, subject, message_type, handler, stats, concurrent)
-        sub = await self.nc.subscribe(subject, queue=queue, cb=consumer.on_message)
+        if concurrent:
+            sub = await subscribe_fast(self.nc, subject, consumer.spawn, queue=queue)
+        else:
+            sub = await self.nc.subscribe(subject, queue=queue, cb=consumer.process)
         self._subs.append(sub)
         return sub
 
@@ -256,11 +261,8 @@ class _Consumer:
         self.concurrent = concurrent
         self.span_name = f"{bus.service} {subject.split('.')[1] if '.' in subject else subject}"
 
-    async def on_message(self, msg: Msg) -> None:
-        if not self.concurrent:
-            await self.process(msg)
-            return
-        task = asyncio.create_task(self.process(msg))
+    def spawn(self, msg: Msg) -> None:
+        task = asyncio.get_running_loop().create_task(self.process(msg))
         self.bus._tasks.add(task)
         task.add_done_callback(self.bus._tasks.discard)
 

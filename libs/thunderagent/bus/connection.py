@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
 
+from thunderagent.bus.fastpath import FastClient
+
 log = logging.getLogger(__name__)
 
 CREDS_ENV = "THUNDERAGENT_NATS_CREDS"
@@ -181,7 +183,7 @@ async def connect(
     give_up_at = loop.time() + deadline_s
     delay = first_delay_s
     while True:
-        client = NATS()
+        client = FastClient()
         try:
             # nats-py retries a refused first connection itself when reconnects are allowed,
             # without a deadline: the attempt is bounded here, and retried with our backoff.

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from thunderagent.bus.errors import NoResponders, RequestTimeout
+from thunderagent.bus.fastpath import subscribe_fast
 
 NO_RESPONDERS = "503"
 
@@ -39,9 +40,9 @@ class Replies:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._sub is None:
-                self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+                self._sub = await subscribe_fast(self.nc, f"{self.prefix}.*", self._on_msg)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Msg) -> None:
         future = self._waiting.pop(msg.subject[len(self.prefix) + 1 :], None)
         if future is not None and not future.done():  # else: it timed out already
             future.set_result(msg)

@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, MaxPayloadError, OutboundBufferLimitError
 
 from thunderagent.bus.errors import DECODE_ERRORS
+from thunderagent.bus.fastpath import subscribe_fast
 from thunderagent.schemas import (
     REPLY_DECODER,
     CancelRequest,
@@ -54,6 +55,11 @@ def _worth_retrying(reply: ReplyMessage | None) -> bool:
     )
 
 
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 class Inbox:
     """Replies of one request: a deque and at most one waiter (lighter than asyncio.Queue)."""
 
@@ -71,13 +77,19 @@ class Inbox:
     def pop(self):
         return self._items.popleft() if self._items else None
 
-    async def get(self):
+    async def get(self, timeout_s: float | None = None):
+        """The next reply; TimeoutError after ``timeout_s`` without one. A timer handle rather
+        than ``asyncio.timeout``: this runs on every request's path (1.3 vs 6.5 µs here)."""
+        loop = asyncio.get_running_loop()
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
         return self._items.popleft()
 
 
@@ -105,9 +117,9 @@ class ReplyMux:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._sub is None:
-                self._sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+                self._sub = await subscribe_fast(self.nc, f"{self.prefix}.*", self._on_msg)
 
-    async def _on_msg(self, msg) -> None:
+    def _on_msg(self, msg) -> None:
         inbox = self._inboxes.get(msg.subject[len(self.prefix) + 1 :])
         if inbox is not None:  # else: the request was abandoned; drop what still comes
             inbox.put(msg)
@@ -193,8 +205,7 @@ class Call:
         if within_s is None:
             return await self.next()
         try:
-            async with asyncio.timeout(within_s):
-                msg = await self._inbox.get()
+            msg = await self._inbox.get(within_s)
         except TimeoutError:
             return None
         return self._decode(msg)
@@ -230,8 +241,7 @@ class Call:
         msg = self._inbox.pop()
         if msg is None:
             try:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    msg = await self._inbox.get()
+                msg = await self._inbox.get(self.idle_timeout_s)
             except TimeoutError:
                 self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
                 return self._error(self.timeout_code, self.cancel_reason)

@@ -7,6 +7,7 @@ into a single token by :func:`model_token` (``.``, ``*``, ``>``, ``%`` and white
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 PREFIX: Final = "thunderagent"
@@ -67,6 +68,7 @@ MIGRATION_EVENTS: Final = f"{PREFIX}.migration.events"
 _ESCAPED: Final = frozenset(".*>% \t\r\n")
 
 
+@functools.lru_cache(maxsize=1024)  # every request's subjects name its model; a fleet has few
 def model_token(model: str) -> str:
     """Escape a model name into one subject token; the inverse is :func:`model_from_token`."""
     return "".join(f"%{ord(ch):02X}" if ch in _ESCAPED else ch for ch in model)

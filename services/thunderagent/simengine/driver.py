@@ -278,28 +278,38 @@ class EngineDriver:
             self._run_between()
 
     def _deliver(self, outcome) -> None:
+        """One event per request per step, as SGLang streams: a request that finishes in this
+        step gets its last tokens and its finish reason in the same event (a separate empty
+        finish event would be one more chunk, and one more wake-up of whoever reads it)."""
+        ended = {fin.request_id: fin for fin in outcome.finished}
         for rid, count in outcome.tokens.items():
             stream = self._streams.get(rid)
             if stream is None:
                 continue
             ids = stream.output[stream.sent : stream.sent + count]
             stream.sent += count
-            stream.queue.put_nowait(TokenEvent(token_ids=ids, completion_tokens=stream.sent))
-        for fin in outcome.finished:
+            fin = ended.pop(rid, None)
+            if fin is None:
+                stream.queue.put_nowait(TokenEvent(token_ids=ids, completion_tokens=stream.sent))
+            else:
+                self._end_stream(stream, fin, ids)
+        for fin in ended.values():  # finished without a token in this step
             stream = self._streams.get(fin.request_id)
-            if stream is None:
-                continue
-            stream.queue.put_nowait(
-                TokenEvent(
-                    token_ids=[],
-                    finished=True,
-                    prompt_tokens=fin.prompt_tokens,
-                    cached_tokens=fin.cached_tokens,
-                    completion_tokens=fin.completion_tokens,
-                    finish_reason=fin.finish_reason,
-                )
+            if stream is not None:
+                self._end_stream(stream, fin, [])
+
+    def _end_stream(self, stream: _Stream, fin, ids: list[int]) -> None:
+        stream.queue.put_nowait(
+            TokenEvent(
+                token_ids=ids,
+                finished=True,
+                prompt_tokens=fin.prompt_tokens,
+                cached_tokens=fin.cached_tokens,
+                completion_tokens=fin.completion_tokens,
+                finish_reason=fin.finish_reason,
             )
-            del self._streams[fin.request_id]
+        )
+        del self._streams[fin.request_id]
 
     def _publish(self, events: list[CacheEvent]) -> None:
         if self.kv_pool is not None and events:

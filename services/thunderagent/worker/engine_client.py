@@ -1,8 +1,8 @@
-"""HTTP client for SGLang's (and the simulated engine's) API."""
+"""HTTP client for SGLang's (and the simulated engine's) API: the streamed ``/generate`` over
+``http1.Http1Pool`` (the hot path, see there for why), everything else over aiohttp."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,8 +11,10 @@ import aiohttp
 import msgspec
 
 from thunderagent.telemetry import inject_headers
+from thunderagent.worker.http1 import Http1Pool
 
 _encode = msgspec.json.encode
+_decode_chunk = msgspec.json.Decoder(dict).decode
 
 
 class EngineError(Exception):
@@ -40,6 +42,8 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
+        self._streams = Http1Pool(self.base_url, connect_timeout_s=5)
+        """``/generate``'s connections (its runs are bounded by the adapter's own limit)."""
 
     async def __aenter__(self) -> EngineClient:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -47,6 +51,7 @@ class EngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._streams.close()
         if self._session is not None:
             await self._session.close()
 
@@ -93,7 +98,8 @@ class EngineClient:
         incremental ones with ``--incremental-streaming-output``; both are turned into deltas.
 
         ``cache_salt``: the tenant's KV namespace (SGLang's ``GenerateReqInput.cache_salt``): the
-        engine reuses cached prefixes only between requests with the same salt."""
+        engine reuses cached prefixes only between requests with the same salt. The body is read
+        to its end (past ``[DONE]``), so the connection can carry the next request."""
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": input_ids,
@@ -103,30 +109,46 @@ class EngineClient:
         if cache_salt:
             body["cache_salt"] = cache_salt
         headers = inject_headers({"Content-Type": "application/json"})
-        # msgspec, not aiohttp's json.dumps: prompts are thousands of ints, on every request
-        async with self.session.post(
-            self.base_url + "/generate", data=_encode(body), headers=headers
-        ) as resp:
+        # msgspec, not json.dumps: prompts are thousands of ints, on every request
+        async with self._streams.stream("/generate", _encode(body), headers) as resp:
             if resp.status != 200:
-                raise EngineError(resp.status, (await resp.text())[:500])
-            seen_ids = 0
-            seen_text = 0
-            async for raw in resp.content:
+                raise EngineError(resp.status, (await resp.read()).decode(errors="replace")[:500])
+            deltas = _Deltas()
+            async for raw in resp.lines():
                 line = raw.strip()
-                if not line.startswith(b"data:"):
+                if not line.startswith(b"data:") or deltas.done:
                     continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise EngineError(500, str(chunk["error"]))
-                ids = chunk.get("output_ids") or []
-                text = chunk.get("text") or ""
-                meta = chunk.get("meta_info") or {}
-                cumulative = len(ids) == meta.get("completion_tokens", -1) and len(ids) >= seen_ids
-                new_ids = ids[seen_ids:] if cumulative else ids
-                seen_ids = len(ids) if cumulative else seen_ids + len(ids)
-                new_text = text[seen_text:] if cumulative else text
-                seen_text = len(text) if cumulative else seen_text + len(text)
-                yield EngineChunk(new_token_ids=new_ids, new_text=new_text, meta=meta)
+                chunk = deltas.next(line[5:].strip())
+                if chunk is not None:
+                    yield chunk
+
+
+class _Deltas:
+    """SGLang's stream lines -> EngineChunks of new tokens only."""
+
+    __slots__ = ("done", "seen_ids", "seen_text")
+
+    def __init__(self) -> None:
+        self.seen_ids = 0
+        self.seen_text = 0
+        self.done = False
+
+    def next(self, data: bytes) -> EngineChunk | None:
+        if data == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            chunk = _decode_chunk(data)
+        except msgspec.DecodeError as err:
+            raise EngineError(502, f"unreadable stream line: {err}") from None
+        if "error" in chunk:
+            raise EngineError(500, str(chunk["error"]))
+        ids = chunk.get("output_ids") or []
+        text = chunk.get("text") or ""
+        meta = chunk.get("meta_info") or {}
+        cumulative = len(ids) == meta.get("completion_tokens", -1) and len(ids) >= self.seen_ids
+        new_ids = ids[self.seen_ids :] if cumulative else ids
+        self.seen_ids = len(ids) if cumulative else self.seen_ids + len(ids)
+        new_text = text[self.seen_text :] if cumulative else text
+        self.seen_text = len(text) if cumulative else self.seen_text + len(text)
+        return EngineChunk(new_token_ids=new_ids, new_text=new_text, meta=meta)
