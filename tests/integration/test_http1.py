@@ -218,3 +218,23 @@ async def test_engine_client_streams_deltas_and_reports_engine_errors():
         ([6], "b", True),
     ]
     assert refused.value.status == 503 and "busy" in str(refused.value)
+
+
+async def test_a_connection_dropped_mid_answer_is_an_oserror_on_every_engine_call():
+    """aiohttp's own errors for a cut connection are not OSErrors; the adapter's loops handle
+    OSError, so the client turns them into one rather than let them end the adapter."""
+
+    async def script(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        return False
+
+    class GetServer(Server):
+        async def _serve(self, reader, writer):  # GET: no body to read
+            await reader.readuntil(b"\r\n\r\n")
+            await script(reader, writer, 1)
+            writer.close()
+
+    async with GetServer(script) as server, EngineClient(server.url) as engine:
+        with pytest.raises(OSError):
+            await engine.get_json("/get_load")

@@ -17,6 +17,14 @@ _encode = msgspec.json.encode
 _decode_chunk = msgspec.json.Decoder(dict).decode
 
 
+def _broken(path: str, err: aiohttp.ClientError) -> OSError:
+    """aiohttp's transport failures as the OSError every caller handles (a dropped connection
+    or a cut body is not an OSError in aiohttp: uncaught, it would end the adapter's loops)."""
+    if isinstance(err, OSError):
+        return err
+    return ConnectionError(f"engine {path}: {type(err).__name__}: {err}")
+
+
 class EngineError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"engine HTTP {status}: {message}")
@@ -62,21 +70,27 @@ class EngineClient:
         return self._session
 
     async def get_json(self, path: str) -> Any:
-        async with self.session.get(self.base_url + path) as resp:
-            if resp.status != 200:
-                raise EngineError(resp.status, await resp.text())
-            return await resp.json(content_type=None)
+        try:
+            async with self.session.get(self.base_url + path) as resp:
+                if resp.status != 200:
+                    raise EngineError(resp.status, await resp.text())
+                return await resp.json(content_type=None)
+        except aiohttp.ClientError as err:
+            raise _broken(path, err) from err
 
     async def import_kv(self, token_ids: list[int]) -> dict:
         """PD: import a prompt's KV (the simulated engine's ``/import_kv``)."""
         body = _encode({"input_ids": token_ids})
         headers = {"Content-Type": "application/json"}
-        async with self.session.post(
-            self.base_url + "/import_kv", data=body, headers=headers
-        ) as resp:
-            if resp.status != 200:
-                raise EngineError(resp.status, (await resp.text())[:300])
-            return await resp.json()
+        try:
+            async with self.session.post(
+                self.base_url + "/import_kv", data=body, headers=headers
+            ) as resp:
+                if resp.status != 200:
+                    raise EngineError(resp.status, (await resp.text())[:300])
+                return await resp.json()
+        except aiohttp.ClientError as err:
+            raise _broken("/import_kv", err) from err
 
     async def abort(self, rid: str) -> bool:
         """Best effort ``/abort_request``; False when the engine refused or is unreachable."""

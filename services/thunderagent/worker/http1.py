@@ -1,5 +1,6 @@
 """A small keep-alive HTTP/1.1 client for the adapter's one hot call: the engine's streamed
-``/generate``.
+``/generate``. Responses are parsed by llhttp (Node.js's parser, through ``httptools``, the
+binding uvicorn serves with); this module only pools connections and hands the body on.
 
 Why not aiohttp here (the adapter's other calls to the engine stay on it): a streamed one-token
 ``/generate`` against the simulated engine cost the client ~300 µs of CPU per request through
@@ -7,44 +8,63 @@ aiohttp's session (timeouts, header multidicts, URL objects, its connector and r
 machinery) and ~90 µs through a plain protocol on a pooled connection, on this 2-core VM; wall
 p50 ~570 µs against ~330 µs.
 
-What it speaks: one request at a time per connection, ``Content-Length`` request bodies, and
-responses framed by ``Transfer-Encoding: chunked`` (SGLang's and aiohttp's streams),
-``Content-Length`` (their error answers) or the end of the connection. A connection goes back
-to the pool only after its response was read to the end; a response left early (cancelled,
+One request at a time per connection, ``Content-Length`` request bodies; responses framed as
+llhttp reads them (chunked, sized, or by the end of the connection). A connection goes back to
+the pool only after its response was read to the end; a response left early (cancelled,
 broken) closes it, which is also how SGLang notices a client that went away.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-MAX_HEAD = 64 * 1024
-"""Longest status line plus headers, or chunk-size line, accepted from the server."""
+import httptools
 
 
 class HttpProtocolError(OSError):
-    """The server's bytes are not HTTP/1.1 as expected (an OSError: the connection is useless,
-    like a reset one)."""
+    """The server's bytes are not HTTP/1.1 (an OSError: the connection is useless, like a reset
+    one, and the adapter hands the run back the same way)."""
 
 
 class _Connection(asyncio.Protocol):
-    """Bytes from the server in a buffer, and at most one reader waiting for more."""
+    """A connection, its parser, and the response being read on it (the parser's callbacks
+    fill it in; at most one reader waits for more)."""
 
     def __init__(self) -> None:
-        self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.used = False
         """Has carried a request before (a server may close such a connection when idle)."""
+        self.error: HttpProtocolError | None = None
         self._waiter: asyncio.Future | None = None
+        self.begin()
 
+    def begin(self) -> None:
+        """A new request goes out: forget the previous response."""
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        self.done = False
+        self.keep_alive = False
+        self.answered = False
+        """Any byte of this response arrived."""
+        self.body: deque[bytes] = deque()
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self.error = HttpProtocolError(f"the engine's response is not HTTP/1.1: {err}")
+            self.close()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -56,12 +76,34 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self._wake()
 
+    # ---- llhttp callbacks ----------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status >= 200:  # an interim 1xx answer (none is asked for): the real one follows
+            self.keep_alive = self.parser.should_keep_alive()
+            self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.done = True
+        else:
+            self.headers = {}
+
+    # ---- the reader's side ---------------------------------------------------------------
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def more(self) -> None:
-        """Wait for bytes beyond what the buffer holds; ConnectionResetError once it ended."""
+        """Wait for the parser to make progress; raises once the connection broke or ended."""
+        if self.error is not None:
+            raise self.error
         if self.closed:
             raise ConnectionResetError("the engine closed the connection mid-response")
         self._waiter = asyncio.get_running_loop().create_future()
@@ -69,24 +111,6 @@ class _Connection(asyncio.Protocol):
             await self._waiter
         finally:
             self._waiter = None
-
-    async def line(self) -> bytes:
-        """The next CRLF-terminated line, without its CRLF."""
-        while (end := self.buf.find(b"\r\n")) < 0:
-            if len(self.buf) > MAX_HEAD:
-                raise HttpProtocolError("line too long in the engine's response")
-            await self.more()
-        line = bytes(self.buf[:end])
-        del self.buf[: end + 2]
-        return line
-
-    async def take(self, n: int) -> bytes:
-        """Up to ``n`` bytes, at least one (waiting for them when the buffer is empty)."""
-        while not self.buf:
-            await self.more()
-        piece = bytes(self.buf[:n])
-        del self.buf[:n]
-        return piece
 
     def close(self) -> None:
         self.closed = True
@@ -97,26 +121,32 @@ class _Connection(asyncio.Protocol):
 class Response:
     """Status and headers of a response whose body has not been read yet."""
 
-    def __init__(self, conn: _Connection, status: int, headers: dict[str, str], version: str):
-        self.status = status
-        self.headers = headers
+    def __init__(self, conn: _Connection) -> None:
         self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        """Names in lower case."""
+        self.keep_alive = conn.keep_alive
         self.complete = False
         """The body was read to its end (the connection can carry another request)."""
-        self.keep_alive = version == "HTTP/1.1" and headers.get("connection") != "close"
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives, de-chunked."""
-        if "chunked" in self.headers.get("transfer-encoding", ""):
-            gen = self._chunked()
-        elif "content-length" in self.headers:
-            gen = self._sized(_int(self.headers["content-length"], 10))
-        else:
-            self.keep_alive = False  # framed by the end of the connection
-            gen = self._to_eof()
-        async for piece in gen:
-            yield piece
-        self.complete = True
+        conn = self._conn
+        while True:
+            while conn.body:
+                yield conn.body.popleft()
+            if conn.done:
+                self.complete = True
+                return
+            if conn.closed and conn.error is None and self._to_eof():
+                self.complete, self.keep_alive = True, False  # framed by the connection's end
+                return
+            await conn.more()
+
+    def _to_eof(self) -> bool:
+        h = self.headers
+        return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split at newlines (server-sent events), each without its newline."""
@@ -130,64 +160,6 @@ class Response:
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.pieces()])
-
-    async def _chunked(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        while size := _int((await conn.line()).split(b";", 1)[0], 16):
-            left = size
-            while left:
-                piece = await conn.take(left)
-                left -= len(piece)
-                yield piece
-            if await conn.line():
-                raise HttpProtocolError("chunk not followed by CRLF")
-        while await conn.line():  # trailers, up to the empty line
-            pass
-
-    async def _sized(self, length: int) -> AsyncIterator[bytes]:
-        while length:
-            piece = await self._conn.take(length)
-            length -= len(piece)
-            yield piece
-
-    async def _to_eof(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        while True:
-            try:
-                yield await conn.take(MAX_HEAD)
-            except ConnectionResetError:
-                return
-
-
-def _int(text: bytes | str, base: int) -> int:
-    try:
-        value = int(text.strip(), base)
-    except ValueError:
-        raise HttpProtocolError(f"bad number {text[:40]!r} in the engine's response") from None
-    if value < 0:
-        raise HttpProtocolError(f"negative length {value} in the engine's response")
-    return value
-
-
-async def _read_head(conn: _Connection) -> Response:
-    while (end := conn.buf.find(b"\r\n\r\n")) < 0:
-        if len(conn.buf) > MAX_HEAD:
-            raise HttpProtocolError("response headers too long")
-        await conn.more()
-    lines = bytes(conn.buf[:end]).decode("latin-1").split("\r\n")
-    del conn.buf[: end + 4]
-    version, _, rest = lines[0].partition(" ")
-    if not version.startswith("HTTP/1."):
-        raise HttpProtocolError(f"not an HTTP/1.x response: {lines[0][:60]!r}")
-    status = _int(rest[:3], 10)
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip().lower()
-    if 100 <= status < 200:  # an interim answer (none is asked for): the real one follows
-        return await _read_head(conn)
-    return Response(conn, status, headers, version)
 
 
 class Http1Pool:
@@ -215,9 +187,8 @@ class Http1Pool:
         """An idle connection still open, else a new one."""
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and not conn.buf:
+            if not conn.closed:
                 return conn
-            conn.close()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
             _, conn = await loop.create_connection(
@@ -228,7 +199,7 @@ class Http1Pool:
     def release(self, conn: _Connection, response: Response | None) -> None:
         conn.used = True
         if response is not None and response.complete and response.keep_alive:
-            if not conn.closed and not conn.buf:
+            if not conn.closed:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -251,15 +222,19 @@ class _Exchange:
     async def __aenter__(self) -> Response:
         for attempt in range(2):
             conn = self.conn = await self.pool.connection()
+            conn.begin()
             try:
                 conn.transport.write(self.request)
-                self.response = await _read_head(conn)
+                while not conn.head_done:
+                    await conn.more()
+                self.response = Response(conn)
                 return self.response
             except ConnectionResetError:
-                # a kept-alive connection the server closed while idle: it never read this
-                # request (nothing came back), so sending it once more on a new one is safe
+                # a kept-alive connection that ended before any byte of an answer: the server
+                # closed it while idle (uvicorn does after its keep-alive timeout) as this
+                # request went out, so it goes once more, on a new connection
                 conn.close()
-                if not (conn.used and attempt == 0 and not conn.buf):
+                if not (conn.used and attempt == 0 and not conn.answered):
                     raise
             except BaseException:
                 conn.close()
