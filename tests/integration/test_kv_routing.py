@@ -90,6 +90,14 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
             ),
             what="the first request's KV events in the router's index",
         )
+        # and a load report taken after the first run ended: one taken during its prefill
+        # still shows its prompt as w0's queued prefill for up to a report interval, enough
+        # for an idle worker to look as cheap (a report's lag, not what this test is about)
+        holder = router.core.fleet.get(first.final.worker_id)
+        await wait_for(
+            lambda: holder.load is not None and holder.load.inflight == 0,
+            what="a load report of the holder after the first run",
+        )
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )
