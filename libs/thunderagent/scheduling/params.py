@@ -101,6 +101,19 @@ class SchedParams:
     release timeout: on the closed-loop agent programs of ``bench sched`` (generated) 2 s gave
     1.01x the steps/min of program-unaware scheduling, 10 s 1.18x, 30 s 1.43x, 60 s 1.43x, no
     bound 1.45x; the open-loop agent trace's TTFT was the same for every value."""
+    program_yield_ratio: float = 1.0
+    """A step goes back to the worker holding its program's KV (sticky) unless the router
+    ranked another worker first, the holder's queued prefill exceeds that worker's by more
+    than this many times the prompt tokens the step re-prefills there, and the program fits
+    there under ``program_resume_watermark`` (inf: always sticky). A step sent back to a
+    holder busy with a long prefill waited behind it although the router had ranked a free
+    worker first; moving a program re-prefills its own context there and leaves a copy behind,
+    which only pays where the program fits (under ``bench sched``'s saturation, without the
+    fit condition, 55-88 moves per run cost 0.72-0.74 against 0.76-0.78 hit; with it, 0-1).
+    Chosen on the generated agent trace (thunder as deployed, TTFT p99 ms at 1 / 2 / 3 / 4x),
+    seed 0: always sticky 644 / 654 / 763 / 979, 0.5 607 / 622 / 684 / 830, 1.0 588 / 583 /
+    652 / 740, 2.0 573 / 632 / 697 / 851; seed 1: 588 / 581 / 630 / 734, 558 / 589 / 567 /
+    674, 551 / 556 / 552 / 672, 544 / 565 / 630 / 654 (with the next commit's rescue)."""
     program_idle_s: float = 60.0
     """An acting program silent this long is released (no release message came): tool calls
     pause for seconds (log-normal, median 2-6 s in agent traces), so after a minute the program
