@@ -8,6 +8,9 @@ the bookkeeping of residency). What it adds to the tracker is what needs the sch
   the router ranked another worker first, the holder's queued prefill is longer than that
   worker's by more than the prompt the step would re-prefill there, and the program fits there
   without pausing anyone (``program_yield_ratio``);
+* **rescue**: a step of a paused program whose previous prompt the engine has not evicted yet
+  resumes the program where it is cached at once instead of parking
+  (``program_rescue_share``);
 * resume where room appears, forced resume after ``program_park_max_s``, idle release.
 """
 
@@ -80,14 +83,21 @@ class ProgramSteps:
     # ---- paused programs -------------------------------------------------------------------
 
     def _pause_step(self, entry, now: float) -> bool:
-        """A step of a paused program: resume it where it fits now (re-queued there), else park
-        it until memory frees. True: it left the queue it was on."""
+        """A step of a paused program: resume it where its KV still is or where it fits now
+        (re-queued there), else park it until memory frees. True: it left the queue it was on."""
         prog = self.programs.programs.get(entry.req.program_id or "")
         if prog is None or prog.phase != PAUSED:
             return False
         entry.state = PAUSED_STEP
         self.programs.park(prog.program_id, entry.req.request_id, now)
-        self._try_resume(prog.program_id, self._kv_totals(), now)
+        share = self.params.program_rescue_share
+        w = self.programs.cached_on(prog, self._eligible(entry.req), share) if share else None
+        if w is not None:
+            self.programs.rescues += 1
+            self._dirty.add(w)  # it counts there again: others there may have to pause
+            self._resume_on(prog, w, now)
+        else:
+            self._try_resume(prog.program_id, self._kv_totals(), now)
         return True
 
     def _resume_on(self, prog: Program, w: str, now: float) -> None:

@@ -258,6 +258,7 @@ class ThunderScheduler(ProgramSteps):
             "pd_held_polls": self.gate.held_polls,
             "program_pauses": self.programs.pauses,
             "program_resumes": self.programs.resumes,
+            "program_rescues": self.programs.rescues,
         }
 
     # ---- internals: queues -----------------------------------------------------------------

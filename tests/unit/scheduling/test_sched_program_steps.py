@@ -1,5 +1,5 @@
-"""Agent programs: stickiness that yields to a shorter prefill queue. Every expectation below
-is worked out by hand in comments."""
+"""Agent programs: stickiness that yields to a shorter prefill queue, rescue of a paused
+program whose KV is still cached. Every expectation below is worked out by hand in comments."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
+from thunderagent.scheduling.programs import ACTING, PAUSED, REASONING
 
 BS = 16
 
@@ -92,3 +93,64 @@ def test_a_step_does_not_yield_to_a_worker_it_does_not_fit_on() -> None:
     acting_on_w0(s, 1000)
     got = run(s, step("A-1", "A", 176, [("w1", 0), ("w0", 10)], hashes=11), 1.0)
     assert got == [Dispatch("A-1", "w0")]
+
+
+# ---- rescue of a paused program whose KV is still cached ------------------------------------
+
+
+def crowded(**params) -> ThunderScheduler:
+    """As in test_sched_programs: on a 100-block w0 (pause above 95, resume under 75) A (11
+    blocks), B (31) and C (51) act; D's 20-block step takes them to 113, so A and B, the
+    smallest, are paused (C 51 + D 20 = 71 stay)."""
+    s = sched(total=100, **params)
+    for pid, prompt in (("A", 160), ("B", 480), ("C", 800)):
+        assert len(run(s, step(f"{pid}-0", pid, prompt, hashes=prompt // BS), 0.0)) == 1
+        s.on_finished(f"{pid}-0", "w0", 1.0)
+    assert run(s, step("D-0", "D", 320, hashes=20), 2.0) == [Dispatch("D-0", "w0")]
+    s.poll(2.0)
+    assert [s.programs.programs[p].phase for p in "ABC"] == [PAUSED, PAUSED, ACTING]
+    return s
+
+
+@pytest.mark.parametrize(
+    ("cands", "params", "expected"),
+    [
+        # all 10 blocks of A's previous prompt still on w0: resumed there at once.
+        ((("w0", 10),), {}, "w0"),
+        # 9 of 10: 9 >= 0.9 * 10.
+        ((("w0", 9),), {}, "w0"),
+        # 8 of 10 < 9: parked (71 + 11 is over the resume mark on w0).
+        ((("w0", 8),), {}, None),
+        # the first candidate that still holds it, in router order.
+        ((("w0", 0), ("w1", 10)), {}, "w1"),
+        # share 0: rescue off, parked.
+        ((("w0", 10),), {"program_rescue_share": 0.0}, None),
+        # share 0.5: 5 of 10 blocks is enough.
+        ((("w0", 5),), {"program_rescue_share": 0.5}, "w0"),
+    ],
+)
+def test_a_paused_programs_step_resumes_where_its_kv_still_is(
+    cands: tuple, params: dict, expected: str | None
+) -> None:
+    s = crowded(**params)
+    got = run(s, step("A-1", "A", 176, cands, hashes=11), 3.0)
+    if expected is None:
+        assert got == [] and s.waiting() == 1
+        assert s.programs.programs["A"].phase == PAUSED
+        assert s.stats()["program_rescues"] == 0
+    else:
+        assert got == [Dispatch("A-1", expected)]
+        assert s.programs.programs["A"].phase == REASONING
+        assert s.stats()["program_rescues"] == 1
+
+
+def test_a_rescue_over_the_watermark_pauses_the_smallest_acting_program() -> None:
+    """A (11) and B (31) rescued on w0: C 51 + D 20 + A 11 + B 31 = 113 > 95. A and B are
+    reasoning, D reasoning: C, the one acting program, is paused (51 blocks: back to 62)."""
+    s = crowded()
+    assert run(s, step("A-1", "A", 176, [("w0", 10)], hashes=11), 3.0) == [Dispatch("A-1", "w0")]
+    assert run(s, step("B-1", "B", 496, [("w0", 30)], hashes=31), 3.1) == [Dispatch("B-1", "w0")]
+    s.poll(3.2)
+    phases = {p: s.programs.programs[p].phase for p in "ABCD"}
+    assert phases == {"A": REASONING, "B": REASONING, "C": PAUSED, "D": REASONING}
+    assert s.programs.resident("w0") == 11 + 31 + 20
