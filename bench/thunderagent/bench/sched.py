@@ -222,6 +222,7 @@ def programs(s: Setup) -> dict:
             "recomputed_tokens": _recomputed(res.records, params.block_size),
             "program_pauses": st.get("program_pauses", 0),
             "program_resumes": st.get("program_resumes", 0),
+            "program_rescues": st.get("program_rescues", 0),
             "ttft_p50_ms": _ms(_ttft(res.records), 50),
             "ttft_p99_ms": _ms(_ttft(res.records), 99),
             **_common(res, wall),
@@ -288,6 +289,7 @@ TABLES = {
         "recomputed_tokens",
         "prefill_tokens",
         "program_pauses",
+        "program_rescues",
         "engine_retractions",
     ),
 }

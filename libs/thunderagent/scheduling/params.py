@@ -101,6 +101,34 @@ class SchedParams:
     release timeout: on the closed-loop agent programs of ``bench sched`` (generated) 2 s gave
     1.01x the steps/min of program-unaware scheduling, 10 s 1.18x, 30 s 1.43x, 60 s 1.43x, no
     bound 1.45x; the open-loop agent trace's TTFT was the same for every value."""
+    program_rescue_share: float = 0.9
+    """A step of a paused program whose previous prompt is still cached, to at least this
+    share of its blocks, on one of its candidates resumes the program there at once instead of
+    parking (0: never). Pausing only leaves a program's blocks to the engine's eviction, and
+    the paused program most often comes back within seconds (a tool call; median 5.3 s after
+    its pause on ``bench sched``'s programs), its KV still there: parking it then waited
+    ~45 s for room and re-prefilled what the wait had evicted. Chosen on ``bench sched``'s
+    programs (steps/min; program-unaware 288.9 / 263.5 / 300.6 on seeds 0-2): 0.9 gave
+    420.6 / 371.8 / 429.6 against 364.0 / 363.1 / 434.3 with no rescue, 0.5 404.0 / 379.2 /
+    400.9; on seeds 3-7 0.9 gave 478.9 / 470.1 / 453.2 / 426.0 / 343.4 against 455.8 / 461.4 /
+    430.6 / 449.1 / 320.5 (program-unaware 310.6 / 312.6 / 294.1 / 316.0 / 257.2). The
+    open-loop agent trace pauses only at 4x: TTFT p99 800 -> 740 ms (seed 0), 654 -> 672 ms
+    (seed 1). Those with stickiness always on; with ``program_yield_ratio`` 1 as well,
+    434.8 / 371.8 / 419.3 on seeds 0-2 (one yield each on seeds 0 and 2 moved the end of the
+    run: the makespan is set by the one program with the longest chain of tool pauses)."""
+    program_yield_ratio: float = 1.0
+    """A step goes back to the worker holding its program's KV (sticky) unless the router
+    ranked another worker first, the holder's queued prefill exceeds that worker's by more
+    than this many times the prompt tokens the step re-prefills there, and the program fits
+    there under ``program_resume_watermark`` (inf: always sticky). A step sent back to a
+    holder busy with a long prefill waited behind it although the router had ranked a free
+    worker first; moving a program re-prefills its own context there and leaves a copy behind,
+    which only pays where the program fits (under ``bench sched``'s saturation, without the
+    fit condition, 55-88 moves per run cost 0.72-0.74 against 0.76-0.78 hit; with it, 0-1).
+    Chosen on the generated agent trace (thunder as deployed, TTFT p99 ms at 1 / 2 / 3 / 4x),
+    seed 0: always sticky 644 / 654 / 763 / 979, 0.5 607 / 622 / 684 / 830, 1.0 588 / 583 /
+    652 / 740, 2.0 573 / 632 / 697 / 851; seed 1: 588 / 581 / 630 / 734, 558 / 589 / 567 /
+    674, 551 / 556 / 552 / 672, 544 / 565 / 630 / 654 (with ``program_rescue_share`` 0.9)."""
     program_idle_s: float = 60.0
     """An acting program silent this long is released (no release message came): tool calls
     pause for seconds (log-normal, median 2-6 s in agent traces), so after a minute the program
@@ -120,6 +148,8 @@ class SchedParams:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ParamError(name, getattr(self, name), f"must be one of {allowed}")
+        if self.program_rescue_share > 1:
+            raise ParamError("program_rescue_share", self.program_rescue_share, "must be <= 1")
         for name in ("kv_watermark", "program_watermark", "program_resume_watermark"):
             if not 0 < getattr(self, name) <= 1:
                 raise ParamError(name, getattr(self, name), "must be in (0, 1]")

@@ -7,9 +7,12 @@ that passes ``program_watermark`` of the worker's KV pool, acting programs there
 smallest context first until it is back under: a paused program's blocks are left to the
 engine's eviction, and its next step waits here instead of thrashing the cache. A paused step
 resumes (oldest pause first) on the first router candidate where the program fits under
-``program_resume_watermark``. While not paused, a step is *sticky*: the worker holding the
-program's KV goes first among its candidates. ``release`` ends a program; an acting program
-silent for ``program_idle_s`` is released too.
+``program_resume_watermark``, or at once where the engine still holds its previous prompt
+(``cached_on``: a pause only leaves blocks to eviction, and a program back within seconds
+usually finds them). While not paused, a step is *sticky*: the worker holding the program's KV
+goes first among its candidates (the scheduler may keep the router's order instead:
+``program_steps.py``). ``release`` ends a program; an acting program silent for
+``program_idle_s`` is released too.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class ProgramTracker:
     """paused program id -> when its oldest parked step was parked."""
     pauses: int = 0
     resumes: int = 0
+    rescues: int = 0
+    """Resumes of a paused program where its previous prompt was still cached."""
     tool_pauses: deque[float] = field(default_factory=lambda: deque(maxlen=TOOL_PAUSES_KEPT))
 
     def stale_after_s(self) -> float:
@@ -220,6 +225,16 @@ class ProgramTracker:
             paused.append(victim.program_id)
         self.pauses += len(paused)
         return paused
+
+    def cached_on(
+        self, prog: Program, candidates: Sequence[tuple[str, int]], share: float
+    ) -> str | None:
+        """The first candidate (router order) still caching at least ``share`` of the blocks
+        of the program's previous prompt, or None."""
+        need = share * len(prog.hashes)
+        if need <= 0:
+            return None
+        return next((w for w, cached in candidates if cached >= need), None)
 
     def place(
         self, prog: Program, candidates: Sequence[tuple[str, int]], totals: dict[str, int]

@@ -28,14 +28,13 @@ from thunderagent.scheduling.ordering import order_key, remaining_output_tokens,
 from thunderagent.scheduling.params import SchedParams
 from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate, pick_decode_worker
 from thunderagent.scheduling.preemption import Preemptor, Running
-from thunderagent.scheduling.programs import PAUSED, ProgramTracker
+from thunderagent.scheduling.program_steps import PAUSED_STEP, ProgramSteps
+from thunderagent.scheduling.programs import ProgramTracker
 from thunderagent.scheduling.window import Window
 
-WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP = "window", "queued", "spill", "held", "paused"
-IDLE_CHECK_S = 1.0
+WINDOW, QUEUED, SPILL, HELD = "window", "queued", "spill", "held"
 NEED_ALPHA = 0.05
 """EMA weight of dispatched requests' KV needs (the size credits are counted in): ~20 requests."""
-"""Idle programs are looked for at most once a second (a scan over all programs)."""
 
 
 @dataclass(slots=True)
@@ -65,8 +64,9 @@ class _Heap:
         return out
 
 
-class ThunderScheduler:
-    """The scheduler of DESIGN features 5-7; every behaviour is switched by ``SchedParams``."""
+class ThunderScheduler(ProgramSteps):
+    """The scheduler of DESIGN features 5-7; every behaviour is switched by ``SchedParams``.
+    Agent programs' placement, pausing and resuming are in ``program_steps.py``."""
 
     def __init__(self, params: SchedParams | None = None, *, name: str = "thunder", **kw):
         p = (params or SchedParams(**kw)).validate()
@@ -112,8 +112,7 @@ class ThunderScheduler:
         entry = _Entry(request, self._seq)
         self.entries[rid] = entry
         if self.params.programs and request.program_id is not None:
-            self.programs.get(request, now)
-            self.programs.sticky(request)
+            self._place_step(request, now)
         if self._doomed(request, now):
             return
         if request.deadline is not None and self.params.deadlines:
@@ -204,15 +203,6 @@ class ThunderScheduler:
         self.counters["cancelled"] += 1
         return True
 
-    def release_program(self, program_id: str, now: float = 0.0) -> None:
-        """The client ended the program: forget it; steps still parked go to the queue."""
-        prog = self.programs.programs.get(program_id)
-        if prog is not None and prog.worker_id is not None:
-            self._dirty.add(prog.worker_id)  # its room is free: paused programs may fit
-        for rid in self.programs.release(program_id):
-            if rid in self.entries:
-                self._enqueue(self.entries[rid], now)
-
     # ---- decisions ------------------------------------------------------------------------
 
     def poll(self, now: float) -> list[Action]:
@@ -268,6 +258,7 @@ class ThunderScheduler:
             "pd_held_polls": self.gate.held_polls,
             "program_pauses": self.programs.pauses,
             "program_resumes": self.programs.resumes,
+            "program_rescues": self.programs.rescues,
         }
 
     # ---- internals: queues -----------------------------------------------------------------
@@ -512,88 +503,6 @@ class ThunderScheduler:
                 if entry.state == PAUSED_STEP:
                     self.programs.unpark(entry.req.program_id or "", rid)
                 self._reject(entry, "deadline passed", out)
-
-    def _pause_step(self, entry: _Entry, now: float) -> bool:
-        """A step of a paused program: resume it where it fits now (re-queued there), else
-        park it until memory frees. True: it left the queue it was on."""
-        prog = self.programs.programs.get(entry.req.program_id or "")
-        if prog is None or prog.phase != PAUSED:
-            return False
-        entry.state = PAUSED_STEP
-        self.programs.park(prog.program_id, entry.req.request_id, now)
-        self._try_resume(prog.program_id, self._kv_totals(), now)
-        return True
-
-    def _try_resume(
-        self, pid: str, totals: dict[str, int], now: float, changed: set[str] | None = None
-    ) -> None:
-        """Resume a paused program where it fits, or where programs gone stale make room for
-        it; its parked steps follow it there. A program released meanwhile (idle) just lets
-        its steps go to the queue. ``changed``: only workers whose room changed can newly fit
-        it (and staleness, which only time changes, is left to the periodic pass)."""
-        parked = self.programs.pending.get(pid)
-        prog = self.programs.programs.get(pid)
-        if not parked:
-            return
-        if prog is None:
-            self.release_program(pid, now)
-            return
-        cands = self._eligible(self.entries[parked[0]].req)
-        looked = cands if changed is None else [c for c in cands if c[0] in changed]
-        w = self.programs.place(prog, looked, totals)
-        if w is None and cands and changed is None:
-            first = cands[0][0]
-            stale = self.programs.stale_after_s()
-            if self.programs.make_room(prog, first, totals.get(first, 0), now, stale):
-                w = first if self.programs.fits(prog, first, totals.get(first, 0)) else None
-        if w is None:
-            return
-        for rid in self.programs.resume(prog, w, now):
-            entry = self.entries[rid]
-            entry.req.candidates = sorted(entry.req.candidates, key=lambda c: c[0] != w)
-            self._enqueue(entry, now)
-
-    def _force_resume(self, pid: str, now: float) -> None:
-        """A parked step waited its turn: resume the program on the step's first candidate,
-        pausing the programs silent longest there to make room."""
-        prog = self.programs.programs.get(pid)
-        parked = self.programs.pending.get(pid)
-        if not parked:
-            return
-        cands = self._eligible(self.entries[parked[0]].req)
-        if prog is None or not cands:
-            self.release_program(pid, now)
-            return
-        w = cands[0][0]
-        self.programs.make_room(prog, w, self._kv_totals().get(w, 0), now)
-        for rid in self.programs.resume(prog, w, now):
-            self._enqueue(self.entries[rid], now)
-
-    def _programs_tick(self, now: float) -> None:
-        """Pause where programs overflow, resume where room appeared (every paused program
-        is looked at only against workers whose room changed, and against all of them once a
-        second), force parked steps that waited too long, release idle programs."""
-        totals = self._kv_totals()
-        changed, self._dirty = self._dirty, set()
-        for w in sorted(changed):
-            self.programs.over_capacity(w, totals.get(w, 0), now)
-        periodic = now >= self._next_idle_check
-        if changed or periodic:
-            for pid in list(self.programs.pending):
-                self._try_resume(pid, totals, now, None if periodic else changed)
-        for pid in self.programs.parked_since(now - self.params.program_park_max_s):
-            self._force_resume(pid, now)
-        if periodic:
-            self._next_idle_check = now + IDLE_CHECK_S
-            for pid in self.programs.idle(now, self.params.program_idle_s):
-                self.release_program(pid, now)
-
-    def _kv_totals(self) -> dict[str, int]:
-        return {
-            w: load.room.kv_total_blocks
-            for w, load in self.admission.workers.items()
-            if load.room is not None
-        }
 
 
 def _out_blocks(req: SchedRequest) -> int:
