@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from program_helpers import run, sched
 
-from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
+from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler
 from thunderagent.scheduling.programs import ACTING, PAUSED, REASONING
 
 BS = 16
@@ -21,21 +22,6 @@ def step(rid, pid, prompt, cands=(("w0", 0),), hashes=0) -> SchedRequest:
         rid, 0.0, prompt, 16, list(cands), block_size=BS, program_id=pid,
         block_hashes=[base + i for i in range(hashes)],
     )  # fmt: skip
-
-
-def sched(total=1000, **params) -> ThunderScheduler:
-    s = ThunderScheduler(
-        programs=True, window="none", kv_watermark=1.0, program_resume_watermark=0.75,
-        prefill_tokens_per_s=10000.0, **params,
-    )  # fmt: skip
-    for w in ("w0", "w1"):
-        s.update_worker(WorkerRoom(w, 0, 0, 0, total, 8), 0.0)
-    return s
-
-
-def run(s: ThunderScheduler, r: SchedRequest, now: float) -> list[Dispatch]:
-    s.submit(r, now)
-    return [a for a in s.poll(now) if isinstance(a, Dispatch)]
 
 
 # ---- stickiness yields ----------------------------------------------------------------------
@@ -76,7 +62,7 @@ def acting_on_w0(s: ThunderScheduler, backlog_tokens: int) -> None:
 def test_a_step_yields_its_holder_only_when_the_holders_prefill_queue_costs_more(
     backlog: int, at: float, w1_cached: int, params: dict, expected: str
 ) -> None:
-    s = sched(**params)
+    s = sched(total=1000, **params)
     acting_on_w0(s, backlog)
     got = run(s, step("A-1", "A", 176, [("w1", w1_cached), ("w0", 10)], hashes=11), at)
     assert got == [Dispatch("A-1", expected)]

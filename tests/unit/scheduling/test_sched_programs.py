@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
+from program_helpers import run, sched
+
+from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler
 from thunderagent.scheduling.programs import ACTING, PAUSED
 
 BS_TOKENS = 16
@@ -10,20 +12,6 @@ BS_TOKENS = 16
 
 def step(rid, pid, prompt, cands=(("w0", 0),), out=16) -> SchedRequest:
     return SchedRequest(rid, 0.0, prompt, out, list(cands), program_id=pid)
-
-
-def sched(total=0, **params) -> ThunderScheduler:
-    s = ThunderScheduler(
-        programs=True, window="none", kv_watermark=1.0, program_resume_watermark=0.75, **params
-    )
-    for w in ("w0", "w1"):
-        s.update_worker(WorkerRoom(w, 0, 0, 0, total, 8), 0.0)
-    return s
-
-
-def run(s: ThunderScheduler, r: SchedRequest, now: float) -> list[Dispatch]:
-    s.submit(r, now)
-    return [a for a in s.poll(now) if isinstance(a, Dispatch)]
 
 
 def test_sticky_placement_prefers_the_worker_holding_the_program() -> None:
