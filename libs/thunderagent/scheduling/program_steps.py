@@ -64,21 +64,23 @@ class ProgramSteps:
         if first == holder or held is None:
             return False
         extra = max(0, held - first_cached) * req.block_size
-        gap = self._prefill_backlog(holder, now) - self._prefill_backlog(first, now)
-        if gap <= ratio * extra:
+        backlog = self._prefill_backlogs((holder, first), now)
+        if backlog[holder] - backlog[first] <= ratio * extra:
             return False
         return self.programs.fits(prog, first, self._kv_totals().get(first, 0))
 
-    def _prefill_backlog(self, worker_id: str, now: float) -> float:
-        """Prompt tokens sent to ``worker_id`` that have not produced a first token yet, less
+    def _prefill_backlogs(self, workers: tuple[str, ...], now: float) -> dict[str, float]:
+        """Per worker: prompt tokens sent there that have not produced a first token yet, less
         what it prefilled (at ``prefill_tokens_per_s``) since the oldest of them was sent: how
-        long a new prompt would queue there behind prefill."""
-        tokens, since = 0, now
+        long a new prompt would queue there behind prefill. One pass over the running table."""
+        tokens = dict.fromkeys(workers, 0)
+        since = dict.fromkeys(workers, now)
         for run in self.running.values():
-            if run.worker_id == worker_id and run.started_at is None:
-                tokens += uncached_prompt_tokens(run.req, run.cached_blocks)
-                since = min(since, run.dispatched_at)
-        return max(0.0, tokens - (now - since) * self.params.prefill_tokens_per_s)
+            if run.started_at is None and run.worker_id in tokens:
+                tokens[run.worker_id] += uncached_prompt_tokens(run.req, run.cached_blocks)
+                since[run.worker_id] = min(since[run.worker_id], run.dispatched_at)
+        rate = self.params.prefill_tokens_per_s
+        return {w: max(0.0, tokens[w] - (now - since[w]) * rate) for w in workers}
 
     # ---- paused programs -------------------------------------------------------------------
 
