@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from thunderagent.scheduling.api import WorkerRoom
 from thunderagent.scheduling.params import SchedParams
@@ -37,6 +38,21 @@ class WorkerLoad:
     generated (the report shows the rest)."""
     started_at_sum: float = 0.0
     block_size: int = 0
+
+
+class Headroom(NamedTuple):
+    """One worker's admission state: no slot left (``full``), any request fits (``open``:
+    nothing running, or no KV total reported), else KV in use against the watermark."""
+
+    full: bool
+    open: bool
+    kv_blocks: int
+    kv_limit: float
+
+    def fits(self, need_blocks: int) -> bool:
+        if self.full:
+            return False
+        return self.open or self.kv_blocks + need_blocks <= self.kv_limit
 
 
 @dataclass(slots=True)
@@ -101,16 +117,19 @@ class Admission:
         return math.ceil(tokens / load.block_size) if load.block_size > 0 else 0
 
     def has_room(self, worker_id: str, need_blocks: int) -> bool:
+        return self.headroom(worker_id).fits(need_blocks)
+
+    def headroom(self, worker_id: str) -> Headroom:
+        """What ``has_room`` decides from, for any ``need_blocks``: valid until the next
+        change to this worker's books (a charge, a discharge, a report, the clock)."""
         running = self.running(worker_id)
         if running >= self.cap(worker_id):
-            return False
-        if running == 0:
-            return True
+            return Headroom(True, False, 0, 0.0)
         load = self.load(worker_id)
         total = load.room.kv_total_blocks if load.room is not None else 0
-        if total <= 0:
-            return True
-        return self.kv_blocks(worker_id) + need_blocks <= self.params.kv_watermark * total
+        if running == 0 or total <= 0:
+            return Headroom(False, True, 0, 0.0)
+        return Headroom(False, False, self.kv_blocks(worker_id), self.params.kv_watermark * total)
 
     def room(self, worker_id: str, need_blocks: int) -> int:
         """How many more requests of ``need_blocks`` each ``has_room`` would admit now."""

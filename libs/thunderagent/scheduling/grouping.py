@@ -64,10 +64,10 @@ class PrefixGroups:
             n += 1
         return n
 
-    def try_hold(self, req: SchedRequest, worker_id: str, cached: int, now: float) -> bool:
-        """Hold ``req`` behind a leader if it shares enough of its uncached prefix."""
+    def try_hold(self, req: SchedRequest, worker_id: str, start: int, now: float) -> bool:
+        """Hold ``req`` behind a leader if it shares enough of its uncached prefix, which
+        begins at block ``start`` (``first_uncached``)."""
         rid, hashes = req.request_id, req.block_hashes
-        start = self.first_uncached(worker_id, hashes, cached)
         run = self.shared_run(worker_id, hashes, start)
         if run == 0 or run < self.min_blocks:
             return False

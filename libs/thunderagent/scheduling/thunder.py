@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.scheduling.admission import Admission
+from thunderagent.scheduling.admission import Admission, Headroom
 from thunderagent.scheduling.api import Action, Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
 from thunderagent.scheduling.grouping import PrefixGroups
 from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
@@ -90,6 +90,8 @@ class ThunderScheduler(ProgramSteps):
         self._next_idle_check = 0.0
         self._dirty: set[str] = set()
         self._typical_need = 64.0
+        self._rooms: dict[str, Headroom] = {}
+        """Each worker's admission state during one dispatch pass (see ``_has_room``)."""
         self.counters = {
             "submitted": 0,
             "direct": 0,
@@ -220,8 +222,10 @@ class ThunderScheduler(ProgramSteps):
         if self.params.programs:
             self._programs_tick(now)
         self._retry_at = None
+        self._rooms.clear()
         self._dispatch_spilled(now, out)
         self._dispatch_queued(now, out)
+        self._rooms.clear()
         if self.entries and self._gate_full():
             self.gate.held_polls += 1
         return out
@@ -263,8 +267,10 @@ class ThunderScheduler(ProgramSteps):
 
     # ---- internals: queues -----------------------------------------------------------------
 
-    def _eligible(self, req: SchedRequest) -> list[tuple[str, int]]:
+    def _eligible(self, req: SchedRequest) -> Sequence[tuple[str, int]]:
         pd = self.params.pd_mode == "disaggregated"
+        if not pd and not self.gone:
+            return req.candidates  # the common case, on every try of every waiting request
         return [
             (w, c)
             for w, c in req.candidates
@@ -320,7 +326,7 @@ class ThunderScheduler(ProgramSteps):
         """Spilled requests waited past the bound: they go first, anywhere with room. The scan
         stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
         open_ = {w for w in self.admission.workers if w not in self.gone}
-        open_ = {w for w in open_ if self.admission.has_room(w, 0)}
+        open_ = {w for w in open_ if self._has_room(w, 0)}
         keep = []
         while self.spill and open_ and not self._gate_full():
             item = heapq.heappop(self.spill)
@@ -332,7 +338,7 @@ class ThunderScheduler(ProgramSteps):
                     continue
                 if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
                     break
-                if not self.admission.has_room(w, 0):
+                if not self._has_room(w, 0):
                     open_.discard(w)
             else:
                 keep.append(item)
@@ -362,6 +368,15 @@ class ThunderScheduler(ProgramSteps):
             heapq.heappush(self.queues[w], (entry.key, entry.seq, entry.req.request_id))
             blocked.add(w)
 
+    def _has_room(self, w: str, need: int) -> bool:
+        """``admission.has_room`` with each worker's state read once per dispatch pass: past
+        capacity a pass tries every spilled request on every open worker, and only a commit
+        or an ended run changes a worker's books meanwhile (both clear ``_rooms``)."""
+        room = self._rooms.get(w)
+        if room is None:
+            room = self._rooms[w] = self.admission.headroom(w)
+        return room.fits(need)
+
     def _gate_full(self) -> bool:
         return self.params.pd_mode == "disaggregated" and self.gate.full()
 
@@ -374,13 +389,13 @@ class ThunderScheduler(ProgramSteps):
             return False
         if p.programs and req.program_id is not None and self._pause_step(entry, now):
             return False
+        cached = self.groups.first_uncached(w, req.block_hashes, cached)
         if p.grouping and not entry.regrouped:
             if self.groups.try_hold(req, w, cached, now):
                 entry.state = HELD
                 return False
-        cached = self.groups.first_uncached(w, req.block_hashes, cached)
         need = _kv_need(req, cached)
-        if not self.admission.has_room(w, need):
+        if not self._has_room(w, need):
             return False
         decode = None
         if p.pd_mode == "disaggregated":
@@ -397,6 +412,7 @@ class ThunderScheduler(ProgramSteps):
         req = entry.req
         rid = req.request_id
         del self.entries[rid]
+        self._rooms.clear()
         out = _out_blocks(req)
         self.admission.charge(w, need, out)
         self._note_need(need)
@@ -455,6 +471,7 @@ class ThunderScheduler(ProgramSteps):
         run = self.running.pop(rid, None)
         if run is None:
             return
+        self._rooms.clear()
         if run.decode_worker is None:
             out = remaining_output_tokens(run.req)
             self.admission.discharge(
@@ -511,9 +528,11 @@ def _out_blocks(req: SchedRequest) -> int:
 
 def _kv_need(req: SchedRequest, cached: int) -> int:
     """New KV blocks the request will hold: its uncached prompt plus its expected output (a
-    cached prefix is shared, so counting it per request would overcount)."""
-    prompt = max(math.ceil(req.prompt_tokens / req.block_size) - cached, 0)
-    return prompt + _out_blocks(req)
+    cached prefix is shared, so counting it per request would overcount). Integer ceilings,
+    inline: past capacity this runs for every waiting request on every open worker, each poll."""
+    bs = req.block_size
+    prompt = max(-(-req.prompt_tokens // bs) - cached, 0)
+    return prompt - (-max(req.expected_output_tokens - req.generated_tokens, 1) // bs)
 
 
 def _workers_of(run: Running) -> tuple[str, ...]:
