@@ -23,10 +23,12 @@ HTTP_SPAN = "gateway POST /v1/chat/completions"
 """The gateway also has a consumer span per load report it reads; the request's is this one."""
 
 
-def _start_up(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, dict[str, str]]:
+def _start_up(
+    tmp_path: Path, env: dict[str, str], *extra: str
+) -> tuple[subprocess.Popen, dict[str, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "thunderagent.cli.main", "up", "--workers", "1",
-         "--run-dir", str(tmp_path / "run"), "--speedup", "20"],
+         "--run-dir", str(tmp_path / "run"), "--speedup", "20", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     lines, found = [], {}
@@ -71,12 +73,16 @@ def _whole_trace(receiver: OtlpReceiver, wanted: set[str]) -> list:
     return trace
 
 
-def test_up_serves_http_and_one_request_is_one_trace(tmp_path):
+@pytest.mark.parametrize("embed_router", [False, True], ids=["router-service", "embedded"])
+def test_up_serves_http_and_one_request_is_one_trace(tmp_path, embed_router):
+    """With ``--gateway-embed-router`` the gateway routes in its own process: the trace has the
+    router's span, exported by the gateway, and no router service on the path."""
     with OtlpReceiver() as receiver:
         env = dict(os.environ)
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-        proc, urls = _start_up(tmp_path, env)
+        extra = ("--gateway-embed-router",) if embed_router else ()
+        proc, urls = _start_up(tmp_path, env, *extra)
         try:
             assert urls["NATS"].startswith("nats://")
             base = urls["OpenAI"]
@@ -84,8 +90,10 @@ def test_up_serves_http_and_one_request_is_one_trace(tmp_path):
             done, headers = _chat(base)
             assert done["usage"]["completion_tokens"] == 4
             assert headers["x-request-id"] == done["id"].removeprefix("chatcmpl-")
-            wanted = {"thunderagent-gateway", "thunderagent-router", "thunderagent-scheduler",
+            wanted = {"thunderagent-gateway", "thunderagent-scheduler",
                       "thunderagent-worker-w0", "thunderagent-simengine"}  # fmt: skip
+            if not embed_router:
+                wanted.add("thunderagent-router")
             trace = _whole_trace(receiver, wanted)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -97,3 +105,5 @@ def test_up_serves_http_and_one_request_is_one_trace(tmp_path):
     assert roots[0].name == HTTP_SPAN
     ids = {s.span_id for s in trace}
     assert all(s.parent_span_id in ids for s in trace if s.parent_span_id)
+    routed_by = {s.service for s in trace if s.name == "router route"}
+    assert routed_by == {"thunderagent-gateway" if embed_router else "thunderagent-router"}

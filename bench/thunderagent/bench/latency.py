@@ -9,12 +9,19 @@ difference: the latency the control plane adds. Both clients run on uvloop, like
 each request is timed until its answer is complete (the final reply; straight to the engine, the
 chunk that carries the finish reason).
 
-    python -m thunderagent.bench.latency [--requests 1000] [--rounds 10] [--json FILE]
+``--embed-router`` adds a third path, alternated with the other two: a client with a router
+replica in its own process (``RouterService(serve_requests=False)``, as ``thunderagent gateway
+--embed-router`` runs it), which skips the hop to a router process: client -> adapter -> engine
+-> client.
+
+    python -m thunderagent.bench.latency [--requests 1000] [--rounds 10] [--embed-router]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -24,9 +31,14 @@ import aiohttp
 import uvloop
 
 from thunderagent import stats
+from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
+from thunderagent.router.service import RouterConfig, RouterService
+from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
+from thunderagent.shell import ServiceContext
 from thunderagent.stack.up import Stack, StackConfig
+from thunderagent.telemetry import Telemetry
 
 WARM_UP = 20
 FINISHED = re.compile(rb'"finish_reason":\s*\{')
@@ -64,22 +76,62 @@ async def straight_to_engine(
     return out
 
 
+async def embedded_client(
+    nats_url: str, redis_url: str | None, policy: str, stop: asyncio.Event
+) -> tuple[ThunderClient, asyncio.Task]:
+    """A client whose requests a router replica in this process routes."""
+    name = "bench-embedded-router"
+    # a gateway's login: it may run a router replica (JetStream, KV events, credit)
+    nc = await connect(nats_url, name=name, identity="gateway", deadline_s=10)
+    client = ThunderClient(nc, idle_timeout_s=30)
+    bus = Bus(client.nc, service=name)
+    ctx = ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
+    config = RouterConfig(params=RouterParams(policy=policy), redis_url=redis_url)
+    service = RouterService(ctx, config, serve_requests=False)
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.serving.wait(), 30)
+    client.route = service.router.handle
+    return client, task
+
+
 async def measure(
-    nats_url: str, engine_url: str, model: str, n: int, rounds: int, prompt: list[int]
-) -> tuple[list[float], list[float]]:
-    """Both paths in alternating rounds, so a drift in the machine's load hits both alike."""
-    client = await ThunderClient.connect(nats_url, idle_timeout_s=30)
-    stacked: list[float] = []
-    direct: list[float] = []
+    nats_url: str,
+    engine_url: str,
+    model: str,
+    n: int,
+    rounds: int,
+    prompt: list[int],
+    embedded: dict | None = None,
+) -> dict[str, list[float]]:
+    """Every path in alternating rounds, so a drift in the machine's load hits them alike;
+    ``embedded`` (``redis_url``, ``policy``): the third path too."""
+    clients = {"stack": await ThunderClient.connect(nats_url, idle_timeout_s=30)}
+    stop, router_task = asyncio.Event(), None
+    if embedded is not None:
+        clients["embedded"], router_task = await embedded_client(nats_url, **embedded, stop=stop)
+    times: dict[str, list[float]] = {"direct": [], **{name: [] for name in clients}}
     async with aiohttp.ClientSession() as session:
         await straight_to_engine(session, engine_url, WARM_UP, prompt)
-        await through_stack(client, model, WARM_UP, prompt)  # connections, caches, fleet view
+        for client in clients.values():  # connections, caches, fleet view
+            await through_stack(client, model, WARM_UP, prompt)
         per_round = max(1, n // rounds)
         for _ in range(rounds):
-            direct += await straight_to_engine(session, engine_url, per_round, prompt)
-            stacked += await through_stack(client, model, per_round, prompt)
-    await client.close()
-    return stacked, direct
+            times["direct"] += await straight_to_engine(session, engine_url, per_round, prompt)
+            for name, client in clients.items():
+                times[name] += await through_stack(client, model, per_round, prompt)
+    stop.set()
+    if router_task is not None:
+        await router_task
+    for client in clients.values():
+        await client.close()
+    return times
+
+
+def added(path: list[float], direct: list[float]) -> dict:
+    return {
+        "p50": round(stats.percentile(path, 50) - stats.percentile(direct, 50), 3),
+        "p99": round(stats.percentile(path, 99) - stats.percentile(direct, 99), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,18 +142,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speedup", type=float, default=1000.0)
     parser.add_argument("--policy", default="thunder")
     parser.add_argument("--rounds", type=int, default=10, help="alternations of the two paths")
+    parser.add_argument(
+        "--embed-router", action="store_true",
+        help="also time a client with a router replica in its own process (no router hop)",
+    )  # fmt: skip
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, policy=args.policy)
     prompt = [4 + (i * 31) % 250 for i in range(args.prompt_tokens)]
     stack = Stack.start(config)
+    embedded = {"redis_url": stack.redis_url or None, "policy": args.policy}
     try:
-        stacked, direct = uvloop.run(
+        times = uvloop.run(
             measure(stack.nats_url, stack.engine_urls[0], config.model, args.requests,
-                    args.rounds, prompt)
+                    args.rounds, prompt, embedded if args.embed_router else None)
         )  # fmt: skip
     finally:
         stack.stop()
+    stacked, direct = times["stack"], times["direct"]
     result = {
         "requests": len(stacked),
         "rounds": args.rounds,
@@ -114,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
         "policy": args.policy,
         "through_stack_ms": summary(stacked),
         "direct_to_engine_ms": summary(direct),
-        "added_ms": {
-            "p50": round(stats.percentile(stacked, 50) - stats.percentile(direct, 50), 3),
-            "p99": round(stats.percentile(stacked, 99) - stats.percentile(direct, 99), 3),
-        },
+        "added_ms": added(stacked, direct),
     }
+    if "embedded" in times:
+        result["embedded_router_ms"] = summary(times["embedded"])
+        result["added_embedded_ms"] = added(times["embedded"], direct)
     print(json.dumps(result, indent=2))
     if args.json_out:
         with open(args.json_out, "w") as fh:

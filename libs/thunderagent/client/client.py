@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from thunderagent.bus import connect
-from thunderagent.client.mux import Call, ReplyMux
+from thunderagent.client.mux import Call, ReplyMux, Route
 from thunderagent.schemas import (
     ErrorCode,
     ErrorReply,
@@ -66,8 +66,12 @@ class ThunderClient:
         cancel_abandoned: bool = False,
         retries: int = 3,
         retry_after_s: float = 5.0,
+        route: Route | None = None,
     ) -> None:
+        """``route``: a router embedded in this process (``RouterService(...,
+        serve_requests=False).router.handle``) instead of publishing to a router replica."""
         self.nc = nc
+        self.route = route
         self.idle_timeout_s = idle_timeout_s
         self.retries = retries
         """Resends of a request that got no first reply in ``retry_after_s`` or was refused
@@ -100,7 +104,7 @@ class ThunderClient:
         call = Call(self.mux, request, idle_timeout_s=self.idle_timeout_s,
                     spawn=self._spawn if self._cancel else None, service="client",
                     timeout_code=ErrorCode.UNAVAILABLE, retries=self.retries,
-                    retry_after_s=self.retry_after_s)  # fmt: skip
+                    retry_after_s=self.retry_after_s, route=self.route)  # fmt: skip
         # The span is ended by hand rather than made current across ``yield``: a consumer that
         # stops iterating early would otherwise close it from another context.
         span = _tracer.start_span("client generate", kind=SpanKind.PRODUCER)

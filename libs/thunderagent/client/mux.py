@@ -4,7 +4,9 @@ from a shared inbox, read the replies, and (optionally) cancel the request if it
 All requests of a process share one wildcard subscription (``<inbox>.*``) and are told apart by
 the last token of their reply subject, as nats-py's own request/reply does: a subscription per
 request would cost a SUB and an UNSUB per request on the server and on this event loop. Used by
-``ThunderClient`` and the HTTP gateway alike.
+``ThunderClient`` and the HTTP gateway alike. With a ``route`` (a router embedded in this
+process) the request is not published: the router is called directly and the replies still
+arrive on the shared inbox.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, MaxPayloadError, OutboundBufferLimitError
+from opentelemetry import context as otel_context
 
 from thunderagent.bus.errors import DECODE_ERRORS
 from thunderagent.bus.fastpath import subscribe_fast
@@ -32,7 +35,7 @@ from thunderagent.schemas import (
     ReplyMessage,
     subjects,
 )
-from thunderagent.telemetry import inject_headers
+from thunderagent.telemetry import extract_context, inject_headers
 
 if TYPE_CHECKING:
     from thunderagent.bus import Bus
@@ -44,6 +47,11 @@ RETRY_PAUSE_S = 0.5
 """First wait before resending after an ``unavailable`` answer, doubling each time (a
 scheduler restarting needs a moment); after silence it is resent at once."""
 _TRANSIENT = frozenset({"router", "scheduler"})
+
+
+Route = Callable[[GenerateRequest, str], Awaitable[None]]
+"""A router in this process: routes a request and hands it on, answers going to the reply
+subject (``Router.handle``); given to ``Call``, it replaces the publish to a router replica."""
 
 
 def _worth_retrying(reply: ReplyMessage | None) -> bool:
@@ -159,8 +167,10 @@ class Call:
         timeout_code: ErrorCode = ErrorCode.DEADLINE,
         retries: int = 0,
         retry_after_s: float = 5.0,
+        route: Route | None = None,
     ) -> None:
         self.mux = mux
+        self._route = route
         self.request = request
         self.retries = retries
         """Times the request may be sent again (same id, same reply subject) while no output
@@ -211,7 +221,19 @@ class Call:
         return self._decode(msg)
 
     async def publish(self, headers: dict[str, str] | None = None) -> ErrorReply | None:
-        """Publish the request; an ``ErrorReply`` when it could not be."""
+        """Publish the request (or hand it to the router in this process); an ``ErrorReply``
+        when it could not be."""
+        if self._route is not None:
+            # the router answers errors on the reply subject, as a router replica does; the
+            # trace context it would have found in the headers is made current instead
+            token = otel_context.attach(extract_context(headers)) if headers else None
+            try:
+                await self._route(self.request, self.reply_subject)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+            self.published = True
+            return None
         nc = self.mux.nc
         payload = _encode(self.request)
         limit = nc.max_payload

@@ -100,29 +100,30 @@ def role_permissions(role: str) -> Permissions:
     s = subjects
     common_pub = (s.dead_letter("*"), INBOX)
     common_sub = (s.health("*"), INBOX)
+    router = Permissions(
+        publish=(
+            s.SCHED_SUBMIT_WILDCARD,
+            s.SCHED_DIRECT_WILDCARD,
+            s.ROUTER_PRESENCE,
+            s.worker_generate("*"),
+            s.ROUTE_DECISIONS,
+            *common_pub,
+            *JS_ALL,
+        ),
+        subscribe=(
+            s.REQUESTS_WILDCARD,
+            s.WORKER_LOAD_WILDCARD,
+            s.KV_EVENTS_WILDCARD,
+            s.PROGRESS_ENDED_WILDCARD,
+            s.router_dispatched("*"),
+            s.router_credits("*"),
+            *common_sub,
+        ),
+    )
     table = {
         # Routers hand requests to the scheduler, or on credit straight to a worker (and tell
         # the scheduler they did); they announce themselves to get credit.
-        "router": Permissions(
-            publish=(
-                s.SCHED_SUBMIT_WILDCARD,
-                s.SCHED_DIRECT_WILDCARD,
-                s.ROUTER_PRESENCE,
-                s.worker_generate("*"),
-                s.ROUTE_DECISIONS,
-                *common_pub,
-                *JS_ALL,
-            ),
-            subscribe=(
-                s.REQUESTS_WILDCARD,
-                s.WORKER_LOAD_WILDCARD,
-                s.KV_EVENTS_WILDCARD,
-                s.PROGRESS_ENDED_WILDCARD,
-                s.router_dispatched("*"),
-                s.router_credits("*"),
-                *common_sub,
-            ),
-        ),
+        "router": router,
         "scheduler": Permissions(
             publish=(
                 s.worker_generate("*"),
@@ -167,16 +168,17 @@ def role_permissions(role: str) -> Permissions:
                 *common_sub,
             ),
         ),
+        # A gateway may embed a router replica (``--embed-router``): it holds a router's
+        # permissions as well as its own.
         "gateway": Permissions(
             publish=(
                 s.REQUESTS_WILDCARD,
                 s.SCHED_CANCEL,
                 s.PROGRAM_RELEASE,
                 s.HEALTH_WILDCARD,
-                *common_pub,
-                *JS_ALL,
+                *router.publish,
             ),
-            subscribe=(s.WORKER_LOAD_WILDCARD, *common_sub),
+            subscribe=router.subscribe,
         ),
         # Clients send, cancel and release requests, probe health, read their inbox and may
         # watch routing decisions and run ends. No JetStream, no worker subject.

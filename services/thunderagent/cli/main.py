@@ -122,7 +122,36 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
         max_body_bytes=int(args.max_body_mb * 2**20),
         defaults=Defaults(chat_max_tokens=args.default_max_tokens),
     )
-    run_service("gateway", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
+    if not args.embed_router:
+        run_service(
+            "gateway", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
+        )
+        return
+    from thunderagent.router.service import RouterConfig
+    from thunderagent.router_core import RouterParams
+
+    params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    router = RouterConfig(params=params, redis_url=args.redis)
+    run_service(
+        "gateway", args.nats, lambda ctx: gateway_with_router(ctx, config, router),
+        metrics_port=args.metrics_port,
+    )  # fmt: skip
+
+
+async def gateway_with_router(ctx, config, router_config) -> None:
+    """The gateway with a router replica in its process: the replica keeps its index, fleet
+    view and credit like any other (``serve_requests=False``), and the gateway calls it per
+    request instead of publishing to the router queue group."""
+    import asyncio
+
+    from thunderagent.gateway.service import Gateway
+    from thunderagent.router.service import RouterService
+
+    router = RouterService(ctx, router_config, serve_requests=False)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(router.run())
+        await router.serving.wait()  # its index has caught up and its subscriptions are live
+        await Gateway(ctx.bus, config, route=router.router.handle).run(ctx.stop)
 
 
 def _cmd_simengine(args: argparse.Namespace) -> None:
@@ -293,6 +322,18 @@ def _gateway_command(add) -> None:
     p.add_argument(
         "--default-max-tokens", type=int, default=256,
         help="max_tokens of a chat request that gives none",
+    )  # fmt: skip
+    p.add_argument(
+        "--embed-router", action="store_true",
+        help="route in this process (a router replica with its own index; one NATS hop less "
+        "per request) instead of through a router service",
+    )  # fmt: skip
+    p.add_argument("--policy", default="thunder", help="with --embed-router: routing policy")
+    _param_arg(p, "with --embed-router: routing policy")
+    p.add_argument("--seed", type=int, default=None, help="with --embed-router: tie-break seed")
+    p.add_argument(
+        "--redis", default=os.environ.get("THUNDERAGENT_REDIS_URL"),
+        help="with --embed-router: Redis URL of the index snapshot (unset: full replay)",
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from thunderagent.bus import Bus
-from thunderagent.client import Call, ReplyMux
+from thunderagent.client import Call, ReplyMux, Route
 from thunderagent.fleet import WorkerRegistry
 from thunderagent.gateway.errors import CLIENT_CLOSED, HttpError, from_code, from_reply
 from thunderagent.gateway.metrics import GatewayMetrics
@@ -77,9 +77,12 @@ Parser = Callable[..., Parsed]
 
 
 class Gateway:
-    def __init__(self, bus: Bus, config: GatewayConfig) -> None:
+    def __init__(self, bus: Bus, config: GatewayConfig, route: Route | None = None) -> None:
+        """``route``: a router replica in this process (``thunderagent gateway --embed-router``)
+        instead of one reached over NATS."""
         self.bus = bus
         self.config = config
+        self.in_process_route = route
         self.registry = WorkerRegistry()
         self.fleet = FleetWatcher(bus, self.registry)
         self.mux = ReplyMux.on(bus)
@@ -200,7 +203,8 @@ class Gateway:
             span.set_attribute("url.path", request.path)
             call = Call(self.mux, parsed.request, idle_timeout_s=self.config.idle_timeout_s,
                         spawn=self.spawn, service="gateway", retries=self.config.retries,
-                        retry_after_s=self.config.retry_after_s)  # fmt: skip
+                        retry_after_s=self.config.retry_after_s,
+                        route=self.in_process_route)  # fmt: skip
             try:
                 first = await call.start()
                 if isinstance(first, ErrorReply):

@@ -108,12 +108,17 @@ class Router:
         await self.bus.publish(subjects.ROUTE_DECISIONS, batch)
 
     async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
-        reply = delivery.reply
-        if not reply:
+        if not delivery.reply:
             await self.bus.reject(
                 delivery, "request has no reply subject: nowhere to stream tokens"
             )
             return
+        await self.handle(req, delivery.reply)
+
+    async def handle(self, req: GenerateRequest, reply: str) -> None:
+        """Route ``req`` and hand it on; every answer (tokens, final reply or error) goes to
+        ``reply``. Returns once the adapter or the scheduler has acknowledged it. The request
+        subscription calls this; so does a process that embeds the router (``Call(route=)``)."""
         if not req.request_id:
             req = structs.replace(req, request_id=uuid.uuid4().hex)
         if not self.fleet_ready.is_set():
@@ -320,8 +325,16 @@ class Router:
 class RouterService:
     """One router replica: fleet view, index follower, request and feedback subscriptions."""
 
-    def __init__(self, ctx: ServiceContext, config: RouterConfig) -> None:
+    def __init__(
+        self, ctx: ServiceContext, config: RouterConfig, *, serve_requests: bool = True
+    ) -> None:
+        """``serve_requests=False`` embeds the replica in another process (a gateway, a
+        client): it keeps its index, fleet view, credit and feedback subscriptions, but takes
+        no requests from the bus; the host calls ``router.handle`` itself, which saves the
+        NATS hop from the host to a router process (as Dynamo's frontend and SMG route
+        in-process)."""
         self.ctx = ctx
+        self.serve_requests = serve_requests
         self.router = Router(config, ctx.bus)
         self.core = self.router.core
         self.redis = None
@@ -370,13 +383,14 @@ class RouterService:
         await bus.subscribe(subjects.PROGRESS_ENDED_WILDCARD, ProgressBatch, router.on_progress)
         # Concurrent: a request waits for the scheduler's ack without holding up the next one;
         # the decision itself runs without an await, so the core stays consistent.
-        await bus.subscribe(
-            subjects.REQUESTS_WILDCARD,
-            GenerateRequest,
-            router.on_request,
-            queue=subjects.ROUTER_QUEUE,
-            concurrent=True,
-        )
+        if self.serve_requests:
+            await bus.subscribe(
+                subjects.REQUESTS_WILDCARD,
+                GenerateRequest,
+                router.on_request,
+                queue=subjects.ROUTER_QUEUE,
+                concurrent=True,
+            )
         await bus.nc.flush()
         self.serving.set()
         try:

@@ -65,6 +65,11 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
         "--gateway-port", type=int, default=8000, help="the gateways' HTTP port when free"
     )
     p.add_argument(
+        "--gateway-embed-router", action="store_true",
+        help="each gateway routes in its own process (a router replica inside it: one NATS hop "
+        "less per HTTP request); the router services still serve NATS clients",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-pool", action="store_true",
         help="simulated engines keep real KV bytes in host memory registered with NIXL, so the "
         "migration service can move prefixes between them (needs nixl)",
@@ -99,6 +104,8 @@ class StackConfig:
     gateways: int = 0
     """HTTP gateway processes; ``up`` starts one (its flag's default), benchmarks opt in."""
     gateway_port: int = 8000
+    gateway_embed_router: bool = False
+    """Gateways run ``--embed-router`` (with the stack's policy and Redis)."""
     kv_pool: bool = False
     kv_pool_scale: int = 1
     kv_blocks: int | None = None
@@ -126,6 +133,7 @@ class StackConfig:
             tls_key=Path(args.tls_key) if args.tls_key else None,
             gateways=args.gateways,
             gateway_port=args.gateway_port,
+            gateway_embed_router=args.gateway_embed_router,
             kv_pool=args.kv_pool,
             kv_pool_scale=args.kv_pool_scale,
             kv_blocks=args.kv_blocks,
@@ -263,6 +271,8 @@ class Stack:
             return
         port = preferred_port(self.config.gateway_port)
         share = ["--reuse-port"] if self.config.gateways > 1 else []
+        if self.config.gateway_embed_router:
+            share += ["--embed-router", "--policy", self.config.policy, "--redis", self.redis_url]
         for i in range(self.config.gateways):
             self._service(
                 f"gateway-{i}", "gateway", "--nats", self.nats_url, "--port", str(port), *share

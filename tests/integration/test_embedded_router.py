@@ -1,0 +1,136 @@
+"""A router replica embedded in the client's or the gateway's process (``serve_requests=False``):
+with no router service running, requests are still routed by where their prefix is cached, go
+the credit fast path straight to the adapter, and errors come back as with a router service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import PAGE, conversation, wait_for
+from thunderagent.bus import connect
+from thunderagent.cli.main import gateway_with_router
+from thunderagent.client import RequestFailed, ThunderClient
+from thunderagent.embedded import free_port
+from thunderagent.gateway.service import GatewayConfig
+from thunderagent.hashing import BlockHasher
+from thunderagent.router.service import RouterConfig, RouterService
+from thunderagent.router_core import RouterParams
+from thunderagent.schemas import DirectDispatch, ErrorCode, GenerateRequest, subjects
+
+pytestmark = pytest.mark.integration
+PROFILE = "llama-3.1-8b-h100"
+
+
+def _router_config() -> RouterConfig:
+    return RouterConfig(params=RouterParams(policy="thunder", seed=1))
+
+
+async def _embedded_router(stack) -> RouterService:
+    """The stack's router service stopped, a replica that serves no requests started."""
+    await stack.stop_service("router")
+    config = _router_config()
+    running = await stack.start_service(
+        "embedded-router",
+        lambda ctx, svc: svc.run(),
+        build=lambda ctx: RouterService(ctx, config, serve_requests=False),
+    )
+    router: RouterService = running.runtime
+    await asyncio.wait_for(router.serving.wait(), 15)
+    await wait_for(lambda: len(router.core.fleet.for_model(MODEL)) == 3, what="the fleet")
+    return router
+
+
+async def test_client_with_an_embedded_router_routes_by_prefix_on_the_fast_path(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=3, policy="thunder", profile=PROFILE, speedup=50)
+        router = await _embedded_router(stack)
+        spy = await connect(nats_server.url, name="spy")
+        directs: list[DirectDispatch] = []
+
+        async def on_direct(msg) -> None:
+            directs.append(msgspec.json.decode(msg.data, type=DirectDispatch))
+
+        await spy.subscribe(subjects.SCHED_DIRECT_WILDCARD, cb=on_direct)
+
+        # nothing serves the request subject: a plain client is refused at once
+        plain = await ThunderClient.connect(nats_server.url, idle_timeout_s=10, retries=0)
+        with pytest.raises(RequestFailed) as refused:
+            await plain.generate(GenerateRequest(model=MODEL, token_ids=[5], max_tokens=1))
+        assert refused.value.error.code == ErrorCode.UNAVAILABLE
+        await plain.close()
+
+        client = await ThunderClient.connect(
+            nats_server.url, idle_timeout_s=10, route=router.router.handle
+        )
+        prefix = conversation(3, 12)  # 12 full blocks
+        first = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+        )
+        blocks = BlockHasher(PAGE).hash_tokens(prefix)
+        await wait_for(
+            lambda: (
+                router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
+                == {first.final.worker_id: 12}
+            ),
+            what="the first request's KV events in the embedded replica's index",
+        )
+        holder = router.core.fleet.get(first.final.worker_id)
+        await wait_for(
+            lambda: holder.load is not None and holder.load.inflight == 0,
+            what="a load report of the holder after the first run",
+        )
+        second = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
+        )
+        with pytest.raises(RequestFailed) as unknown:
+            await client.generate(GenerateRequest(model="no/such-model", token_ids=[1]))
+        await wait_for(lambda: len(directs) >= 2, what="the direct-dispatch notices")
+        await client.close()
+        await spy.close()
+    assert first.final.usage.completion_tokens == 4
+    assert second.final.worker_id == first.final.worker_id
+    assert second.final.usage.cached_tokens == 12 * PAGE
+    assert unknown.value.error.code == ErrorCode.UNKNOWN_MODEL
+    assert unknown.value.error.service == "router"
+    # both went the credit fast path, dispatched by the embedded replica itself
+    ours = {
+        d.submit.request.request_id
+        for d in directs
+        if d.submit.router_id == router.router.config.router_id
+    }
+    assert {first.request_id, second.request_id} <= ours
+
+
+async def test_gateway_with_an_embedded_router_serves_http(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", profile=PROFILE, speedup=50)
+        await stack.stop_service("router")
+        config = GatewayConfig(port=free_port())
+        await stack.start_service(
+            "gateway", lambda ctx: gateway_with_router(ctx, config, _router_config())
+        )
+        url = f"http://127.0.0.1:{config.port}"
+        body = {"model": MODEL, "prompt": "Once upon a time " * 8, "max_tokens": 5}
+        answers = []
+        async with aiohttp.ClientSession() as session:
+            give_up_at = time.monotonic() + 20
+            while len(answers) < 2:  # until the replica has the fleet, then once more
+                assert time.monotonic() < give_up_at, "the gateway never served a completion"
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as resp:
+                        if resp.status == 200:
+                            answers.append(await resp.json())
+                            continue
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.1)
+    first, second = answers
+    assert first["usage"]["completion_tokens"] == 5
+    assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
