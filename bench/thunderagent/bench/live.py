@@ -14,12 +14,15 @@ sglang-router 0.3.2 leaves TCP_NODELAY off on the sockets it accepts, so on a re
 its response headers and first chunk meet Nagle's algorithm and the client's delayed ACK (~40 ms
 on Linux). A fresh connection starts in quick-ACK mode and sees no such stall. Both are measured.
 
-    thunderagent bench live --trace PATH --rate 200 --duration 30 [--via nats|gateway] \
-        [--baseline sglang-router,smg] [--client-connections keepalive|fresh|both]
+    thunderagent bench live --trace PATH --rate 200 --duration 30 \
+        [--via nats|gateway|gateway-embedded] [--baseline sglang-router,smg] \
+        [--client-connections keepalive|fresh|both]
 
 ``--via gateway`` sends our requests over HTTP too (OpenAI ``/v1/completions`` through
 ``thunderagent gateway``, keep-alive), so the comparison is HTTP to HTTP; the gateway's final
 usage chunk names the engine's own TTFT, so the added latency is measured the same way.
+``--via gateway-embedded`` is the same with the router inside the gateway's process (and no
+router service: nothing else sends requests).
 """
 
 from __future__ import annotations
@@ -370,10 +373,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="thunder")
     p.add_argument(
         "--via",
-        choices=("nats", "gateway"),
+        choices=("nats", "gateway", "gateway-embedded"),
         default="nats",
         help="send our requests over NATS (ThunderClient) or over HTTP through the OpenAI "
-        "gateway (/v1/completions), as the baselines get theirs",
+        "gateway (/v1/completions), as the baselines get theirs; gateway-embedded: the "
+        "gateway routes in its own process (--embed-router)",
     )
     p.add_argument(
         "--baseline",
@@ -400,13 +404,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = StackConfig(
         workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
-        gateways=1 if args.via == "gateway" else 0,
+        gateways=0 if args.via == "nats" else 1,
+        gateway_embed_router=args.via == "gateway-embedded",
+        routers=0 if args.via == "gateway-embedded" else 1,  # no process routes for nobody
     )  # fmt: skip
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)
     systems: dict[str, dict] = {}
     try:
-        if args.via == "gateway":
+        if args.via != "nats":
             asyncio.run(wait_http(stack.gateway_url, openai=True))
             ours = asyncio.run(run_http(stack.gateway_url, "thunderagent", requests,
                                         openai_model=config.model))  # fmt: skip

@@ -44,7 +44,11 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="llama-3.1-8b-h100", help="simulated engine profile")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--policy", default="thunder", help="routing policy")
-    p.add_argument("--routers", type=int, default=1, help="router replicas")
+    p.add_argument(
+        "--routers", type=int, default=1,
+        help="router replicas (0 with --gateway-embed-router: only the gateways route; NATS "
+        "clients then find no router)",
+    )  # fmt: skip
     p.add_argument(
         "--speedup", type=float, default=1.0, help="simulated engines run this much faster"
     )
@@ -281,7 +285,8 @@ class Stack:
 
     def expected_services(self) -> list[str]:
         gateway = ["gateway"] if self.config.gateways > 0 else []
-        return ["index", "scheduler", "router", "migration", *gateway]
+        router = ["router"] if self.config.routers > 0 else []
+        return ["index", "scheduler", *router, "migration", *gateway]
 
     def raise_if_a_child_died(self) -> None:
         dead = self.dead_children()
