@@ -12,13 +12,12 @@ import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
-from tests.integration.test_kv_routing import PAGE, conversation, wait_for
+from tests.integration.test_kv_routing import PAGE, conversation, holder_known, wait_for
 from thunderagent.bus import connect
 from thunderagent.cli.main import gateway_with_router
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.embedded import free_port
 from thunderagent.gateway.service import GatewayConfig
-from thunderagent.hashing import BlockHasher
 from thunderagent.router.service import RouterConfig, RouterService
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import DirectDispatch, ErrorCode, GenerateRequest, subjects
@@ -65,34 +64,22 @@ async def test_client_with_an_embedded_router_routes_by_prefix_on_the_fast_path(
         assert refused.value.error.code == ErrorCode.UNAVAILABLE
         await plain.close()
 
-        client = await ThunderClient.connect(
-            nats_server.url, idle_timeout_s=10, route=router.router.handle
-        )
+        # on the replica's own connection: a run's end, published before the client's answer,
+        # then reaches the replica first (on another connection the next turn could be routed
+        # while the replica still books the first run on its worker)
+        client = ThunderClient(router.ctx.bus.nc, idle_timeout_s=10, route=router.router.handle)
         prefix = conversation(3, 12)  # 12 full blocks
         first = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
         )
-        blocks = BlockHasher(PAGE).hash_tokens(prefix)
-        await wait_for(
-            lambda: (
-                router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
-                == {first.final.worker_id: 12}
-            ),
-            what="the first request's KV events in the embedded replica's index",
-        )
-        holder = router.core.fleet.get(first.final.worker_id)
-        await wait_for(
-            lambda: holder.load is not None and holder.load.inflight == 0,
-            what="a load report of the holder after the first run",
-        )
+        await holder_known(router.core, prefix, first.final.worker_id)
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )
         with pytest.raises(RequestFailed) as unknown:
             await client.generate(GenerateRequest(model="no/such-model", token_ids=[1]))
         await wait_for(lambda: len(directs) >= 2, what="the direct-dispatch notices")
-        await client.close()
-        await spy.close()
+        await spy.close()  # the client's connection is the replica's: the stack closes it
     assert first.final.usage.completion_tokens == 4
     assert second.final.worker_id == first.final.worker_id
     assert second.final.usage.cached_tokens == 12 * PAGE

@@ -42,6 +42,25 @@ async def wait_for_async(predicate, timeout_s: float = 20.0, what: str = "condit
         await asyncio.sleep(0.05)
 
 
+async def holder_known(core, prefix: list[int], worker_id: str) -> None:
+    """Wait until a router core knows ``worker_id`` holds all of ``prefix`` from the KV events
+    (its event-fed index, not the in-flight overlay that covers the time before they arrive),
+    and has a load report taken after that run ended: one taken during its prefill still shows
+    the prompt as queued prefill for up to a report interval, enough for an idle worker to look
+    as cheap (a report's lag, not what the callers test)."""
+    blocks = BlockHasher(PAGE).hash_tokens(prefix)
+    expected = {worker_id: len(prefix) // PAGE}
+    await wait_for(
+        lambda: core.feeder.gpu_index.overlap(blocks.primary, blocks.check) == expected,
+        what="the first request's KV events in the router's index",
+    )
+    holder = core.fleet.get(worker_id)
+    await wait_for(
+        lambda: holder.load is not None and holder.load.inflight == 0,
+        what="a load report of the holder after the first run",
+    )
+
+
 async def _snapshot_covers(redis, stream_seq: int) -> bool:
     data = await redis.get(subjects.REDIS_INDEX_SNAPSHOT)
     return bool(data) and msgspec.msgpack.decode(data, type=IndexState).stream_seq >= stream_seq
@@ -79,25 +98,7 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
         first = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
         )
-        # the router learns the first request's blocks from the KV events (its event-fed
-        # index, not the in-flight overlay that covers the time before they arrive)
-        router = stack.services["router"].runtime
-        blocks = BlockHasher(PAGE).hash_tokens(prefix)
-        await wait_for(
-            lambda: (
-                router.core.feeder.gpu_index.overlap(blocks.primary, blocks.check)
-                == {first.final.worker_id: 12}
-            ),
-            what="the first request's KV events in the router's index",
-        )
-        # and a load report taken after the first run ended: one taken during its prefill
-        # still shows its prompt as w0's queued prefill for up to a report interval, enough
-        # for an idle worker to look as cheap (a report's lag, not what this test is about)
-        holder = router.core.fleet.get(first.final.worker_id)
-        await wait_for(
-            lambda: holder.load is not None and holder.load.inflight == 0,
-            what="a load report of the holder after the first run",
-        )
+        await holder_known(stack.services["router"].runtime.core, prefix, first.final.worker_id)
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )

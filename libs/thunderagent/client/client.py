@@ -69,7 +69,9 @@ class ThunderClient:
         route: Route | None = None,
     ) -> None:
         """``route``: a router embedded in this process (``RouterService(...,
-        serve_requests=False).router.handle``) instead of publishing to a router replica."""
+        serve_requests=False).router.handle``) instead of publishing to a router replica; give
+        the client that replica's connection (``service.ctx.bus.nc``), on which a run's end
+        arrives before its answer, so the next turn finds the worker freed."""
         self.nc = nc
         self.route = route
         self.idle_timeout_s = idle_timeout_s

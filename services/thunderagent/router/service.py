@@ -119,6 +119,11 @@ class Router:
         """Route ``req`` and hand it on; every answer (tokens, final reply or error) goes to
         ``reply``. Returns once the adapter or the scheduler has acknowledged it. The request
         subscription calls this; so does a process that embeds the router (``Call(route=)``)."""
+        # Let what this connection has already read be applied first: a run's end is published
+        # before its answer, but an embedded caller that found the answer already in its inbox
+        # comes straight back with the next turn, ahead of the end's handler (its worker would
+        # still look busy with the finished run).
+        await asyncio.sleep(0)
         if not req.request_id:
             req = structs.replace(req, request_id=uuid.uuid4().hex)
         if not self.fleet_ready.is_set():
