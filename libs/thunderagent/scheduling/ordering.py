@@ -42,5 +42,5 @@ def order_key(req: SchedRequest, cached_blocks: int, p: SchedParams) -> float:
     if p.order in ("priority", "priority_srpt"):
         key += req.priority * p.class_step_s
     if p.order in ("srpt", "priority_srpt"):
-        key += work_tokens(req, cached_blocks) / p.work_tokens_per_s
+        key += min(work_tokens(req, cached_blocks) / p.work_tokens_per_s, p.srpt_max_delay_s)
     return key

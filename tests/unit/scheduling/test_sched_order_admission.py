@@ -75,6 +75,22 @@ def test_aging_serves_low_priority_under_a_high_priority_stream() -> None:
     assert order[:5] == ["s0", "s1", "s2", "s3", "s4"]
 
 
+@pytest.mark.parametrize(("cap", "served_before_big"), [(float("inf"), 10), (2.0, 2)])
+def test_srpt_delay_cap_bounds_how_long_size_holds_a_request_back(cap, served_before_big) -> None:
+    """A 100k-token prompt's size is worth ~50 s of waiting under SRPT; capped at 2 s it goes
+    before every small request that arrived 2 s or more after it (one arrives per second)."""
+    s = SCHEDULERS.create("priority_srpt", srpt_max_delay_s=cap)
+    s.update_worker(room(), 0.0)
+    s.submit(req("busy"), 0.0)
+    assert sent(s.poll(0.0)) == ["busy"]
+    s.submit(req("big", 0.0, prompt=100_000, out=16), 0.0)
+    for t in range(10):
+        s.submit(req(f"s{t}", float(t), prompt=64, out=8), float(t))
+    s.on_finished("busy", "w0", 10.0)
+    order = serve_one_at_a_time(s, 10.0)
+    assert order.index("big") == served_before_big
+
+
 def test_running_cap_and_reports() -> None:
     s = SCHEDULERS.create("fcfs")
     s.update_worker(room(max_running=2), 0.0)
