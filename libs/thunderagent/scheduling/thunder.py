@@ -325,6 +325,8 @@ class ThunderScheduler(ProgramSteps):
     def _dispatch_spilled(self, now: float, out: list[Action]) -> None:
         """Spilled requests waited past the bound: they go first, anywhere with room. The scan
         stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
+        if not self.spill:  # the usual poll: no worker's room is read for nothing
+            return
         open_ = {w for w in self.admission.workers if w not in self.gone}
         open_ = {w for w in open_ if self._has_room(w, 0)}
         keep = []
