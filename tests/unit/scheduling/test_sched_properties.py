@@ -163,3 +163,38 @@ def test_reject_is_an_exit() -> None:
     d.apply(d.s.poll(0.0))
     assert d.exits["late"] == 1
     assert isinstance(Reject("late", "x"), Reject)
+
+
+class LoggingDriver(Driver):
+    def __init__(self, name: str, pd: bool, memo: bool) -> None:
+        super().__init__(name, pd)
+        self.log: list = []
+        if not memo:  # every room question asked of admission afresh
+            self.s._has_room = lambda w, need: self.s.admission.has_room(w, need)
+
+    def apply(self, actions) -> None:
+        self.log.append((self.now, list(actions)))
+        super().apply(actions)
+
+
+long_ops = st.lists(
+    st.tuples(st.sampled_from(["submit", "submit", "submit", "tick", "start", "finish", "report"]),
+              st.integers(0, 1000)),
+    min_size=30, max_size=80,
+)  # fmt: skip  (long runs with several requests released in one pass: where a stale room shows)
+
+
+@settings(max_examples=120, deadline=None)
+@given(long_ops, st.booleans())
+def test_a_pass_that_reads_each_workers_room_once_decides_the_same(seq, pd) -> None:
+    """``_has_room`` keeps each worker's admission state for the rest of a dispatch pass, on
+    the claim that only a commit or an ended run changes it meanwhile; asking admission every
+    time must give the same actions, in the same order."""
+    name = "pd_capped" if pd else "thunder"
+    fast, slow = LoggingDriver(name, pd, memo=True), LoggingDriver(name, pd, memo=False)
+    for op, x in seq:
+        fast.step(op, x)
+        slow.step(op, x)
+    fast.drain()
+    slow.drain()
+    assert fast.log == slow.log
