@@ -178,9 +178,12 @@ class LoggingDriver(Driver):
 
 
 long_ops = st.lists(
-    st.tuples(st.sampled_from(["submit", "submit", "submit", "tick", "start", "finish", "report"]),
-              st.integers(0, 1000)),
-    min_size=30, max_size=80,
+    st.tuples(
+        st.sampled_from(["submit", "submit", "submit", "tick", "start", "finish", "report"]),
+        st.integers(0, 1000),
+    ),
+    min_size=30,
+    max_size=80,
 )  # fmt: skip  (long runs with several requests released in one pass: where a stale room shows)
 
 
