@@ -143,10 +143,22 @@ def http_bodies(bodies: list[list[int]]) -> list[bytes]:
     ]
 
 
-def http_sender(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes]) -> Send:
-    """Streamed ``/generate`` on ``urls`` in turn; TTFT at the first ``data:`` line."""
+def completion_bodies(bodies: list[list[int]], model: str) -> list[bytes]:
+    """OpenAI ``/v1/completions`` bodies (token-id prompts, streamed), encoded once: the same
+    requests for ``thunderagent gateway``."""
+    enc = msgspec.json.Encoder()
+    return [
+        enc.encode({"model": model, "prompt": ids, "max_tokens": 1, "stream": True})
+        for ids in bodies
+    ]
+
+
+def http_sender(
+    session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], path: str = "/generate"
+) -> Send:
+    """Streamed ``path`` on ``urls`` in turn; TTFT at the first ``data:`` line."""
     headers = {"Content-Type": "application/json"}
-    targets = [u.rstrip("/") + "/generate" for u in urls]
+    targets = [u.rstrip("/") + path for u in urls]
 
     async def send(i: int, sample: Sample) -> None:
         t0 = time.perf_counter()

@@ -75,11 +75,19 @@ def tracing_env(endpoint: str, ratio: float) -> dict[str, str]:
     }
 
 
-def start_stack(workers: int, run_dir: Path | None = None, routers: int = 1) -> Stack:
-    """Instant engines, no gateway, the stack's own defaults for everything else."""
-    return Stack.start(
-        StackConfig(workers=workers, engine="instant", run_dir=run_dir, routers=routers)
-    )
+def start_stack(
+    workers: int, run_dir: Path | None = None, routers: int = 1, via: str = "nats"
+) -> Stack:
+    """Instant engines, the stack's own defaults for everything else; a gateway only when the
+    requests go through one (``via`` ``gateway``, or ``gateway-embedded``: the router inside
+    it and no router service)."""
+    embedded = via == "gateway-embedded"
+    config = StackConfig(
+        workers=workers, engine="instant", run_dir=run_dir,
+        routers=0 if embedded else routers, gateways=0 if via == "nats" else 1,
+        gateway_embed_router=embedded,
+    )  # fmt: skip
+    return Stack.start(config)
 
 
 @dataclass

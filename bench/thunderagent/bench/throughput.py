@@ -144,6 +144,8 @@ def _line(row: dict) -> str:
 
 
 async def run_stack(stack: Stack, sweep: Sweep) -> list[dict]:
+    if stack.gateway_url:
+        return await run_gateway(stack, sweep)
     model = stack.config.model
     client = await ThunderClient.connect(stack.nats_url, idle_timeout_s=15)
     try:
@@ -160,6 +162,30 @@ async def run_stack(stack: Stack, sweep: Sweep) -> list[dict]:
         return await sweep.sweep(through_stack)
     finally:
         await client.close()
+
+
+async def run_gateway(stack: Stack, sweep: Sweep) -> list[dict]:
+    """The same requests over HTTP through ``thunderagent gateway`` (OpenAI completions,
+    streamed, keep-alive), as the HTTP routers get theirs; the gateway is metered with the
+    services (with ``--via gateway-embedded`` it is the router too)."""
+    model, url = stack.config.model, stack.gateway_url
+    await live.wait_http(url, openai=True)
+    async with loadgen.http_session() as session:
+
+        def sender(bodies: list[list[int]]) -> loadgen.Send:
+            payloads = loadgen.completion_bodies(bodies, model)
+            return loadgen.http_sender(session, [url], payloads, "/v1/completions")
+
+        warm = loadgen.prompts(300, sweep.args.prompt_tokens, sweep.args.unique_tokens, seed=1)
+        await loadgen.open_loop(100, len(warm), sender(warm))
+        sweep.pids = profile.stack_pids(stack)
+        sweep.idle = await profile.idle_rates(sweep.pids, 1.5)
+
+        async def through_gateway(rate: float) -> profile.Measured:
+            n = sweep.count(rate)
+            return await profile.measured(sweep.pids, sweep.idle, rate, n, sender(sweep.bodies(n)))
+
+        return await sweep.sweep(through_gateway)
 
 
 def run_baseline(stack: Stack, sweep: Sweep, name: str) -> dict:
@@ -204,6 +230,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--routers", type=int, default=1, help="router replicas (one queue group; scale-out)"
     )
+    p.add_argument(
+        "--via",
+        choices=("nats", "gateway", "gateway-embedded"),
+        default="nats",
+        help="our requests over NATS (ThunderClient), or over HTTP through the gateway (with "
+        "the router inside it: gateway-embedded), as the HTTP routers get theirs",
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument(
         "--unique-tokens",
@@ -247,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     print(f"starting the stack ({args.workers} instant engines) ...", file=sys.stderr)
     stack = profile.start_stack(
-        args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-throughput-")), args.routers
-    )
+        args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-throughput-")), args.routers,
+        via=args.via,
+    )  # fmt: skip
     try:
         sweep = Sweep(args, stack.engine_urls)
         if args.stack:
