@@ -174,3 +174,17 @@ def test_bench_messages_rows_subtract_idle_traffic_and_account_for_every_request
     assert r["per_request"] == {"requests": 1.0, "worker.load": 0.0}
     assert (r["requests"], r["completed"], r["rejected"], r["in_flight"]) == (4, 3, 1, 0)
     assert r["requests"] == r["completed"] + r["rejected"] + r["in_flight"]
+
+
+def test_completion_bodies_are_what_the_gateway_parses() -> None:
+    """``bench throughput --via gateway`` sends the same prompts as the NATS path, as token ids
+    in OpenAI completions the gateway accepts (one token, streamed)."""
+    from thunderagent.gateway.protocol import parse_completion
+
+    prompts = loadgen.prompts(3, 64, 16, seed=2)
+    for ids, raw in zip(prompts, loadgen.completion_bodies(prompts, "m/x"), strict=True):
+        parsed = parse_completion(raw, {}, request_id="r", now_ms=0.0)
+        assert parsed.request.token_ids == ids
+        assert parsed.request.model == "m/x"
+        assert parsed.request.max_tokens == 1
+        assert parsed.stream
