@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from thunderagent.scheduling.api import WorkerRoom
+from thunderagent.scheduling.api import SchedRequest, WorkerRoom
+from thunderagent.scheduling.ordering import remaining_output_tokens
 from thunderagent.scheduling.params import SchedParams
 
 
@@ -193,3 +194,17 @@ class Admission:
             load.started_at_sum -= started_at
             if not load.started_runs:
                 load.started_output_tokens, load.started_at_sum = 0, 0.0
+
+
+def output_blocks(req: SchedRequest) -> int:
+    """KV blocks the request's expected output will fill."""
+    return math.ceil(remaining_output_tokens(req) / req.block_size)
+
+
+def kv_need(req: SchedRequest, cached: int) -> int:
+    """New KV blocks the request will hold: its uncached prompt plus its expected output (a
+    cached prefix is shared, so counting it per request would overcount). Integer ceilings,
+    inline: past capacity this runs for every waiting request on every open worker, each poll."""
+    bs = req.block_size
+    prompt = max(-(-req.prompt_tokens // bs) - cached, 0)
+    return prompt - (-max(req.expected_output_tokens - req.generated_tokens, 1) // bs)

@@ -17,22 +17,21 @@ out of ``poll`` in the order the driver must carry them out (a ``Preempt`` prece
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from thunderagent.scheduling.admission import Admission, Headroom
-from thunderagent.scheduling.api import Action, Dispatch, Preempt, Reject, SchedRequest, WorkerRoom
+from thunderagent.scheduling.admission import Admission, Headroom, kv_need, output_blocks
+from thunderagent.scheduling.api import Action, Reject, SchedRequest, WorkerRoom
+from thunderagent.scheduling.dispatch import HELD, QUEUED, SPILL, WINDOW, DispatchPass
 from thunderagent.scheduling.grouping import PrefixGroups
 from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
 from thunderagent.scheduling.params import SchedParams
-from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate, pick_decode_worker
+from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate
 from thunderagent.scheduling.preemption import Preemptor, Running
 from thunderagent.scheduling.program_steps import PAUSED_STEP, ProgramSteps
 from thunderagent.scheduling.programs import ProgramTracker
 from thunderagent.scheduling.window import Window
 
-WINDOW, QUEUED, SPILL, HELD = "window", "queued", "spill", "held"
 NEED_ALPHA = 0.05
 """EMA weight of dispatched requests' KV needs (the size credits are counted in): ~20 requests."""
 
@@ -64,9 +63,10 @@ class _Heap:
         return out
 
 
-class ThunderScheduler(ProgramSteps):
+class ThunderScheduler(DispatchPass, ProgramSteps):
     """The scheduler of DESIGN features 5-7; every behaviour is switched by ``SchedParams``.
-    Agent programs' placement, pausing and resuming are in ``program_steps.py``."""
+    The dispatch pass is in ``dispatch.py``; agent programs' placement, pausing and resuming
+    in ``program_steps.py``."""
 
     def __init__(self, params: SchedParams | None = None, *, name: str = "thunder", **kw):
         p = (params or SchedParams(**kw)).validate()
@@ -183,7 +183,7 @@ class ThunderScheduler(ProgramSteps):
         self.counters["submitted"] += 1
         self.counters["direct"] += 1
         cached = self._cached(request, worker_id)
-        need, out = _kv_need(request, cached), _out_blocks(request)
+        need, out = kv_need(request, cached), output_blocks(request)
         self.admission.charge(worker_id, need, out)
         self.running[rid] = Running(request, worker_id, cached, need, now)
         self.groups.lead(rid, worker_id, request.block_hashes, cached)
@@ -311,163 +311,6 @@ class ThunderScheduler(ProgramSteps):
             heapq.heappop(heap.items)
         return None
 
-    def _head(self, worker_id: str) -> _Entry | None:
-        q = self.queues.get(worker_id)
-        while q:
-            entry = self.entries.get(q[0][2])
-            if entry is not None and entry.state == QUEUED and entry.home == worker_id:
-                return entry
-            heapq.heappop(q)
-        return None
-
-    # ---- internals: dispatch ---------------------------------------------------------------
-
-    def _dispatch_spilled(self, now: float, out: list[Action]) -> None:
-        """Spilled requests waited past the bound: they go first, anywhere with room. The scan
-        stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
-        if not self.spill:  # the usual poll: no worker's room is read for nothing
-            return
-        open_ = {w for w in self.admission.workers if w not in self.gone}
-        open_ = {w for w in open_ if self._has_room(w, 0)}
-        keep = []
-        while self.spill and open_ and not self._gate_full():
-            item = heapq.heappop(self.spill)
-            entry = self.entries.get(item[2])
-            if entry is None or entry.state != SPILL:
-                continue
-            for w, _ in self._eligible(entry.req):
-                if w not in open_ and w in self.admission.workers:
-                    continue
-                if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
-                    break
-                if not self._has_room(w, 0):
-                    open_.discard(w)
-            else:
-                keep.append(item)
-        for item in keep:
-            heapq.heappush(self.spill, item)
-
-    def _dispatch_queued(self, now: float, out: list[Action]) -> None:
-        """Per-worker queues, merged by key; a worker whose head cannot go is done this poll
-        (nothing behind it may take its room: no head-of-line bypass, so no starvation)."""
-        blocked: set[str] = set()
-        while not self._gate_full():
-            heads = [
-                (h.key, h.seq, w, h)
-                for w in self.queues
-                if w not in blocked and (h := self._head(w)) is not None
-            ]
-            if not heads:
-                return
-            _, _, w, entry = min(heads)
-            heapq.heappop(self.queues[w])
-            entry.state = SPILL  # off the queue while it is decided
-            if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
-                continue
-            if self._try_preempt(entry, w, now, out) and self._try_dispatch(entry, w, now, out):
-                continue
-            entry.state = QUEUED
-            heapq.heappush(self.queues[w], (entry.key, entry.seq, entry.req.request_id))
-            blocked.add(w)
-
-    def _has_room(self, w: str, need: int) -> bool:
-        """``admission.has_room`` with each worker's state read once per dispatch pass: past
-        capacity a pass tries every spilled request on every open worker, and only a commit
-        or an ended run changes a worker's books meanwhile (both clear ``_rooms``)."""
-        room = self._rooms.get(w)
-        if room is None:
-            room = self._rooms[w] = self.admission.headroom(w)
-        return room.fits(need)
-
-    def _gate_full(self) -> bool:
-        return self.params.pd_mode == "disaggregated" and self.gate.full()
-
-    def _try_dispatch(self, entry: _Entry, w: str, now: float, out: list[Action]) -> bool:
-        """Dispatch ``entry`` to ``w`` if it may go now. False: it stays; its state says why
-        (``held``/``paused``/gone: it left the queue; unchanged: no room)."""
-        req, p = entry.req, self.params
-        cached = self._cached(req, w)
-        if self._doomed(req, now, cached, out):
-            return False
-        if p.programs and req.program_id is not None and self._pause_step(entry, now):
-            return False
-        cached = self.groups.first_uncached(w, req.block_hashes, cached)
-        if p.grouping and not entry.regrouped:
-            if self.groups.try_hold(req, w, cached, now):
-                entry.state = HELD
-                return False
-        need = _kv_need(req, cached)
-        if not self._has_room(w, need):
-            return False
-        decode = None
-        if p.pd_mode == "disaggregated":
-            decode = self._decode_worker(w, need)
-            if decode == "":
-                return False
-        self._commit(entry, w, decode, cached, need, now)
-        out.append(Dispatch(req.request_id, w, decode))
-        return True
-
-    def _commit(  # all plain values from _try_dispatch
-        self, entry: _Entry, w: str, decode: str | None, cached: int, need: int, now: float
-    ) -> None:
-        req = entry.req
-        rid = req.request_id
-        del self.entries[rid]
-        self._rooms.clear()
-        out = _out_blocks(req)
-        self.admission.charge(w, need, out)
-        self._note_need(need)
-        if decode is not None:
-            self.admission.charge(decode, need, out)
-            self.gate.start(rid, decode)
-        self.running[rid] = Running(req, w, cached, need, now, decode_worker=decode)
-        self.groups.lead(rid, w, req.block_hashes, cached)
-        if self.params.programs and req.program_id is not None:
-            self.programs.on_dispatch(req, w, now)
-            self._dirty.add(w)
-        self.counters["dispatched"] += 1
-
-    def _decode_worker(self, prefill: str, need: int) -> str | None:
-        """The decode worker; None: decode where it prefilled; "": none has room (wait)."""
-        workers = [(w, self._role(w)) for w in self.admission.workers if w not in self.gone]
-        if not any(r != "prefill" and w != prefill for w, r in workers):
-            return None if self._role(prefill) == "both" else ""
-
-        def share(w: str) -> tuple[float, float]:
-            load = self.admission.workers[w]
-            total = load.room.kv_total_blocks if load.room is not None else 0
-            kv = self.admission.kv_blocks(w) / total if total else 0.0
-            return self.admission.running(w) / self.admission.cap(w), kv
-
-        picked = pick_decode_worker(
-            workers, prefill, share, lambda w: self.admission.has_room(w, need)
-        )
-        return "" if picked is None else picked
-
-    def _cached(self, req: SchedRequest, w: str) -> int:
-        for cw, c in req.candidates:
-            if cw == w:
-                return c
-        return 0
-
-    def _try_preempt(self, entry: _Entry, w: str, now: float, out: list[Action]) -> bool:
-        if not self.params.preemption:
-            return False
-        on_w = [r for r in self.running.values() if r.worker_id == w and r.decode_worker is None]
-        victim = self.preemptor.pick(entry.req, self._cached(entry.req, w), on_w, now)
-        if victim is None:
-            allowed = self.preemptor.allowed_at(w)
-            if on_w and allowed > now:
-                self._retry_at = min(self._retry_at or allowed, allowed)
-            return False
-        self.preemptor.record(victim, now)
-        rid = victim.req.request_id
-        self._end_run(rid, now)
-        self.counters["preempted"] += 1
-        out.append(Preempt(rid, w, reason=f"for {entry.req.request_id}"))
-        return True
-
     def _end_run(self, rid: str, now: float) -> None:
         """A run is over (finished, preempted, worker gone): free what it held."""
         run = self.running.pop(rid, None)
@@ -522,19 +365,6 @@ class ThunderScheduler(ProgramSteps):
                 if entry.state == PAUSED_STEP:
                     self.programs.unpark(entry.req.program_id or "", rid)
                 self._reject(entry, "deadline passed", out)
-
-
-def _out_blocks(req: SchedRequest) -> int:
-    return math.ceil(remaining_output_tokens(req) / req.block_size)
-
-
-def _kv_need(req: SchedRequest, cached: int) -> int:
-    """New KV blocks the request will hold: its uncached prompt plus its expected output (a
-    cached prefix is shared, so counting it per request would overcount). Integer ceilings,
-    inline: past capacity this runs for every waiting request on every open worker, each poll."""
-    bs = req.block_size
-    prompt = max(-(-req.prompt_tokens // bs) - cached, 0)
-    return prompt - (-max(req.expected_output_tokens - req.generated_tokens, 1) // bs)
 
 
 def _workers_of(run: Running) -> tuple[str, ...]:

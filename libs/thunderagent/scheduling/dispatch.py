@@ -1,0 +1,191 @@
+"""One dispatch pass of the composed scheduler: the spill pool, then the per-worker queues.
+
+``DispatchPass`` is mixed into ``ThunderScheduler`` (``thunder.py``), like ``ProgramSteps``: it
+works on that scheduler's waiting entries, queues, spill pool, admission and running table.
+
+* **Spilled requests first**, anywhere with room, in key order; the scan stops once every
+  worker is full.
+* **Per-worker queues**, merged by key; a worker whose head cannot go is done for the pass (no
+  head-of-line bypass, so no starvation); with preemption on, a head may take a running
+  request's place.
+* **Room** is read once per worker per pass (``_has_room``): past capacity a pass tries every
+  spilled request on every open worker, and only a commit or an ended run changes a worker's
+  books meanwhile; both clear ``_rooms``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from thunderagent.scheduling.admission import kv_need, output_blocks
+from thunderagent.scheduling.api import Action, Dispatch, Preempt, SchedRequest
+from thunderagent.scheduling.pd import pick_decode_worker
+from thunderagent.scheduling.preemption import Running
+
+WINDOW, QUEUED, SPILL, HELD = "window", "queued", "spill", "held"
+"""Entry states a pass reads and moves entries between (``thunder.py`` has the life cycle)."""
+
+Entry = Any
+"""``thunder._Entry`` (not imported: ``thunder`` imports this module)."""
+
+
+class DispatchPass:
+    """The dispatch pass; a mixin of ``ThunderScheduler``, whose ``entries``, ``queues``,
+    ``spill``, ``admission``, ``running``, ``groups``, ``gate``, ``preemptor`` and ``programs``
+    it uses."""
+
+    def _head(self, worker_id: str) -> Entry | None:
+        q = self.queues.get(worker_id)
+        while q:
+            entry = self.entries.get(q[0][2])
+            if entry is not None and entry.state == QUEUED and entry.home == worker_id:
+                return entry
+            heapq.heappop(q)
+        return None
+
+    def _dispatch_spilled(self, now: float, out: list[Action]) -> None:
+        """Spilled requests waited past the bound: they go first, anywhere with room. The scan
+        stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
+        if not self.spill:  # the usual poll: no worker's room is read for nothing
+            return
+        open_ = {w for w in self.admission.workers if w not in self.gone}
+        open_ = {w for w in open_ if self._has_room(w, 0)}
+        keep = []
+        while self.spill and open_ and not self._gate_full():
+            item = heapq.heappop(self.spill)
+            entry = self.entries.get(item[2])
+            if entry is None or entry.state != SPILL:
+                continue
+            for w, _ in self._eligible(entry.req):
+                if w not in open_ and w in self.admission.workers:
+                    continue
+                if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                    break
+                if not self._has_room(w, 0):
+                    open_.discard(w)
+            else:
+                keep.append(item)
+        for item in keep:
+            heapq.heappush(self.spill, item)
+
+    def _dispatch_queued(self, now: float, out: list[Action]) -> None:
+        """Per-worker queues, merged by key; a worker whose head cannot go is done this poll
+        (nothing behind it may take its room: no head-of-line bypass, so no starvation)."""
+        blocked: set[str] = set()
+        while not self._gate_full():
+            heads = [
+                (h.key, h.seq, w, h)
+                for w in self.queues
+                if w not in blocked and (h := self._head(w)) is not None
+            ]
+            if not heads:
+                return
+            _, _, w, entry = min(heads)
+            heapq.heappop(self.queues[w])
+            entry.state = SPILL  # off the queue while it is decided
+            if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                continue
+            if self._try_preempt(entry, w, now, out) and self._try_dispatch(entry, w, now, out):
+                continue
+            entry.state = QUEUED
+            heapq.heappush(self.queues[w], (entry.key, entry.seq, entry.req.request_id))
+            blocked.add(w)
+
+    def _has_room(self, w: str, need: int) -> bool:
+        """``admission.has_room`` with each worker's state read once per dispatch pass: past
+        capacity a pass tries every spilled request on every open worker, and only a commit
+        or an ended run changes a worker's books meanwhile (both clear ``_rooms``)."""
+        room = self._rooms.get(w)
+        if room is None:
+            room = self._rooms[w] = self.admission.headroom(w)
+        return room.fits(need)
+
+    def _gate_full(self) -> bool:
+        return self.params.pd_mode == "disaggregated" and self.gate.full()
+
+    def _try_dispatch(self, entry: Entry, w: str, now: float, out: list[Action]) -> bool:
+        """Dispatch ``entry`` to ``w`` if it may go now. False: it stays; its state says why
+        (``held``/``paused``/gone: it left the queue; unchanged: no room)."""
+        req, p = entry.req, self.params
+        cached = self._cached(req, w)
+        if self._doomed(req, now, cached, out):
+            return False
+        if p.programs and req.program_id is not None and self._pause_step(entry, now):
+            return False
+        cached = self.groups.first_uncached(w, req.block_hashes, cached)
+        if p.grouping and not entry.regrouped:
+            if self.groups.try_hold(req, w, cached, now):
+                entry.state = HELD
+                return False
+        need = kv_need(req, cached)
+        if not self._has_room(w, need):
+            return False
+        decode = None
+        if p.pd_mode == "disaggregated":
+            decode = self._decode_worker(w, need)
+            if decode == "":
+                return False
+        self._commit(entry, w, decode, cached, need, now)
+        out.append(Dispatch(req.request_id, w, decode))
+        return True
+
+    def _commit(  # all plain values from _try_dispatch
+        self, entry: Entry, w: str, decode: str | None, cached: int, need: int, now: float
+    ) -> None:
+        req = entry.req
+        rid = req.request_id
+        del self.entries[rid]
+        self._rooms.clear()
+        out = output_blocks(req)
+        self.admission.charge(w, need, out)
+        self._note_need(need)
+        if decode is not None:
+            self.admission.charge(decode, need, out)
+            self.gate.start(rid, decode)
+        self.running[rid] = Running(req, w, cached, need, now, decode_worker=decode)
+        self.groups.lead(rid, w, req.block_hashes, cached)
+        if self.params.programs and req.program_id is not None:
+            self.programs.on_dispatch(req, w, now)
+            self._dirty.add(w)
+        self.counters["dispatched"] += 1
+
+    def _decode_worker(self, prefill: str, need: int) -> str | None:
+        """The decode worker; None: decode where it prefilled; "": none has room (wait)."""
+        workers = [(w, self._role(w)) for w in self.admission.workers if w not in self.gone]
+        if not any(r != "prefill" and w != prefill for w, r in workers):
+            return None if self._role(prefill) == "both" else ""
+
+        def share(w: str) -> tuple[float, float]:
+            load = self.admission.workers[w]
+            total = load.room.kv_total_blocks if load.room is not None else 0
+            kv = self.admission.kv_blocks(w) / total if total else 0.0
+            return self.admission.running(w) / self.admission.cap(w), kv
+
+        picked = pick_decode_worker(
+            workers, prefill, share, lambda w: self.admission.has_room(w, need)
+        )
+        return "" if picked is None else picked
+
+    def _cached(self, req: SchedRequest, w: str) -> int:
+        for cw, c in req.candidates:
+            if cw == w:
+                return c
+        return 0
+
+    def _try_preempt(self, entry: Entry, w: str, now: float, out: list[Action]) -> bool:
+        if not self.params.preemption:
+            return False
+        on_w = [r for r in self.running.values() if r.worker_id == w and r.decode_worker is None]
+        victim = self.preemptor.pick(entry.req, self._cached(entry.req, w), on_w, now)
+        if victim is None:
+            allowed = self.preemptor.allowed_at(w)
+            if on_w and allowed > now:
+                self._retry_at = min(self._retry_at or allowed, allowed)
+            return False
+        self.preemptor.record(victim, now)
+        rid = victim.req.request_id
+        self._end_run(rid, now)
+        self.counters["preempted"] += 1
+        out.append(Preempt(rid, w, reason=f"for {entry.req.request_id}"))
+        return True
