@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import uvloop
 from thunderagent import stats
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
-from thunderagent.router.service import RouterConfig, RouterService
+from thunderagent.router.service import RouterConfig, embedded_router
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
 from thunderagent.shell import ServiceContext
@@ -76,22 +77,11 @@ async def straight_to_engine(
     return out
 
 
-async def embedded_client(
-    nats_url: str, redis_url: str | None, policy: str, stop: asyncio.Event
-) -> tuple[ThunderClient, asyncio.Task]:
-    """A client whose requests a router replica in this process routes."""
+def embedded_context(nc, stop: asyncio.Event) -> ServiceContext:
+    """The context of a router replica on the client's own connection ``nc``."""
     name = "bench-embedded-router"
-    # a gateway's login: it may run a router replica (JetStream, KV events, credit)
-    nc = await connect(nats_url, name=name, identity="gateway", deadline_s=10)
-    client = ThunderClient(nc, idle_timeout_s=30)
-    bus = Bus(client.nc, service=name)
-    ctx = ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
-    config = RouterConfig(params=RouterParams(policy=policy), redis_url=redis_url)
-    service = RouterService(ctx, config, serve_requests=False)
-    task = asyncio.create_task(service.run())
-    await asyncio.wait_for(service.serving.wait(), 30)
-    client.route = service.router.handle
-    return client, task
+    bus = Bus(nc, service=name)
+    return ServiceContext(name=name, bus=bus, stop=stop, telemetry=Telemetry(service_name=name))
 
 
 async def measure(
@@ -106,9 +96,27 @@ async def measure(
     """Every path in alternating rounds, so a drift in the machine's load hits them alike;
     ``embedded`` (``redis_url``, ``policy``): the third path too."""
     clients = {"stack": await ThunderClient.connect(nats_url, idle_timeout_s=30)}
-    stop, router_task = asyncio.Event(), None
-    if embedded is not None:
-        clients["embedded"], router_task = await embedded_client(nats_url, **embedded, stop=stop)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if embedded is not None:
+                # a gateway's login: it may run a router replica (JetStream, KV events, credit)
+                nc = await connect(nats_url, name="bench-embedded", identity="gateway")
+                config = RouterConfig(
+                    params=RouterParams(policy=embedded["policy"]), redis_url=embedded["redis_url"]
+                )
+                ctx = embedded_context(nc, asyncio.Event())
+                router = await stack.enter_async_context(embedded_router(ctx, config))
+                clients["embedded"] = ThunderClient(nc, idle_timeout_s=30, route=router.handle)
+            return await _alternate(clients, engine_url, model, n, rounds, prompt)
+    finally:  # after the replica stopped: the embedded client shares its connection
+        for client in clients.values():
+            await client.close()
+
+
+async def _alternate(
+    clients: dict[str, ThunderClient], engine_url: str, model: str, n: int, rounds: int,
+    prompt: list[int],
+) -> dict[str, list[float]]:  # fmt: skip
     times: dict[str, list[float]] = {"direct": [], **{name: [] for name in clients}}
     async with aiohttp.ClientSession() as session:
         await straight_to_engine(session, engine_url, WARM_UP, prompt)
@@ -119,11 +127,6 @@ async def measure(
             times["direct"] += await straight_to_engine(session, engine_url, per_round, prompt)
             for name, client in clients.items():
                 times[name] += await through_stack(client, model, per_round, prompt)
-    stop.set()
-    if router_task is not None:
-        await router_task
-    for client in clients.values():
-        await client.close()
     return times
 
 

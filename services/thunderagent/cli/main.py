@@ -142,16 +142,11 @@ async def gateway_with_router(ctx, config, router_config) -> None:
     """The gateway with a router replica in its process: the replica keeps its index, fleet
     view and credit like any other (``serve_requests=False``), and the gateway calls it per
     request instead of publishing to the router queue group."""
-    import asyncio
-
     from thunderagent.gateway.service import Gateway
-    from thunderagent.router.service import RouterService
+    from thunderagent.router.service import embedded_router
 
-    router = RouterService(ctx, router_config, serve_requests=False)
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(router.run())
-        await router.serving.wait()  # its index has caught up and its subscriptions are live
-        await Gateway(ctx.bus, config, route=router.router.handle).run(ctx.stop)
+    async with embedded_router(ctx, router_config) as router:
+        await Gateway(ctx.bus, config, route=router.handle).run(ctx.stop)
 
 
 def _cmd_simengine(args: argparse.Namespace) -> None:

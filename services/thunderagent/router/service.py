@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -407,6 +408,27 @@ class RouterService:
             await self.follower.stop()
             if self.redis is not None:
                 await self.redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def embedded_router(ctx: ServiceContext, config: RouterConfig) -> AsyncIterator[Router]:
+    """A replica inside the caller's process (``serve_requests=False``), running for the block
+    on ``ctx``'s connection: yields the ``Router`` whose ``handle`` the caller routes with, once
+    the replica's index has caught up. Give its callers ``ctx.bus``'s connection (on it a run's
+    end arrives before the run's answer). Leaving the block stops the replica."""
+    service = RouterService(ctx, config, serve_requests=False)
+    running = asyncio.create_task(service.run())
+    serving = asyncio.ensure_future(service.serving.wait())
+    await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
+    if not serving.done():
+        serving.cancel()
+        running.result()  # its error, if it failed
+        raise RuntimeError("the embedded router replica stopped before it served")
+    try:
+        yield service.router
+    finally:
+        ctx.stop.set()
+        await running
 
 
 async def main(ctx: ServiceContext, config: RouterConfig) -> None:
