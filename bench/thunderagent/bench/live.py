@@ -44,7 +44,7 @@ from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port
 from thunderagent.replay.traces import TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
-from thunderagent.stack.up import Stack, StackConfig
+from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
 VOCAB = 32_000
@@ -373,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="thunder")
     p.add_argument(
         "--via",
-        choices=("nats", "gateway", "gateway-embedded"),
+        choices=ENTRY_POINTS,
         default="nats",
         help="send our requests over NATS (ThunderClient) or over HTTP through the OpenAI "
         "gateway (/v1/completions), as the baselines get theirs; gateway-embedded: the "
@@ -404,9 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = StackConfig(
         workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
-        gateways=0 if args.via == "nats" else 1,
-        gateway_embed_router=args.via == "gateway-embedded",
-        routers=0 if args.via == "gateway-embedded" else 1,  # no process routes for nobody
+        **entry_point_settings(args.via),
     )  # fmt: skip
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)

@@ -34,7 +34,7 @@ import uvloop
 from thunderagent.bench import loadgen, perf, procs, pyspy
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
-from thunderagent.stack.up import Stack, StackConfig
+from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
 SERVICE_GROUPS = (("router", "router-"), ("worker", "worker-"), ("engine", "engine-"),
@@ -81,13 +81,8 @@ def start_stack(
     """Instant engines, the stack's own defaults for everything else; a gateway only when the
     requests go through one (``via`` ``gateway``, or ``gateway-embedded``: the router inside
     it and no router service)."""
-    embedded = via == "gateway-embedded"
-    config = StackConfig(
-        workers=workers, engine="instant", run_dir=run_dir,
-        routers=0 if embedded else routers, gateways=0 if via == "nats" else 1,
-        gateway_embed_router=embedded,
-    )  # fmt: skip
-    return Stack.start(config)
+    settings = entry_point_settings(via, routers)
+    return Stack.start(StackConfig(workers=workers, engine="instant", run_dir=run_dir, **settings))
 
 
 @dataclass

@@ -30,7 +30,7 @@ import uvloop
 
 from thunderagent.bench import live, loadgen, profile
 from thunderagent.client import ThunderClient
-from thunderagent.stack.up import Stack
+from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
 
@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--via",
-        choices=("nats", "gateway", "gateway-embedded"),
+        choices=ENTRY_POINTS,
         default="nats",
         help="our requests over NATS (ThunderClient), or over HTTP through the gateway (with "
         "the router inside it: gateway-embedded), as the HTTP routers get theirs",

@@ -35,6 +35,22 @@ from thunderagent.stack.readiness import wait_until_ready
 
 DEFAULT_MODEL = "sim/llama-3.1-8b"
 
+ENTRY_POINTS = ("nats", "gateway", "gateway-embedded")
+"""Where benchmark clients send requests: NATS (router services), HTTP through a gateway in
+front of router services, or HTTP through gateways that route themselves (no router service)."""
+
+
+def entry_point_settings(via: str, routers: int = 1) -> dict:
+    """``StackConfig`` fields for clients entering through ``via`` (``ENTRY_POINTS``)."""
+    if via not in ENTRY_POINTS:
+        raise ValueError(f"unknown entry point {via!r} (one of {', '.join(ENTRY_POINTS)})")
+    embedded = via == "gateway-embedded"
+    return {
+        "gateways": 0 if via == "nats" else 1,
+        "gateway_embed_router": embedded,
+        "routers": 0 if embedded else routers,  # nothing else sends requests to a router
+    }
+
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4, help="simulated workers to start")
