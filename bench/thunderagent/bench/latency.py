@@ -137,6 +137,29 @@ def added(path: list[float], direct: list[float]) -> dict:
     }
 
 
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict:
+    """The JSON: each path's distribution and what it adds over the direct one."""
+    stacked, direct = times["stack"], times["direct"]
+    result = {
+        "requests": len(stacked),
+        "rounds": args.rounds,
+        "client_loop": "uvloop",
+        "load_average": os.getloadavg(),
+        "workers": args.workers,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": 1,
+        "engine_speedup": args.speedup,
+        "policy": args.policy,
+        "through_stack_ms": summary(stacked),
+        "direct_to_engine_ms": summary(direct),
+        "added_ms": added(stacked, direct),
+    }
+    if "embedded" in times:
+        result["embedded_router_ms"] = summary(times["embedded"])
+        result["added_embedded_ms"] = added(times["embedded"], direct)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -162,24 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     finally:
         stack.stop()
-    stacked, direct = times["stack"], times["direct"]
-    result = {
-        "requests": len(stacked),
-        "rounds": args.rounds,
-        "client_loop": "uvloop",
-        "load_average": os.getloadavg(),
-        "workers": args.workers,
-        "prompt_tokens": args.prompt_tokens,
-        "max_tokens": 1,
-        "engine_speedup": args.speedup,
-        "policy": args.policy,
-        "through_stack_ms": summary(stacked),
-        "direct_to_engine_ms": summary(direct),
-        "added_ms": added(stacked, direct),
-    }
-    if "embedded" in times:
-        result["embedded_router_ms"] = summary(times["embedded"])
-        result["added_embedded_ms"] = added(times["embedded"], direct)
+    result = report(args, times)
     print(json.dumps(result, indent=2))
     if args.json_out:
         with open(args.json_out, "w") as fh:
