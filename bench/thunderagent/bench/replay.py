@@ -35,9 +35,14 @@ from thunderagent.replay import (
     Replay,
     ReplayConfig,
     TraceError,
-    ideal_hit_ratio,
     load_trace,
-    pooled_hit_ratio,
+)
+from thunderagent.replay.metrics import (
+    gpu_seconds_floor,
+    hit_ratio,
+    ideal_hits,
+    pooled_hits,
+    work_ceiling_speed,
 )
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
@@ -185,13 +190,15 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
     bs = args.block_size
-    ideal, pooled = _hit_bounds(trace, bs, args.workers * profile.capacity_blocks)
     timing = TimingModel(profile)
+    bounds = _cache_bounds(trace, bs, args.workers * profile.capacity_blocks)
+    ideal, pooled = bounds["ideal"][0], bounds["pooled"][0]
     chunk = profile.engine.chunked_prefill_size
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
     alone_s = lambda tokens: alone_ttft_s(timing, tokens, 0, chunk)  # noqa: E731
     hot = migration_cli.HotPeriod.of(args, trace, alone_s)
     doc = _document(args, profile, trace, slo_ms, hot.window)
+    doc["work_ceiling"] = work_ceiling(trace, timing, args.workers, bs, bounds)
     results: dict = {}
     runs = [(s, p) for s in args.speed for p in args.policy_list]
     with _progress(args.quiet) as bar:
@@ -224,14 +231,39 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     return doc, results
 
 
-def _hit_bounds(trace, block_size: int, pool_blocks: int) -> tuple[float, float]:
-    """(ideal, pooled) hit ratios of ``trace``: unlimited cache, and one shared LRU pool."""
+def _cache_bounds(trace, block_size: int, pool_blocks: int) -> dict[str, tuple[float, list]]:
+    """Per cache model (none, one unlimited cache, one shared LRU pool of the cluster's KV):
+    its hit ratio over ``trace`` and each request's cached prompt tokens."""
     hasher = BlockHasher(block_size=1)
     keyed = [
         (hasher.hash_block_ids(r.block_ids[: r.prompt_len // block_size]).primary, r.prompt_len)
         for r in trace
     ]
-    return ideal_hit_ratio(keyed, block_size), pooled_hit_ratio(keyed, block_size, pool_blocks)
+    lens = [r.prompt_len for r in trace]
+    out: dict[str, tuple[float, list]] = {"none": (0.0, [0] * len(trace))}
+    for name, hits in (
+        ("ideal", ideal_hits(keyed, block_size)),
+        ("pooled", pooled_hits(keyed, block_size, pool_blocks)),
+    ):
+        out[name] = (hit_ratio(lens, hits, block_size), [n * block_size for n in hits])
+    return out
+
+
+def work_ceiling(trace, timing: TimingModel, workers: int, block_size: int, bounds: dict) -> dict:
+    """Per cache model, the engine seconds no schedule goes below (``gpu_seconds_floor``) and
+    the speed past which the cluster, busy all the time, falls behind (``work_ceiling_speed``).
+    With the pooled cache it bounds what any routing can sustain in steady state."""
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    out: dict = {"workers": workers, "span_s": round(span, 3)}
+    for name, (_, cached) in bounds.items():
+        floor = gpu_seconds_floor(
+            timing, ((r.prompt_len, r.output_len, c) for r, c in zip(trace, cached, strict=True))
+        )
+        out[name] = {
+            "engine_s": floor,
+            "speed": round(work_ceiling_speed(floor, workers, span), 3),
+        }
+    return out
 
 
 def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:
@@ -364,6 +396,7 @@ def capacity_table(doc: dict) -> str:
     lines = [
         f"Capacity at TTFT p99 <= {slo / 1000:.2f} s (nothing lost, nothing rejected):",
         "",
+        *ceiling_lines(doc.get("work_ceiling")),
         "| policy | scheduler | max speed meeting the SLO |",
         "|---|---|---|",
     ]
@@ -372,6 +405,19 @@ def capacity_table(doc: dict) -> str:
         shown = f"{best:g}" if best is not None else "none swept"
         lines.append(f"| {policy} | {doc['schedulers'][policy]} | {shown} |")
     return "\n".join(lines)
+
+
+def ceiling_lines(ceiling: dict | None) -> list[str]:
+    """The work ceiling in words (none for a document written before it existed)."""
+    if not ceiling:
+        return []
+    return [
+        f"Work ceiling (steady state, {ceiling['workers']} engines busy all the time, no decode "
+        f"weight reads): {ceiling['pooled']['speed']:.2f}x with the cluster's KV as one LRU "
+        f"cache, {ceiling['ideal']['speed']:.2f}x with an unlimited cache, "
+        f"{ceiling['none']['speed']:.2f}x with none.",
+        "",
+    ]
 
 
 def _rule() -> str:

@@ -57,6 +57,14 @@ class TimingModel:
         attn = 4.0 * self._layers_hidden * (new * cached + new * new / 2.0)
         return 2.0 * self._params * new + attn
 
+    def compute_seconds(self, flops: float) -> float:
+        """``flops`` at the profile's sustained rate."""
+        return flops / self._flops
+
+    def kv_read_seconds(self, tokens: float) -> float:
+        """Reading the KV of ``tokens`` tokens from HBM."""
+        return tokens * self._kvb / self._bw
+
     def prefill_time(self, chunks: Iterable[tuple[int, int]], host_load_blocks: int = 0) -> float:
         """One prefill step over ``(new_tokens, cached_tokens)`` chunks, plus host-tier loads."""
         flops = 0.0

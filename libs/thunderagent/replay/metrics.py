@@ -1,5 +1,5 @@
-"""Metrics arithmetic: cache hit ratios (ideal, pooled LRU) and load imbalance (percentiles:
-``thunderagent.stats``).
+"""Metrics arithmetic: cache hit ratios (ideal, pooled LRU), the engine-time floor and the speed
+ceiling it sets, and load imbalance (percentiles: ``thunderagent.stats``).
 
 Hit ratios are token weighted and count a hit as the engine does: a request can reuse at most
 ``(prompt_len - 1) // block_size`` leading blocks (the last prompt token is always computed), and
@@ -8,8 +8,11 @@ only its full prompt blocks (``prompt_len // block_size``) are stored afterwards
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from thunderagent.engine import TimingModel
 
 
 def usable_blocks(prompt_len: int, block_size: int) -> int:
@@ -17,50 +20,93 @@ def usable_blocks(prompt_len: int, block_size: int) -> int:
     return (prompt_len - 1) // block_size
 
 
-def ideal_hit_ratio(requests: Iterable[tuple[Sequence[int], int]], block_size: int) -> float:
-    """Prompt tokens one unlimited cache would serve / prompt tokens.
+def ideal_hits(requests: Iterable[tuple[Sequence[int], int]], block_size: int) -> list[int]:
+    """Per request, the leading blocks one unlimited cache would serve.
 
     ``requests``: ``(chained block keys, prompt_len)`` in arrival order.
     """
     seen: set[int] = set()
-    hit = total = 0
+    out = []
     for keys, prompt_len in requests:
-        total += prompt_len
         n = 0
         for k in keys[: usable_blocks(prompt_len, block_size)]:
             if k not in seen:
                 break
             n += 1
-        hit += n * block_size
+        out.append(n)
         seen.update(keys[: prompt_len // block_size])
-    return hit / total if total else 0.0
+    return out
 
 
-def pooled_hit_ratio(
+def pooled_hits(
     requests: Iterable[tuple[Sequence[int], int]], block_size: int, capacity_blocks: int
-) -> float:
-    """Prompt tokens one LRU cache of ``capacity_blocks`` would serve / prompt tokens.
+) -> list[int]:
+    """Per request, the leading blocks one LRU cache of ``capacity_blocks`` would serve.
 
     The whole cluster's KV room as one cache: what perfect routing could approach (it ignores
     the KV that running requests hold privately, so it is an upper bound). A request touches its
     blocks deepest first, so its root ends most recent and eviction takes leaves before parents.
     """
     lru: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
+    out = []
     for keys, prompt_len in requests:
-        total += prompt_len
         n = 0
         for k in keys[: usable_blocks(prompt_len, block_size)]:
             if k not in lru:
                 break
             n += 1
-        hit += n * block_size
+        out.append(n)
         for k in reversed(keys[: prompt_len // block_size]):
             lru[k] = None
             lru.move_to_end(k)
         while len(lru) > capacity_blocks:
             lru.popitem(last=False)
-    return hit / total if total else 0.0
+    return out
+
+
+def hit_ratio(prompt_lens: Sequence[int], hit_blocks: Sequence[int], block_size: int) -> float:
+    """Prompt tokens served from cache / prompt tokens."""
+    total = sum(prompt_lens)
+    return sum(hit_blocks) * block_size / total if total else 0.0
+
+
+def ideal_hit_ratio(requests: Sequence[tuple[Sequence[int], int]], block_size: int) -> float:
+    """Prompt tokens one unlimited cache would serve / prompt tokens."""
+    hits = ideal_hits(requests, block_size)
+    return hit_ratio([n for _, n in requests], hits, block_size)
+
+
+def pooled_hit_ratio(
+    requests: Sequence[tuple[Sequence[int], int]], block_size: int, capacity_blocks: int
+) -> float:
+    """Prompt tokens one LRU cache of ``capacity_blocks`` would serve / prompt tokens."""
+    hits = pooled_hits(requests, block_size, capacity_blocks)
+    return hit_ratio([n for _, n in requests], hits, block_size)
+
+
+def gpu_seconds_floor(timing: TimingModel, requests: Iterable[tuple[int, int, int]]) -> float:
+    """Engine time no schedule can go below for ``(prompt_len, output_len, cached_tokens)``
+    requests, in the engine model's terms: the prefill FLOPs of each uncached part at the
+    profile's sustained rate (chunking does not change the sum: causal attention over ``c``
+    cached and ``n`` new tokens costs the same in one chunk or many), and one read of the
+    request's KV per decode step (the prefill emits the first token; decode step ``j`` reads
+    ``prompt_len + j`` tokens). A decode step also reads the weights and every step has a fixed
+    overhead; both are left out, so the floor is generous."""
+    flops = 0.0
+    kv_token_reads = 0.0
+    for prompt_len, output_len, cached in requests:
+        flops += timing.prefill_flops(prompt_len - cached, cached)
+        steps = max(output_len - 1, 0)
+        kv_token_reads += steps * prompt_len + steps * (steps + 1) / 2
+    return timing.compute_seconds(flops) + timing.kv_read_seconds(kv_token_reads)
+
+
+def work_ceiling_speed(floor_s: float, workers: int, span_s: float) -> float:
+    """The replay speed past which ``workers`` engines busy all the time fall behind a trace
+    that arrives over ``span_s`` seconds at 1x and needs ``floor_s`` engine seconds: at a
+    higher speed the backlog grows for as long as requests arrive. A steady-state ceiling: a
+    short trace can pass it on TTFT by leaving decodes to run after its last arrival."""
+    return workers * span_s / floor_s if floor_s > 0 else math.inf
 
 
 def load_imbalance(busy: Sequence[float]) -> float:

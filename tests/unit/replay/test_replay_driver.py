@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from thunderagent.engine import get_profile
+from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import SCHEDULERS, Replay, ReplayConfig, TraceRequest
+from thunderagent.replay.metrics import gpu_seconds_floor
 from thunderagent.replay.summary import summarize
 from thunderagent.routing import POLICIES
 from thunderagent.scheduling import Dispatch, Reject
@@ -35,8 +36,6 @@ def make_trace(n: int = 48, seed: int = 1, conversations: int = 4) -> list[Trace
 def run(policy: str, trace: list[TraceRequest], scheduler: str = "direct", seed: int = 3) -> dict:
     cfg = ReplayConfig(profile=TINY, policy=policy, workers=3, scheduler=scheduler, seed=seed)
     result = Replay(cfg, BS).run(trace, speed=2.0)
-    from thunderagent.engine import TimingModel
-
     entry = summarize(
         result,
         policy=policy,
@@ -66,6 +65,21 @@ def test_every_policy_completes_the_trace_with_sane_records(policy: str) -> None
     assert 0 <= entry["prefill_recompute_ratio"] < 1
     assert entry["load_imbalance"] >= 1.0
     assert entry["ttft_ms"]["p50"] <= entry["ttft_ms"]["p99"] <= entry["e2e_ms"]["p99"]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "thunder", "dynamo_kv"])
+def test_engines_never_work_less_than_the_floor(policy: str) -> None:
+    """``gpu_seconds_floor`` is a floor of the engine model: every run's busy time, summed over
+    its engines, is at least the floor of what it served (each request's own cached tokens)."""
+    entry = run(
+        policy, make_trace(n=80, seed=5), scheduler="thunder" if policy == "thunder" else "direct"
+    )
+    floor = gpu_seconds_floor(
+        TimingModel(TINY),
+        [(r.prompt_tokens, r.completion_tokens, r.cached_tokens) for r in entry["_records"]],
+    )
+    assert floor > 0
+    assert sum(entry["busy_s"]) >= floor
 
 
 def test_cache_aware_policies_hit_more_than_round_robin() -> None:
@@ -165,7 +179,12 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
         ("thunder", 2.0),
     ]
     assert all(e["completed"] == 20 for e in doc["results"])
+    ceiling = doc["work_ceiling"]
+    assert ceiling["workers"] == 2 and ceiling["span_s"] == 0.19  # Mooncake timestamps are ms
+    assert ceiling["none"]["speed"] <= ceiling["pooled"]["speed"] <= ceiling["ideal"]["speed"]
+    assert ceiling["none"]["engine_s"] > ceiling["ideal"]["engine_s"] > 0
     assert "| thunder | 2 | 20 |" in report.read_text()
+    assert "Work ceiling" in report.read_text()
     assert "thunder" in capsys.readouterr().out
 
 

@@ -3,9 +3,17 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import ideal_hit_ratio, load_imbalance, pooled_hit_ratio
+from thunderagent.replay.metrics import (
+    gpu_seconds_floor,
+    ideal_hits,
+    pooled_hits,
+    work_ceiling_speed,
+)
 from thunderagent.replay.summary import alone_ttft_s
 from thunderagent.stats import percentile, summary
 
@@ -74,3 +82,44 @@ def test_alone_ttft_chunks_the_uncached_part() -> None:
     want = timing.prefill_time([(32, 8)]) + timing.prefill_time([(10, 40)])
     assert alone_ttft_s(timing, 50, 8, 32) == pytest.approx(want)
     assert alone_ttft_s(timing, 50, 50, 32) == 0.0
+
+
+def test_per_request_hits_are_what_the_ratios_add_up() -> None:
+    reqs = [([1, 2], 3), ([3, 4], 3), ([1, 2], 3), ([3, 4], 3)]
+    assert pooled_hits(reqs, 1, capacity_blocks=3) == [0, 0, 1, 1]
+    assert ideal_hits(reqs, 1) == [0, 0, 2, 2]
+
+
+def test_gpu_seconds_floor_by_hand() -> None:
+    timing = TimingModel(get_profile("llama-3.1-8b-h100"))
+    prefill = timing.compute_seconds(timing.prefill_flops(1000, 24))
+    # 4 output tokens: the prefill emits the first, decode steps read 1025, 1026, 1027 tokens
+    decode = timing.kv_read_seconds(1025 + 1026 + 1027)
+    assert gpu_seconds_floor(timing, [(1024, 4, 24)]) == pytest.approx(prefill + decode)
+    assert gpu_seconds_floor(timing, [(1024, 1, 24)]) == pytest.approx(prefill)
+    two = gpu_seconds_floor(timing, [(1024, 4, 24), (512, 1, 0)])
+    assert two == pytest.approx(
+        prefill + decode + timing.compute_seconds(timing.prefill_flops(512, 0))
+    )
+    assert gpu_seconds_floor(timing, [(1024, 4, 512)]) < gpu_seconds_floor(timing, [(1024, 4, 0)])
+
+
+@given(
+    cached=st.integers(0, 50_000),
+    chunks=st.lists(st.integers(1, 8192), min_size=1, max_size=8),
+)
+def test_prefill_flops_do_not_depend_on_chunking(cached: int, chunks: list[int]) -> None:
+    """What the floor rests on: the engine prefills in chunks, the floor in one piece."""
+    timing = TimingModel(get_profile("llama-3.1-8b-h100"))
+    done, total = cached, 0.0
+    for n in chunks:
+        total += timing.prefill_flops(n, done)
+        done += n
+    assert total == pytest.approx(timing.prefill_flops(sum(chunks), cached), rel=1e-9)
+
+
+def test_work_ceiling_speed() -> None:
+    # 8 engines, requests arriving over 100 s at 1x needing 400 engine seconds: past 2x the
+    # cluster cannot keep up even busy all the time
+    assert work_ceiling_speed(400.0, 8, 100.0) == pytest.approx(2.0)
+    assert work_ceiling_speed(0.0, 8, 100.0) == math.inf
