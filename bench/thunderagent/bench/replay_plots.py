@@ -91,6 +91,10 @@ def _capacity_plot(doc: dict, policies: list[str], stem: str, out: Path, plt) ->
         top.plot(speeds, p99, marker="o", label=policy)
         bottom.plot(speeds, [e["goodput_rps"] for e in mine], marker="o", label=policy)
     top.axhline(slo_s, color="k", ls="--", lw=0.8, label="SLO")
+    ceiling = (doc.get("work_ceiling") or {}).get("pooled", {}).get("speed")
+    if ceiling is not None and ceiling <= 1.1 * max(e["speed"] for e in doc["results"]):
+        for ax in (top, bottom):  # past it even one pooled cache cannot keep up (steady state)
+            ax.axvline(ceiling, color="grey", ls=":", lw=1.0, label="work ceiling, pooled LRU")
     top.set_yscale("log")
     top.set_ylabel("TTFT p99 (s)")
     top.set_title(f"Capacity: {stem}")
