@@ -121,3 +121,37 @@ async def test_gateway_with_an_embedded_router_serves_http(nats_server):
     assert first["usage"]["completion_tokens"] == 5
     assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_the_replica_that_routes_gets_the_room_not_half(nats_server):
+    """An embedded replica taking all the requests beside an idle router service: once its
+    requests count as demand (the scheduler reweighs every second), it is lent nearly all of
+    each worker's room, where an equal split held it to half."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", profile=PROFILE, speedup=50)
+        idle = stack.services["router"].runtime.router
+        config = _router_config()
+        running = await stack.start_service(
+            "embedded-router",
+            lambda ctx, svc: svc.run(),
+            build=lambda ctx: RouterService(ctx, config, serve_requests=False),
+        )
+        embedded: RouterService = running.runtime
+        await asyncio.wait_for(embedded.serving.wait(), 15)
+        await wait_for(lambda: len(embedded.core.fleet.for_model(MODEL)) == 2, what="the fleet")
+        ours = embedded.router.wallet
+
+        def lent(wallet) -> int:
+            return sum(wallet.credits.values())
+
+        await wait_for(lambda: lent(ours) > 0 and lent(idle.wallet) > 0, what="both lent room")
+        assert abs(lent(ours) - lent(idle.wallet)) <= 2  # no demand yet: an equal split
+        client = ThunderClient(embedded.ctx.bus.nc, idle_timeout_s=10, route=embedded.router.handle)
+        for i in range(40):
+            await client.generate(
+                GenerateRequest(model=MODEL, token_ids=[1000 + i] * 40, max_tokens=1)
+            )
+        await wait_for(
+            lambda: lent(ours) >= 8 * max(1, lent(idle.wallet)), what="the room to follow demand"
+        )
+        assert lent(idle.wallet) >= 1  # the idle replica keeps a sliver

@@ -10,6 +10,12 @@ gives this router and how many of this router's direct dispatches it had already
 issued the grant. The router may dispatch ``credits - (dispatched - booked)`` more: a grant that
 crosses the router's own dispatches in flight never lets it count the same room twice.
 
+Shares follow demand: each router's requests (dispatched on credit or queued) are counted with
+a few seconds' memory, and the room is split in proportion, so a gateway with the router inside
+it that takes all the HTTP traffic is not held to half the room because an idle router service
+also said hello. The proportions are refreshed once a second (``reweigh``), not per request,
+so demand's noise does not turn into grant messages.
+
 Pure: the scheduler service and the router service exchange grants and dispatch notices over
 NATS; the replay passes them by hand, with no delay.
 """
@@ -34,6 +40,30 @@ costs only a hop (the request goes through the scheduler's queue); the periodic 
 second) lends it all again."""
 
 
+DEMAND_HALF_LIFE_S: Final = 2.0
+"""A router's counted demand halves in this long: shares move to where requests now enter
+within a few seconds, and one burst does not decide them for long."""
+
+IDLE_WEIGHT_SHARE: Final = 0.1
+"""Every live router's weight is its demand plus this share of the mean demand (at least one
+request): a replica nobody sends to keeps a sliver of room, and its first requests, queued
+meanwhile, count as demand at the next reweigh."""
+
+
+def split(room: int, weights: list[float]) -> list[int]:
+    """``room`` in whole units in proportion to ``weights`` (all > 0): largest remainders get
+    the units left, ties to the first. Equal weights give ``room // n``, plus one to the first
+    ``room % n``."""
+    total = sum(weights)
+    exact = [room * w / total for w in weights]
+    units = [int(x) for x in exact]
+    left = room - sum(units)
+    by_remainder = sorted(range(len(weights)), key=lambda i: (units[i] - exact[i], i))
+    for i in by_remainder[:left]:
+        units[i] += 1
+    return units
+
+
 @dataclass(slots=True, frozen=True)
 class Grant:
     """What one router may dispatch by itself."""
@@ -54,13 +84,34 @@ class CreditIssuer:
     """router id -> worker id -> its direct dispatches booked so far."""
     _last: dict[str, Grant] = field(default_factory=dict)
     """router id -> the last grant it was sent."""
+    demand: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """router id -> (requests it routed, decayed to the time beside it)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """router id -> its weight in the split, as of the last ``reweigh`` (absent: 1)."""
 
     def hello(self, router_id: str, now: float) -> bool:
-        """A router is alive; True when it is new (the shares change)."""
+        """A router is alive; True when it is new (the shares change: reweighed here)."""
         new = router_id not in self.routers
         self.routers[router_id] = now
         self.booked.setdefault(router_id, {})
+        if new:
+            self.reweigh(now)
         return new
+
+    def routed(self, router_id: str, now: float) -> None:
+        """A request ``router_id`` routed reached the scheduler, on credit or queued."""
+        if router_id in self.routers:
+            self.demand[router_id] = (self._demand(router_id, now) + 1.0, now)
+
+    def _demand(self, router_id: str, now: float) -> float:
+        count, at = self.demand.get(router_id, (0.0, now))
+        return count * 0.5 ** (max(0.0, now - at) / DEMAND_HALF_LIFE_S)
+
+    def reweigh(self, now: float) -> None:
+        """Each live router's weight: its recent demand plus an idle router's sliver."""
+        demand = {r: self._demand(r, now) for r in self.routers}
+        floor = max(1.0, IDLE_WEIGHT_SHARE * sum(demand.values()) / max(1, len(demand)))
+        self.weights = {r: d + floor for r, d in demand.items()}
 
     def expire(self, now: float, ttl_s: float = ROUTER_TTL_S) -> list[str]:
         gone = [r for r, seen in self.routers.items() if now - seen > ttl_s]
@@ -68,6 +119,8 @@ class CreditIssuer:
             del self.routers[r]
             self.booked.pop(r, None)
             self._last.pop(r, None)
+            self.demand.pop(r, None)
+            self.weights.pop(r, None)
         return gone
 
     def book(self, router_id: str, worker_id: str) -> None:
@@ -76,18 +129,23 @@ class CreditIssuer:
         per[worker_id] = per.get(worker_id, 0) + 1
 
     def grants(self, rooms: Mapping[str, int], *, force: bool = False) -> dict[str, Grant]:
-        """Per router, its share of every worker's room; only routers whose share moved past
-        ``REGRANT_SLACK`` allows from what they still hold (or all with ``force``) get a new
-        one."""
+        """Per router, its share of every worker's room (in proportion to ``weights``; the
+        shares add up to the room); only routers whose share moved past ``REGRANT_SLACK``
+        allows from what they still hold (or all with ``force``) get a new one."""
         if not self.routers:
             return {}
-        n = len(self.routers)
         order = sorted(self.routers)
+        if len(order) == 1:  # the usual single replica: all of it, no arithmetic per worker
+            shares = [{w: room for w, room in rooms.items() if room > 0}]
+        else:
+            weights = [self.weights.get(r, 1.0) for r in order]
+            shares = [{} for _ in order]
+            for w, room in rooms.items():
+                for i, units in enumerate(split(room, weights) if room > 0 else ()):
+                    if units > 0:
+                        shares[i][w] = units
         out: dict[str, Grant] = {}
-        for i, router in enumerate(order):
-            # the remainder goes to the first routers, so the shares add up to the room
-            share = {w: room // n + (1 if i < room % n else 0) for w, room in rooms.items()}
-            share = {w: c for w, c in share.items() if c > 0}
+        for router, share in zip(order, shares, strict=True):
             if force or self._moved(router, share):
                 grant = Grant(share, dict(self.booked.get(router, {})))
                 self._last[router] = out[router] = grant

@@ -169,6 +169,7 @@ class SchedulerService:
             return
         pending = self.pending[rid] = Pending(submit, otel_context.get_current())
         self.waiting[model] += 1
+        self.issuer.routed(submit.router_id, self.clock())
         self.core.submit(self._sched_request(pending), self.clock())
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
@@ -181,6 +182,7 @@ class SchedulerService:
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:
             return  # told twice
+        self.issuer.routed(submit.router_id, self.clock())
         pending = self.pending[rid] = Pending(
             submit, otel_context.get_current(), worker_id=direct.worker_id
         )
@@ -385,6 +387,7 @@ class SchedulerService:
             if self.clock() >= next_regrant:
                 next_regrant = self.clock() + GRANT_EVERY_S
                 self.issuer.expire(self.clock())
+                self.issuer.reweigh(self.clock())
                 self._grant(force=True)
                 self._forget_early(time.time())
             wake_at = self.core.next_wakeup(self.clock())

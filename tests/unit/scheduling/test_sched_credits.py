@@ -7,10 +7,12 @@ from hypothesis import strategies as st
 
 from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest, WorkerRoom
 from thunderagent.scheduling.credits import (
+    DEMAND_HALF_LIFE_S,
     REGRANT_SLACK,
     CreditIssuer,
     CreditWallet,
     may_dispatch_directly,
+    split,
 )
 
 
@@ -147,3 +149,62 @@ def test_direct_scheduler_lends_without_bound() -> None:
     assert s.rooms()["w0"] >= 1 << 20
     s.admitted(request("x"), "w0", 0.0)
     assert s.inflight["x"] == "w0"
+
+
+@given(room=st.integers(0, 500), n=st.integers(1, 9))
+def test_equal_weights_split_as_room_over_n_with_the_rest_to_the_first(room: int, n: int) -> None:
+    assert split(room, [1.0] * n) == [room // n + (1 if i < room % n else 0) for i in range(n)]
+
+
+@given(
+    room=st.integers(0, 500),
+    weights=st.lists(st.floats(0.01, 1e4, allow_nan=False), min_size=1, max_size=9),
+)
+def test_a_split_adds_up_and_a_heavier_router_never_gets_less(
+    room: int, weights: list[float]
+) -> None:
+    units = split(room, weights)
+    assert sum(units) == room
+    assert all(u >= 0 for u in units)
+    for i, wi in enumerate(weights):
+        for j, wj in enumerate(weights):
+            if wi > wj:
+                assert units[i] >= units[j]
+            # within one unit of its exact proportion
+        assert abs(units[i] - room * wi / sum(weights)) < 1.0
+
+
+def test_room_follows_demand_and_an_idle_router_keeps_a_sliver() -> None:
+    """A gateway with the router inside takes all the traffic, a router service none: after
+    the next reweigh the gateway holds nearly all the room instead of half."""
+    issuer = CreditIssuer()
+    issuer.hello("gateway", 0.0)
+    issuer.hello("service", 0.0)
+    assert issuer.grants({"w0": 20})["gateway"].credits == {"w0": 10}
+    for i in range(100):
+        issuer.routed("gateway", i / 100)
+    issuer.routed("nobody", 0.5)  # no hello: counts for no one
+    assert issuer.grants({"w0": 20}) == {}  # shares move at a reweigh, not per request
+    issuer.reweigh(1.0)
+    grants = issuer.grants({"w0": 20})
+    assert grants["gateway"].credits == {"w0": 19}
+    assert grants["service"].credits == {"w0": 1}
+    # the gateway goes quiet, the service gets the traffic: within a few half-lives it flips
+    for i in range(100):
+        issuer.routed("service", 1.0 + 10 * DEMAND_HALF_LIFE_S + i / 100)
+    issuer.reweigh(2.0 + 10 * DEMAND_HALF_LIFE_S)
+    grants = issuer.grants({"w0": 20})
+    assert grants["gateway"].credits == {"w0": 1}
+    assert grants["service"].credits == {"w0": 19}
+
+
+def test_demand_goes_with_an_expired_router() -> None:
+    issuer = CreditIssuer()
+    issuer.hello("a", 0.0)
+    issuer.hello("b", 0.0)
+    for _ in range(50):
+        issuer.routed("a", 0.0)
+    issuer.expire(10.0)
+    assert issuer.demand == {} and issuer.weights == {}
+    issuer.hello("a", 10.0)  # back, with no memory of before: the whole room
+    assert issuer.grants({"w0": 6})["a"].credits == {"w0": 6}
