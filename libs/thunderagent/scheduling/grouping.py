@@ -39,6 +39,9 @@ class PrefixGroups:
     led: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     """leader request id -> (worker, hashes it claimed): cleared when it ends."""
     held: dict[str, Held] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)
+    """worker -> count of changes to its ``cached`` or ``leaders``: what ``first_uncached``,
+    ``shared_run`` and ``try_hold`` answer for it is the same while this is."""
     waiters: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     """(worker, block hash) -> held request ids, in hold order."""
     grouped_requests: int = 0
@@ -46,6 +49,12 @@ class PrefixGroups:
     released_timeout: int = 0
     released_leader_gone: int = 0
     prefill_tokens_saved: int = 0
+
+    def version(self, worker_id: str) -> int:
+        return self.versions.get(worker_id, 0)
+
+    def _changed(self, worker_id: str) -> None:
+        self.versions[worker_id] = self.versions.get(worker_id, 0) + 1
 
     def first_uncached(self, worker_id: str, hashes: Sequence[int], cached_blocks: int) -> int:
         known = self.cached.get(worker_id, {})
@@ -79,6 +88,7 @@ class PrefixGroups:
 
     def lead(self, rid: str, worker_id: str, hashes: Sequence[int], cached: int) -> None:
         """``rid`` was dispatched: its uncached blocks are being prefilled on ``worker_id``."""
+        self._changed(worker_id)
         lead = self.leaders.setdefault(worker_id, {})
         claimed = hashes[self.first_uncached(worker_id, hashes, cached) :]
         claimed = [h for h in claimed if lead.setdefault(h, rid) == rid]
@@ -87,6 +97,7 @@ class PrefixGroups:
 
     def on_cached(self, worker_id: str, hashes: Sequence[int]) -> list[str]:
         """Record cached blocks; return held requests to release, in hold order."""
+        self._changed(worker_id)
         known = self.cached.setdefault(worker_id, {})
         lead = self.leaders.get(worker_id, {})
         released: list[str] = []
@@ -106,6 +117,8 @@ class PrefixGroups:
     def on_leader_done(self, rid: str) -> list[str]:
         """The leader finished or was preempted: release whoever waits on its blocks."""
         worker_id, claimed = self.led.pop(rid, ("", []))
+        if claimed:
+            self._changed(worker_id)
         lead = self.leaders.get(worker_id, {})
         released: list[str] = []
         for h in claimed:

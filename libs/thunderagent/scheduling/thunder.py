@@ -45,6 +45,9 @@ class _Entry:
     key: float = 0.0
     regrouped: bool = False
     """Released from a hold without its prefix: never held again (no endless waiting)."""
+    no_room: dict[str, tuple] | None = None
+    """Spilled: worker -> (its headroom, its grouping version) when this request last found no
+    room there; the same pair again means the same answer (``DispatchPass._dispatch_spilled``)."""
 
 
 @dataclass(slots=True)

@@ -229,3 +229,29 @@ def test_output_still_to_come_is_counted_after_the_start() -> None:
     assert sent(s.poll(0.1)) == []  # 20 reported + 80 blocks of output to come: full
     s.update_worker(room(total=100, max_running=10, active_blocks=40), 15.0)
     assert sent(s.poll(15.0)) == ["r2"]  # 598 of 640 tokens each: 40 + 6 to come + 50 <= 100
+
+
+@pytest.mark.parametrize(
+    ("what_changes", "want"),
+    [("a cached prefix on w0", [Dispatch("r", "w0")]), ("room on w1", [Dispatch("r", "w1")]),
+     ("nothing", [])],
+)  # fmt: skip
+def test_a_spilled_request_is_tried_again_exactly_when_its_answer_can_change(what_changes, want):
+    """A spilled request that found no room on a worker is skipped there while the worker's
+    headroom and grouping are as they were, and tried again as soon as either moves: a prefix
+    reported cached shrinks its need, a load report frees room."""
+    s = SCHEDULERS.create("thunder", window="none", spill_after_s=0.5, grouping=True)
+    for w in ("w0", "w1"):
+        s.update_worker(room(w, running=1, total=100, max_running=8, active_blocks=80), 0.0)
+    hashes = list(range(1000, 1020))
+    # 20 prompt blocks + 1 of output against 100 - 80 = 20 free on either: no room
+    s.submit(req("r", prompt=320, out=16, cands=[("w0", 0), ("w1", 0)], block_hashes=hashes), 0)
+    assert s.poll(0.0) == []
+    assert s.poll(1.0) == []  # spilled now, still no room anywhere
+    assert set(s.entries["r"].no_room or {}) == {"w0", "w1"}
+    assert s.poll(1.1) == []  # nothing changed: skipped on both, the same answer
+    if what_changes == "a cached prefix on w0":
+        s.on_prefix_cached("w0", hashes[:15], 1.2)  # 5 + 1 blocks to add there now
+    elif what_changes == "room on w1":
+        s.update_worker(room("w1", running=1, total=100, max_running=8, active_blocks=50), 1.2)
+    assert s.poll(1.3) == want

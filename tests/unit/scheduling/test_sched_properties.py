@@ -169,8 +169,10 @@ class LoggingDriver(Driver):
     def __init__(self, name: str, pd: bool, memo: bool) -> None:
         super().__init__(name, pd)
         self.log: list = []
-        if not memo:  # every room question asked of admission afresh
+        if not memo:  # every room question asked of admission afresh, every try made
             self.s._has_room = lambda w, need: self.s.admission.has_room(w, need)
+            self.s._room = lambda w: self.s.admission.headroom(w)
+            self.s._no_room_memo = lambda entry: None
 
     def apply(self, actions) -> None:
         self.log.append((self.now, list(actions)))
@@ -179,7 +181,9 @@ class LoggingDriver(Driver):
 
 long_ops = st.lists(
     st.tuples(
-        st.sampled_from(["submit", "submit", "submit", "tick", "start", "finish", "report"]),
+        st.sampled_from(
+            ["submit", "submit", "submit", "tick", "start", "finish", "report", "cache"]
+        ),
         st.integers(0, 1000),
     ),
     min_size=30,
@@ -191,10 +195,71 @@ long_ops = st.lists(
 @given(long_ops, st.booleans())
 def test_a_pass_that_reads_each_workers_room_once_decides_the_same(seq, pd) -> None:
     """``_has_room`` keeps each worker's admission state for the rest of a dispatch pass, on
-    the claim that only a commit or an ended run changes it meanwhile; asking admission every
-    time must give the same actions, in the same order."""
+    the claim that only a commit or an ended run changes it meanwhile, and a spilled request
+    is not tried again on a worker whose headroom and grouping are as when it last found no
+    room there; asking admission every time and trying every request must give the same
+    actions, in the same order."""
     name = "pd_capped" if pd else "thunder"
     fast, slow = LoggingDriver(name, pd, memo=True), LoggingDriver(name, pd, memo=False)
+    for op, x in seq:
+        fast.step(op, x)
+        slow.step(op, x)
+    fast.drain()
+    slow.drain()
+    assert fast.log == slow.log
+
+
+class PlainDriver(LoggingDriver):
+    """Requests with no program and no deadline (the ones a spilled request's memo serves),
+    on workers where KV, not the running cap, is what runs out, so spilled requests find no
+    room pass after pass."""
+
+    def report_all(self, running: int) -> None:
+        for w in WORKERS:
+            self.s.update_worker(WorkerRoom(w, running, 0, 0, 200, 8), self.now)
+
+    def submit(self, x: int) -> None:
+        self.n += 1
+        rid = f"r{self.n}"
+        cands = [(WORKERS[(x + k) % 3], (x >> k) % 3) for k in range(1 + x % 3)]
+        r = SchedRequest(
+            rid, self.now, 16 * (20 + x % 60), 1 + x % 300, cands,
+            block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)], priority=x % 2,
+        )  # fmt: skip
+        self.reqs[rid] = r
+        self._submit(r)
+
+    def step(self, op: str, x: int) -> None:
+        if op == "wait":  # time passes a little and the scheduler is asked again
+            self.now += 0.05 * (1 + x % 20)
+            self.apply(self.s.poll(self.now))
+        elif op == "report":
+            w = WORKERS[x % 3]
+            self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 8), self.now)
+            self.apply(self.s.poll(self.now))
+        else:
+            super().step(op, x)
+
+
+plain_ops = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["submit", "submit", "submit", "wait", "wait", "start", "finish", "cache", "report"]
+        ),
+        st.integers(0, 1000),
+    ),
+    min_size=40,
+    max_size=90,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(plain_ops)
+def test_spilled_requests_skip_only_tries_that_would_fail_again(seq) -> None:
+    """Past capacity, a spilled request is not tried again on a worker whose headroom and
+    grouping are as when it last found no room there: the same actions, in the same order, as
+    trying every spilled request on every worker each pass."""
+    fast, slow = PlainDriver("thunder", False, memo=True), PlainDriver("thunder", False, memo=False)
     for op, x in seq:
         fast.step(op, x)
         slow.step(op, x)
