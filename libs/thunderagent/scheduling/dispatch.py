@@ -14,9 +14,10 @@ works on that scheduler's waiting entries, queues, spill pool, admission and run
 * **A spilled request is not tried again where nothing changed**: when it found no room on a
   worker, the worker's headroom and grouping version are kept on the entry, and while both are
   the same the try would compute the same need against the same room. Only requests whose try
-  has no other outcome are skipped so: no deadline (the clock can doom it), no program step
-  (the clock can pause it), no PD gate (its answer depends on other workers). Past capacity
-  this was most of a replay's time (thunder at 3x on the conversation trace: 7.4 M tries).
+  has no other outcome are skipped so: no deadline (the clock can doom it), no step of a
+  program paused now (the try parks or resumes it), no PD gate (its answer depends on other
+  workers). Past capacity this was most of a replay's time (thunder at 3x on the conversation
+  trace: 7.4 M tries).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from thunderagent.scheduling.admission import Headroom, kv_need, output_blocks
 from thunderagent.scheduling.api import Action, Dispatch, Preempt, SchedRequest
 from thunderagent.scheduling.pd import pick_decode_worker
 from thunderagent.scheduling.preemption import Running
+from thunderagent.scheduling.programs import PAUSED
 
 WINDOW, QUEUED, SPILL, HELD = "window", "queued", "spill", "held"
 """Entry states a pass reads and moves entries between (``thunder.py`` has the life cycle)."""
@@ -123,12 +125,16 @@ class DispatchPass:
 
     def _no_room_memo(self, entry: Entry) -> dict[str, tuple] | None:
         """Where ``entry`` last found no room (see the module docstring); None when its try
-        can end otherwise as time passes, so it is always tried."""
+        can end otherwise, so it is always tried: a deadline (the clock can doom it), the PD
+        gate (its answer depends on other workers), a step of a program paused now (the try
+        parks or resumes it). A step of a running program tries exactly as a plain request."""
         req, p = entry.req, self.params
         if (req.deadline is not None and p.deadlines) or p.pd_mode == "disaggregated":
             return None
         if p.programs and req.program_id is not None:
-            return None
+            prog = self.programs.programs.get(req.program_id)
+            if prog is not None and prog.phase == PAUSED:
+                return None
         if entry.no_room is None:
             entry.no_room = {}
         return entry.no_room

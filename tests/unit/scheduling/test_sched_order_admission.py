@@ -255,3 +255,26 @@ def test_a_spilled_request_is_tried_again_exactly_when_its_answer_can_change(wha
     elif what_changes == "room on w1":
         s.update_worker(room("w1", running=1, total=100, max_running=8, active_blocks=50), 1.2)
     assert s.poll(1.3) == want
+
+
+def test_a_spilled_step_of_a_program_paused_meanwhile_is_tried_at_once() -> None:
+    """The memo never hides a pause: a spilled program step that found no room is skipped
+    while its books stand, but once its program is paused (here by memory pressure on the
+    worker it lives on, not on the step's candidates) the next pass tries it, and the try
+    parks or resumes it instead of leaving it spilled."""
+    s = SCHEDULERS.create("thunder", window="none", spill_after_s=0.5)
+    for w in ("w0", "w1", "w2"):
+        s.update_worker(room(w, running=1, total=100, max_running=8, active_blocks=80), 0.0)
+    s.submit(req("p1-0", prompt=64, cands=[("w0", 0)], program_id="p1"), 0.0)
+    assert sent(s.poll(0.0)) == ["p1-0"]
+    s.on_started("p1-0", "w0", 0.0)
+    s.on_finished("p1-0", "w0", 0.1)  # its tool call: the program acts, living on w0
+    hashes = list(range(1000, 1020))
+    step = req("p1-1", prompt=320, cands=[("w1", 0), ("w2", 0)], program_id="p1",
+               block_hashes=hashes)  # fmt: skip
+    s.submit(step, 0.2)
+    assert s.poll(0.2) == [] and s.poll(1.0) == [] and s.poll(1.1) == []
+    assert s.entries["p1-1"].state == "spill" and set(s.entries["p1-1"].no_room) == {"w1", "w2"}
+    assert s.programs.over_capacity("w0", 1, 1.2) == ["p1"]
+    s.poll(1.3)
+    assert s.entries["p1-1"].state != "spill"

@@ -209,10 +209,10 @@ def test_a_pass_that_reads_each_workers_room_once_decides_the_same(seq, pd) -> N
     assert fast.log == slow.log
 
 
-class PlainDriver(LoggingDriver):
-    """Requests with no program and no deadline (the ones a spilled request's memo serves),
-    on workers where KV, not the running cap, is what runs out, so spilled requests find no
-    room pass after pass."""
+class SpillDriver(LoggingDriver):
+    """Requests with no deadline (the ones a spilled request's memo serves; two in three are
+    program steps, whose programs pause and resume), on workers where KV, not the running
+    cap, is what runs out, so spilled requests find no room pass after pass."""
 
     def report_all(self, running: int) -> None:
         for w in WORKERS:
@@ -225,6 +225,7 @@ class PlainDriver(LoggingDriver):
         r = SchedRequest(
             rid, self.now, 16 * (20 + x % 60), 1 + x % 300, cands,
             block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)], priority=x % 2,
+            program_id=f"p{x % 5}" if x % 3 else None,
         )  # fmt: skip
         self.reqs[rid] = r
         self._submit(r)
@@ -241,10 +242,21 @@ class PlainDriver(LoggingDriver):
             super().step(op, x)
 
 
-plain_ops = st.lists(
+spill_ops = st.lists(
     st.tuples(
         st.sampled_from(
-            ["submit", "submit", "submit", "wait", "wait", "start", "finish", "cache", "report"]
+            [
+                "submit",
+                "submit",
+                "submit",
+                "wait",
+                "wait",
+                "start",
+                "finish",
+                "cache",
+                "report",
+                "release",
+            ]
         ),
         st.integers(0, 1000),
     ),
@@ -254,12 +266,12 @@ plain_ops = st.lists(
 
 
 @settings(max_examples=120, deadline=None)
-@given(plain_ops)
+@given(spill_ops)
 def test_spilled_requests_skip_only_tries_that_would_fail_again(seq) -> None:
     """Past capacity, a spilled request is not tried again on a worker whose headroom and
     grouping are as when it last found no room there: the same actions, in the same order, as
     trying every spilled request on every worker each pass."""
-    fast, slow = PlainDriver("thunder", False, memo=True), PlainDriver("thunder", False, memo=False)
+    fast, slow = SpillDriver("thunder", False, memo=True), SpillDriver("thunder", False, memo=False)
     for op, x in seq:
         fast.step(op, x)
         slow.step(op, x)
