@@ -30,9 +30,10 @@ def _router_config() -> RouterConfig:
     return RouterConfig(params=RouterParams(policy="thunder", seed=1))
 
 
-async def _embedded_router(stack) -> RouterService:
-    """The stack's router service stopped, a replica that serves no requests started."""
-    await stack.stop_service("router")
+async def _embedded_router(stack, workers: int = 3, *, alone: bool = True) -> RouterService:
+    """A replica that serves no requests started (``alone``: the router service stopped)."""
+    if alone:
+        await stack.stop_service("router")
     config = _router_config()
     running = await stack.start_service(
         "embedded-router",
@@ -41,7 +42,7 @@ async def _embedded_router(stack) -> RouterService:
     )
     router: RouterService = running.runtime
     await asyncio.wait_for(router.serving.wait(), 15)
-    await wait_for(lambda: len(router.core.fleet.for_model(MODEL)) == 3, what="the fleet")
+    await wait_for(lambda: len(router.core.fleet.for_model(MODEL)) == workers, what="the fleet")
     return router
 
 
@@ -130,15 +131,7 @@ async def test_the_replica_that_routes_gets_the_room_not_half(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=2, policy="thunder", profile=PROFILE, speedup=50)
         idle = stack.services["router"].runtime.router
-        config = _router_config()
-        running = await stack.start_service(
-            "embedded-router",
-            lambda ctx, svc: svc.run(),
-            build=lambda ctx: RouterService(ctx, config, serve_requests=False),
-        )
-        embedded: RouterService = running.runtime
-        await asyncio.wait_for(embedded.serving.wait(), 15)
-        await wait_for(lambda: len(embedded.core.fleet.for_model(MODEL)) == 2, what="the fleet")
+        embedded = await _embedded_router(stack, 2, alone=False)
         ours = embedded.router.wallet
 
         def lent(wallet) -> int:

@@ -55,16 +55,18 @@ class Driver:
 
     def submit(self, x: int) -> None:
         self.n += 1
-        rid = f"r{self.n}"
+        r = self.request(f"r{self.n}", x)
+        self.reqs[r.request_id] = r
+        self._submit(r)
+
+    def request(self, rid: str, x: int) -> SchedRequest:
         cands = [(WORKERS[(x + k) % 3], (x >> k) % 3) for k in range(1 + x % 3)]
-        r = SchedRequest(
+        return SchedRequest(
             rid, self.now, 16 * (1 + x % 40), 1 + x % 300, cands,
             block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)],
             priority=x % 2, program_id=f"p{x % 5}" if x % 3 else None,
             deadline=self.now + x % 50 if x % 7 == 0 else None,
         )  # fmt: skip
-        self.reqs[rid] = r
-        self._submit(r)
 
     def _submit(self, r: SchedRequest) -> None:
         self.submits[r.request_id] += 1
@@ -179,6 +181,18 @@ class LoggingDriver(Driver):
         super().apply(actions)
 
 
+def same_actions(driver: type[LoggingDriver], name: str, pd: bool, seq) -> None:
+    """The scheduler with its shortcuts and one asking admission every time, trying every
+    request, driven alike, must act alike."""
+    fast, slow = driver(name, pd, memo=True), driver(name, pd, memo=False)
+    for op, x in seq:
+        fast.step(op, x)
+        slow.step(op, x)
+    fast.drain()
+    slow.drain()
+    assert fast.log == slow.log
+
+
 long_ops = st.lists(
     st.tuples(
         st.sampled_from(
@@ -199,14 +213,7 @@ def test_a_pass_that_reads_each_workers_room_once_decides_the_same(seq, pd) -> N
     is not tried again on a worker whose headroom and grouping are as when it last found no
     room there; asking admission every time and trying every request must give the same
     actions, in the same order."""
-    name = "pd_capped" if pd else "thunder"
-    fast, slow = LoggingDriver(name, pd, memo=True), LoggingDriver(name, pd, memo=False)
-    for op, x in seq:
-        fast.step(op, x)
-        slow.step(op, x)
-    fast.drain()
-    slow.drain()
-    assert fast.log == slow.log
+    same_actions(LoggingDriver, "pd_capped" if pd else "thunder", pd, seq)
 
 
 class SpillDriver(LoggingDriver):
@@ -218,17 +225,11 @@ class SpillDriver(LoggingDriver):
         for w in WORKERS:
             self.s.update_worker(WorkerRoom(w, running, 0, 0, 200, 8), self.now)
 
-    def submit(self, x: int) -> None:
-        self.n += 1
-        rid = f"r{self.n}"
-        cands = [(WORKERS[(x + k) % 3], (x >> k) % 3) for k in range(1 + x % 3)]
-        r = SchedRequest(
-            rid, self.now, 16 * (20 + x % 60), 1 + x % 300, cands,
-            block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)], priority=x % 2,
-            program_id=f"p{x % 5}" if x % 3 else None,
-        )  # fmt: skip
-        self.reqs[rid] = r
-        self._submit(r)
+    def request(self, rid: str, x: int) -> SchedRequest:
+        r = super().request(rid, x)
+        r.prompt_tokens = 16 * (20 + x % 60)  # larger: KV runs out before the running cap
+        r.deadline = None
+        return r
 
     def step(self, op: str, x: int) -> None:
         if op == "wait":  # time passes a little and the scheduler is asked again
@@ -271,10 +272,4 @@ def test_spilled_requests_skip_only_tries_that_would_fail_again(seq) -> None:
     """Past capacity, a spilled request is not tried again on a worker whose headroom and
     grouping are as when it last found no room there: the same actions, in the same order, as
     trying every spilled request on every worker each pass."""
-    fast, slow = SpillDriver("thunder", False, memo=True), SpillDriver("thunder", False, memo=False)
-    for op, x in seq:
-        fast.step(op, x)
-        slow.step(op, x)
-    fast.drain()
-    slow.drain()
-    assert fast.log == slow.log
+    same_actions(SpillDriver, "thunder", False, seq)
