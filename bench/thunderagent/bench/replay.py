@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -259,9 +260,10 @@ def work_ceiling(trace, timing: TimingModel, workers: int, block_size: int, boun
         floor = gpu_seconds_floor(
             timing, ((r.prompt_len, r.output_len, c) for r, c in zip(trace, cached, strict=True))
         )
-        out[name] = {
+        speed = work_ceiling_speed(floor, workers, span)
+        out[name] = {  # JSON has no infinity: null when nothing bounds the speed
             "engine_s": floor,
-            "speed": round(work_ceiling_speed(floor, workers, span), 3),
+            "speed": round(speed, 3) if math.isfinite(speed) else None,
         }
     return out
 
@@ -409,7 +411,7 @@ def capacity_table(doc: dict) -> str:
 
 def ceiling_lines(ceiling: dict | None) -> list[str]:
     """The work ceiling in words (none for a document written before it existed)."""
-    if not ceiling:
+    if not ceiling or ceiling["none"]["speed"] is None:
         return []
     return [
         f"Work ceiling (steady state, {ceiling['workers']} engines busy all the time, no decode "

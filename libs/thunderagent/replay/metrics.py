@@ -105,8 +105,9 @@ def work_ceiling_speed(floor_s: float, workers: int, span_s: float) -> float:
     """The replay speed past which ``workers`` engines busy all the time fall behind a trace
     that arrives over ``span_s`` seconds at 1x and needs ``floor_s`` engine seconds: at a
     higher speed the backlog grows for as long as requests arrive. A steady-state ceiling: a
-    short trace can pass it on TTFT by leaving decodes to run after its last arrival."""
-    return workers * span_s / floor_s if floor_s > 0 else math.inf
+    short trace can pass it on TTFT by leaving decodes to run after its last arrival. Infinite
+    when nothing bounds it (no work, or every request arriving at once)."""
+    return workers * span_s / floor_s if floor_s > 0 and span_s > 0 else math.inf
 
 
 def load_imbalance(busy: Sequence[float]) -> float:

@@ -210,3 +210,17 @@ def test_cli_sched_params_reach_the_scheduler_and_bad_ones_are_refused(tmp_path:
     for bad in ("order=lifo", "no_such_knob=1", "max_running=-1"):
         with pytest.raises(SystemExit):
             main([*common, "--sched-param", bad])
+
+
+def test_a_trace_arriving_at_once_has_no_work_ceiling(tmp_path: Path) -> None:
+    from thunderagent.bench.replay import main
+
+    trace = tmp_path / "t.jsonl"
+    row = {"timestamp": 0, "input_length": 9, "output_length": 3, "hash_ids": [0, 1]}
+    trace.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "r.json"
+    main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+          "--policies", "round_robin", "--speed", "1", "--quiet", "--json", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())  # strict JSON: no Infinity
+    assert doc["work_ceiling"]["none"]["speed"] is None
+    assert doc["work_ceiling"]["none"]["engine_s"] > 0

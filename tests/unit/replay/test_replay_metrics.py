@@ -123,3 +123,4 @@ def test_work_ceiling_speed() -> None:
     # cluster cannot keep up even busy all the time
     assert work_ceiling_speed(400.0, 8, 100.0) == pytest.approx(2.0)
     assert work_ceiling_speed(0.0, 8, 100.0) == math.inf
+    assert work_ceiling_speed(400.0, 8, 0.0) == math.inf  # all at once: no rate to keep up with
