@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import NatsServer
 from thunderagent.schemas import Ack
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps(report, indent=2))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 import aiohttp
 
 from thunderagent import stats
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import ChatMessage, GenerateRequest, TokenChunk
 from thunderagent.stack.up import Stack, StackConfig
@@ -179,8 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.stop()
     print(json.dumps(result, indent=2))
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import get_profile
 from thunderagent.hashing import BlockHasher
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     with args.out.open("w") as fh:
         for row in trace.rows:
             fh.write(json.dumps(row.as_json()) + "\n")
-    meta_path(args.out).write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(meta_path(args.out), meta)
     return meta
 
 

@@ -60,6 +60,7 @@ from thunderagent.bench.index_workload import (
     dynamo_payloads,
     our_payloads,
 )
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
 from thunderagent.schemas import KvEventBatch
@@ -441,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     _print(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

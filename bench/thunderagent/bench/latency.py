@@ -32,6 +32,7 @@ import aiohttp
 import uvloop
 
 from thunderagent import stats
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.router.service import RouterConfig, embedded_router
@@ -188,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     result = report(args, times)
     print(json.dumps(result, indent=2))
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port
 from thunderagent.replay.traces import TraceRequest, load_trace
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     report = build_report(args, systems)
     print(json.dumps(report, indent=2))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        write_json(args.json_out, report)
 
 
 def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:

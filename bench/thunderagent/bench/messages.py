@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import loadgen, profile
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.throughput import parse_rates
 from thunderagent.bus import connect
 from thunderagent.client import ThunderClient
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"requests not accounted for at {r['rate']} req/s: {r}")
     print_table(rows)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rates": rows}, indent=2))
+        write_json(args.json_out, {"rates": rows})
 
 
 if __name__ == "__main__":

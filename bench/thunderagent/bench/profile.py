@@ -32,6 +32,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import loadgen, perf, procs, pyspy
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     print(render(report), file=sys.stderr)
     print(json.dumps(report, indent=2))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        write_json(args.json_out, report)
 
 
 def _by_size(figures: dict[str, float]) -> str:

@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.hashing import BlockHasher
@@ -481,8 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     plots = write_plots(doc, results, args.plot) if args.plot else []
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     if args.report:
         write_report(doc, args.report, plots, argv)
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import Profile, get_profile
 from thunderagent.replay import Record, ReplayConfig, ReplayResult
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(name, doc[name]), end="\n\n")
     print("targets:", json.dumps(doc["targets"]))
     if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc)
     return 0
 
 

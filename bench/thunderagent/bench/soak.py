@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
 from thunderagent.stack.up import Stack, StackConfig
@@ -296,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg)
     print(table(result))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_json(args.json_out, result, indent=1)
     return 0 if result["ok"] else 1
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import live, loadgen, profile
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import ThunderClient
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(report), file=sys.stderr)
     print(json.dumps(report, indent=2))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        write_json(args.json_out, report)
 
 
 def summary(report: dict) -> str:

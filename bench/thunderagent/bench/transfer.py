@@ -24,6 +24,7 @@ import time
 
 import aiohttp
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.engine import get_profile
@@ -189,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.stop()
     print(json.dumps(result, indent=2))
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

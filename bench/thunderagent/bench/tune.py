@@ -21,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import Replay, ReplayConfig, load_trace
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     report["recommended"] = best
     print(json.dumps({"scores": report["scores"], "recommended": best}, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":
