@@ -50,9 +50,6 @@ class PrefixGroups:
     released_leader_gone: int = 0
     prefill_tokens_saved: int = 0
 
-    def version(self, worker_id: str) -> int:
-        return self.versions.get(worker_id, 0)
-
     def _changed(self, worker_id: str) -> None:
         self.versions[worker_id] = self.versions.get(worker_id, 0) + 1
 
