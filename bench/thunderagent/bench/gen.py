@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 
 from thunderagent.bench.jsonfile import write_json
-from thunderagent.bench.replay import code_version
-from thunderagent.engine import get_profile
-from thunderagent.hashing import BlockHasher
-from thunderagent.replay import ideal_hit_ratio, pooled_hit_ratio
-from thunderagent.workloads.mooncake import TraceRow, summary
+from thunderagent.bench.replay import cache_bounds, code_version, work_ceiling
+from thunderagent.engine import TimingModel, get_profile
+from thunderagent.replay import load_trace
+from thunderagent.workloads.mooncake import summary
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
 KIND_OPTIONS: dict[str, tuple[str, type, str]] = {
@@ -92,22 +91,21 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def hit_ratios(rows: list[TraceRow], block_size: int, capacity_blocks: int) -> tuple[float, float]:
-    """(ideal, pooled) token hit ratios, with the keys ``bench replay`` builds from a trace."""
-    hasher = BlockHasher(block_size=1)
-    keyed = [
-        (hasher.hash_block_ids(r.hash_ids[: r.input_length // block_size]).primary, r.input_length)
-        for r in rows
-    ]
-    return ideal_hit_ratio(keyed, block_size), pooled_hit_ratio(keyed, block_size, capacity_blocks)
-
-
 def run(args: argparse.Namespace) -> dict:
-    """Generate, write both files; returns the meta document."""
+    """Generate, write both files; returns the meta document. The hit ratios and the work
+    ceiling are computed from the written file by ``bench replay``'s own functions, so the
+    sidecar says what a replay of that file reports."""
     params, trace = generate(args.kind, args.seed, args.scale, args.overrides)
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     capacity = args.workers * profile.capacity_blocks
-    ideal, pooled = hit_ratios(trace.rows, args.block_size, capacity)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as fh:
+        for row in trace.rows:
+            fh.write(json.dumps(row.as_json()) + "\n")
+    requests = load_trace(args.out, None, args.block_size)
+    bounds = cache_bounds(requests, args.block_size, capacity)
+    ceiling = work_ceiling(requests, TimingModel(profile), args.workers, args.block_size, bounds)
+    ideal, pooled = bounds["ideal"][0], bounds["pooled"][0]
     meta = {
         "kind": args.kind,
         "seed": args.seed,
@@ -121,14 +119,11 @@ def run(args: argparse.Namespace) -> dict:
             "profile": profile.name,
             "blocks": capacity,
         },
+        "work_ceiling": ceiling,
         **trace.meta,
         "params": dataclasses.asdict(params),
         "code_version": code_version(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as fh:
-        for row in trace.rows:
-            fh.write(json.dumps(row.as_json()) + "\n")
     write_json(meta_path(args.out), meta)
     return meta
 
@@ -144,8 +139,13 @@ def summary_line(out: Path, meta: dict) -> str:
         f"{out}: {meta['kind']} seed {meta['seed']}: {meta['requests']} requests, "
         f"span {meta['span_s']:.1f} s, mean input {meta['mean_input']:.0f} / output "
         f"{meta['mean_output']:.0f} tokens, ideal hit {meta['ideal_hit_ratio']:.3f}, pooled hit "
-        f"{meta['pooled_hit_ratio']:.3f} ({meta['pooled_capacity']['blocks']} blocks){extra}"
+        f"{meta['pooled_hit_ratio']:.3f} ({meta['pooled_capacity']['blocks']} blocks), work "
+        f"ceiling {_speed(meta['work_ceiling']['pooled']['speed'])} (pooled){extra}"
     )
+
+
+def _speed(speed: float | None) -> str:
+    return "none" if speed is None else f"{speed:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         raise SystemExit(f"{args.trace}: no requests")
     bs = args.block_size
     timing = TimingModel(profile)
-    bounds = _cache_bounds(trace, bs, args.workers * profile.capacity_blocks)
+    bounds = cache_bounds(trace, bs, args.workers * profile.capacity_blocks)
     ideal, pooled = bounds["ideal"][0], bounds["pooled"][0]
     chunk = profile.engine.chunked_prefill_size
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     return doc, results
 
 
-def _cache_bounds(trace, block_size: int, pool_blocks: int) -> dict[str, tuple[float, list]]:
+def cache_bounds(trace, block_size: int, pool_blocks: int) -> dict[str, tuple[float, list]]:
     """Per cache model (none, one unlimited cache, one shared LRU pool of the cluster's KV):
     its hit ratio over ``trace`` and each request's cached prompt tokens."""
     hasher = BlockHasher(block_size=1)

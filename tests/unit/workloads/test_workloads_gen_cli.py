@@ -28,8 +28,12 @@ def test_gen_writes_a_loadable_trace_and_its_meta(kind: str, tmp_path: Path, cap
     assert abs(trace[-1].arrival - meta["span_s"]) < 1e-6
     assert 0.0 < meta["pooled_hit_ratio"] <= meta["ideal_hit_ratio"] < 1.0
     assert meta["params"]["block_size"] == 512 and meta["pooled_capacity"]["workers"] == 8
+    ceiling = meta["work_ceiling"]  # what ``bench replay`` of this file reports
+    assert ceiling["workers"] == 8 and ceiling["span_s"] == pytest.approx(meta["span_s"], abs=1e-3)
+    assert ceiling["none"]["speed"] <= ceiling["pooled"]["speed"] <= ceiling["ideal"]["speed"]
     line = capsys.readouterr().out
     assert f"{meta['requests']} requests" in line and "pooled hit" in line
+    assert "work ceiling" in line
     if kind == "agent":
         assert all(r.session is not None and r.step is not None for r in trace)
     if kind == "hotspot":

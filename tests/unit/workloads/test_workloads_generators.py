@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
-from thunderagent.bench.gen import hit_ratios
+from thunderagent.bench.replay import cache_bounds
 from thunderagent.engine import get_profile
+from thunderagent.replay import load_trace
 from thunderagent.workloads.mooncake import TraceRow, est_service
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
@@ -89,11 +92,14 @@ def test_agent_steps_extend_the_previous_step_after_its_service_and_a_pause() ->
             assert gap >= floor - 0.001  # issue + service + a (positive) pause
 
 
-def test_agent_default_shape_and_pooled_hit_ratio_near_0_9() -> None:
+def test_agent_default_shape_and_pooled_hit_ratio_near_0_9(tmp_path: Path) -> None:
     """The default: 400 programs, ~3.9k steps, pooled hit ratio in [0.88, 0.92] (8 x 8B/H100)."""
     params, trace = generate("agent", 0)
+    out = tmp_path / "agent.jsonl"
+    out.write_text("".join(json.dumps(r.as_json()) + "\n" for r in trace.rows))
     capacity = 8 * get_profile("llama-3.1-8b-h100").with_engine(block_size=512).capacity_blocks
-    ideal, pooled = hit_ratios(trace.rows, params.block_size, capacity)
+    bounds = cache_bounds(load_trace(out, None, params.block_size), params.block_size, capacity)
+    ideal, pooled = bounds["ideal"][0], bounds["pooled"][0]
     assert params.programs == 400 and len(_programs(trace.rows)) == 400
     assert 3600 <= len(trace.rows) <= 4200
     assert 0.88 <= pooled <= 0.92 and pooled <= ideal + 1e-9
