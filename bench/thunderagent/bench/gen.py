@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 from thunderagent.bench.jsonfile import write_json
-from thunderagent.bench.replay import cache_bounds, code_version, work_ceiling
+from thunderagent.bench.replay import code_version
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import load_trace
+from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.workloads.mooncake import summary
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 

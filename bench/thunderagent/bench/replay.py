@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
-from thunderagent.hashing import BlockHasher
 from thunderagent.replay import (
     SCHEDULERS,
     Replay,
@@ -39,13 +37,7 @@ from thunderagent.replay import (
     TraceError,
     load_trace,
 )
-from thunderagent.replay.metrics import (
-    gpu_seconds_floor,
-    hit_ratio,
-    ideal_hits,
-    pooled_hits,
-    work_ceiling_speed,
-)
+from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
@@ -231,42 +223,6 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results
-
-
-def cache_bounds(trace, block_size: int, pool_blocks: int) -> dict[str, tuple[float, list]]:
-    """Per cache model (none, one unlimited cache, one shared LRU pool of the cluster's KV):
-    its hit ratio over ``trace`` and each request's cached prompt tokens."""
-    hasher = BlockHasher(block_size=1)
-    keyed = [
-        (hasher.hash_block_ids(r.block_ids[: r.prompt_len // block_size]).primary, r.prompt_len)
-        for r in trace
-    ]
-    lens = [r.prompt_len for r in trace]
-    out: dict[str, tuple[float, list]] = {"none": (0.0, [0] * len(trace))}
-    for name, hits in (
-        ("ideal", ideal_hits(keyed, block_size)),
-        ("pooled", pooled_hits(keyed, block_size, pool_blocks)),
-    ):
-        out[name] = (hit_ratio(lens, hits, block_size), [n * block_size for n in hits])
-    return out
-
-
-def work_ceiling(trace, timing: TimingModel, workers: int, block_size: int, bounds: dict) -> dict:
-    """Per cache model, the engine seconds no schedule goes below (``gpu_seconds_floor``) and
-    the speed past which the cluster, busy all the time, falls behind (``work_ceiling_speed``).
-    With the pooled cache it bounds what any routing can sustain in steady state."""
-    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
-    out: dict = {"workers": workers, "span_s": round(span, 3)}
-    for name, (_, cached) in bounds.items():
-        floor = gpu_seconds_floor(
-            timing, ((r.prompt_len, r.output_len, c) for r, c in zip(trace, cached, strict=True))
-        )
-        speed = work_ceiling_speed(floor, workers, span)
-        out[name] = {  # JSON has no infinity: null when nothing bounds the speed
-            "engine_s": floor,
-            "speed": round(speed, 3) if math.isfinite(speed) else None,
-        }
-    return out
 
 
 def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from thunderagent.engine import TimingModel
+from thunderagent.hashing import BlockHasher
+from thunderagent.replay.traces import TraceRequest
 
 
 def usable_blocks(prompt_len: int, block_size: int) -> int:
@@ -116,3 +118,43 @@ def load_imbalance(busy: Sequence[float]) -> float:
         return 1.0
     mean = sum(busy) / len(busy)
     return max(busy) / mean if mean > 0 else 1.0
+
+
+def cache_bounds(
+    trace: Sequence[TraceRequest], block_size: int, pool_blocks: int
+) -> dict[str, tuple[float, list]]:
+    """Per cache model (none, one unlimited cache, one shared LRU pool of the cluster's KV):
+    its hit ratio over ``trace`` and each request's cached prompt tokens."""
+    hasher = BlockHasher(block_size=1)
+    keyed = [
+        (hasher.hash_block_ids(r.block_ids[: r.prompt_len // block_size]).primary, r.prompt_len)
+        for r in trace
+    ]
+    lens = [r.prompt_len for r in trace]
+    out: dict[str, tuple[float, list]] = {"none": (0.0, [0] * len(trace))}
+    for name, hits in (
+        ("ideal", ideal_hits(keyed, block_size)),
+        ("pooled", pooled_hits(keyed, block_size, pool_blocks)),
+    ):
+        out[name] = (hit_ratio(lens, hits, block_size), [n * block_size for n in hits])
+    return out
+
+
+def work_ceiling(
+    trace: Sequence[TraceRequest], timing: TimingModel, workers: int, block_size: int, bounds: dict
+) -> dict:
+    """Per cache model, the engine seconds no schedule goes below (``gpu_seconds_floor``) and
+    the speed past which the cluster, busy all the time, falls behind (``work_ceiling_speed``).
+    With the pooled cache it bounds what any routing can sustain in steady state."""
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    out: dict = {"workers": workers, "span_s": round(span, 3)}
+    for name, (_, cached) in bounds.items():
+        floor = gpu_seconds_floor(
+            timing, ((r.prompt_len, r.output_len, c) for r, c in zip(trace, cached, strict=True))
+        )
+        speed = work_ceiling_speed(floor, workers, span)
+        out[name] = {  # JSON has no infinity: null when nothing bounds the speed
+            "engine_s": floor,
+            "speed": round(speed, 3) if math.isfinite(speed) else None,
+        }
+    return out

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from thunderagent.bench.replay import cache_bounds
 from thunderagent.engine import get_profile
 from thunderagent.replay import load_trace
+from thunderagent.replay.metrics import cache_bounds
 from thunderagent.workloads.mooncake import TraceRow, est_service
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
