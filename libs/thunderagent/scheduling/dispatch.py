@@ -18,6 +18,12 @@ works on that scheduler's waiting entries, queues, spill pool, admission and run
   program paused now (the try parks or resumes it), no PD gate (its answer depends on other
   workers). Past capacity this was most of a replay's time (thunder at 3x on the conversation
   trace: 7.4 M tries).
+* **A request settled everywhere is skipped in one comparison**: the open workers' books get a
+  generation (``_books_gen``), and a request whose memo held every open worker it may go to
+  under that generation is marked with it. Past capacity most of the pool is settled in most
+  passes (agent trace at 8x: ~550 spilled requests and ~100 tries a pass), and comparing each one's
+  memo worker by worker was what the pass spent its time on. A commit changes the committed
+  worker's books (its grouping version at least), so the requests after it are looked at again.
 """
 
 from __future__ import annotations
@@ -55,38 +61,72 @@ class DispatchPass:
     def _dispatch_spilled(self, now: float, out: list[Action]) -> None:
         """Spilled requests waited past the bound: they go first, anywhere with room. The scan
         stops once every worker is full (a long spill pool costs nothing while nothing fits)."""
-        if not self.spill:  # the usual poll: no worker's room is read for nothing
+        spill = self.spill
+        if not spill:  # the usual poll: no worker's room is read for nothing
             return
-        open_ = {w for w in self.admission.workers if w not in self.gone}
+        known = self.admission.workers
+        open_ = {w for w in known if w not in self.gone}
         open_ = {w for w in open_ if self._has_room(w, 0)}
         keep = []
         versions = self.groups.versions
-        while self.spill and open_ and not self._gate_full():
-            item = heapq.heappop(self.spill)
-            entry = self.entries.get(item[2])
+        entries = self.entries
+        now_books: dict[str, tuple] | None = None
+        closed: list[str] = []
+        gen = 0
+        pd, programs = self.params.pd_mode == "disaggregated", self.params.programs
+        i, n = 0, len(spill)
+        while i < n and open_ and not (pd and self.gate.full()):
+            item = spill[i]
+            i += 1
+            entry = entries.get(item[2])
             if entry is None or entry.state != SPILL:
                 continue
-            memo = self._no_room_memo(entry)
+            memo = entry.no_room  # once set, only a program's pause can void it
+            if memo is None or (programs and entry.req.program_id is not None):
+                memo = self._no_room_memo(entry)
+            if memo is not None:
+                if now_books is None:
+                    now_books = {w: (self._room(w), versions.get(w, 0)) for w in open_}
+                    closed = [w for w, (room, _) in now_books.items() if not room.fits(0)]
+                    gen = self._books_gen(now_books)
+                if entry.settled == gen and not closed:
+                    keep.append(item)  # settled under these very books: every try is skipped
+                    continue
+                if now_books.items() <= memo.items():
+                    # settled: every open worker is as it was when this found no room there,
+                    # so each try would be skipped (and a full one dropped from ``open_``)
+                    entry.settled = gen
+                    if closed:
+                        open_.difference_update(closed)
+                        now_books = None
+                    keep.append(item)
+                    continue
             for w, _ in self._eligible(entry.req):
-                if w not in open_ and w in self.admission.workers:
+                if w not in open_ and w in known:
                     continue
                 books = None
-                if memo is not None and w in self.admission.workers:
+                if memo is not None and w in known:
                     books = (self._room(w), versions.get(w, 0))
                     if memo.get(w) == books:
                         if not books[0].fits(0):
                             open_.discard(w)
+                            now_books = None
                         continue
                 if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                    now_books = None
                     break
                 if books is not None:
                     memo[w] = books  # type: ignore[index]
                 if not self._has_room(w, 0):
                     open_.discard(w)
+                    now_books = None
             else:
                 keep.append(item)
-        for item in keep:
-            heapq.heappush(self.spill, item)
+                if memo is not None and now_books is not None:
+                    entry.settled = gen  # every eligible open worker is in its memo as it is now
+        # ``spill`` is kept sorted (a sorted list is a heap too): what was kept, then the rest
+        keep.extend(spill[i:])
+        self.spill = keep
 
     def _dispatch_queued(self, now: float, out: list[Action]) -> None:
         """Per-worker queues, merged by key; a worker whose head cannot go is done this poll
@@ -122,6 +162,15 @@ class DispatchPass:
         if room is None:
             room = self._rooms[w] = self.admission.headroom(w)
         return room
+
+    def _books_gen(self, books: dict[str, tuple]) -> int:
+        """A number for these open workers' books: the same while they stay the same, across
+        passes; a new one for anything else. An entry marked with it (``settled``) has every
+        open worker it may go to in its memo as now."""
+        if books != self._gen_books:
+            self._gen += 1
+            self._gen_books = books
+        return self._gen
 
     def _no_room_memo(self, entry: Entry) -> dict[str, tuple] | None:
         """Where ``entry`` last found no room (see the module docstring); None when its try
@@ -214,12 +263,14 @@ class DispatchPass:
     def _try_preempt(self, entry: Entry, w: str, now: float, out: list[Action]) -> bool:
         if not self.params.preemption:
             return False
+        allowed = self.preemptor.allowed_at(w)
+        if allowed > now:  # rate-limited (``pick``'s first test): no need to list the victims
+            if any(r.worker_id == w and r.decode_worker is None for r in self.running.values()):
+                self._retry_at = min(self._retry_at or allowed, allowed)
+            return False
         on_w = [r for r in self.running.values() if r.worker_id == w and r.decode_worker is None]
         victim = self.preemptor.pick(entry.req, self._cached(entry.req, w), on_w, now)
         if victim is None:
-            allowed = self.preemptor.allowed_at(w)
-            if on_w and allowed > now:
-                self._retry_at = min(self._retry_at or allowed, allowed)
             return False
         self.preemptor.record(victim, now)
         rid = victim.req.request_id

@@ -80,19 +80,25 @@ class Preemptor:
         if now < self.allowed_at(running[0].worker_id):
             return None
         need = service_s(waiting, cached, p)
-        victims = [
-            r
-            for r in running
-            if r.started_at is not None
-            and r.req.priority >= waiting.priority
-            and remaining_output_tokens(r.req) - r.decoded(now, p) >= p.preempt_min_remaining_tokens
-            and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
-            and r.remaining_s(now, p) > need
-        ]
-        if not victims:
+        # one pass: each running request's time left is computed once (for the victim test,
+        # the choice among victims, and the soonest finish)
+        victim, most, wait = None, None, float("inf")
+        for r in running:
+            left = r.remaining_s(now, p)
+            if left < wait:
+                wait = left
+            if (
+                r.started_at is not None
+                and r.req.priority >= waiting.priority
+                and left > need
+                and remaining_output_tokens(r.req) - r.decoded(now, p)
+                >= p.preempt_min_remaining_tokens
+                and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
+                and (most is None or (left, r.req.request_id) > most)
+            ):
+                victim, most = r, (left, r.req.request_id)
+        if victim is None:
             return None
-        victim = max(victims, key=lambda r: (r.remaining_s(now, p), r.req.request_id))
-        wait = min(r.remaining_s(now, p) for r in running)
         context = victim.req.prompt_tokens + victim.req.generated_tokens + victim.decoded(now, p)
         cost = need + context * p.resume_recompute_fraction / p.prefill_tokens_per_s
         if wait < p.preempt_gain_ratio * cost:

@@ -16,6 +16,7 @@ out of ``poll`` in the order the driver must carry them out (a ``Preempt`` prece
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class _Entry:
     no_room: dict[str, tuple] | None = None
     """Spilled: worker -> (its headroom, its grouping version) when this request last found no
     room there; the same pair again means the same answer (``DispatchPass._dispatch_spilled``)."""
+    settled: int = -1
+    """The books generation (``DispatchPass._books_gen``) under which its memo covered every
+    open worker it may go to: while it lasts, a pass skips this request at once."""
 
 
 @dataclass(slots=True)
@@ -95,6 +99,8 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self._typical_need = 64.0
         self._rooms: dict[str, Headroom] = {}
         """Each worker's admission state during one dispatch pass (see ``_has_room``)."""
+        self._gen, self._gen_books = 0, {}
+        """The spill pass's books generation and what it stands for (``_books_gen``)."""
         self.counters = {
             "submitted": 0,
             "direct": 0,
@@ -303,7 +309,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             entry = self.entries.get(rid)
             if entry is not None and entry.state == QUEUED:
                 entry.state = SPILL
-                heapq.heappush(self.spill, (entry.key, entry.seq, rid))
+                bisect.insort(self.spill, (entry.key, entry.seq, rid))  # sorted: see dispatch
 
     def _first_live(self, heap: _Heap, states: tuple[str, ...]) -> float | None:
         while heap.items:

@@ -257,6 +257,27 @@ def test_a_spilled_request_is_tried_again_exactly_when_its_answer_can_change(wha
     assert s.poll(1.3) == want
 
 
+def test_a_dispatch_in_a_spill_pass_unsettles_the_requests_after_it() -> None:
+    """``c`` spilled and found no room anywhere: settled, skipped while nothing changes. In
+    the next pass a small request ahead of it in the pool (``a``, just spilled from behind a
+    head that cannot go) is sent to w0 and starts prefilling ``c``'s prefix there. The pass
+    began with ``c`` settled, but that dispatch changed w0's books, so ``c`` is tried there
+    again and waits for ``a``'s prefill instead of staying spilled."""
+    s = SCHEDULERS.create("thunder", window="none", spill_after_s=0.5, grouping=True)
+    for w in ("w0", "w1"):
+        s.update_worker(room(w, running=1, total=100, max_running=8, active_blocks=80), 0.0)
+    hashes = list(range(1000, 1020))
+    both = [("w0", 0), ("w1", 0)]
+    s.submit(req("big", prompt=640, cands=[("w0", 0)]), 0.0)  # w0's queue head: never fits
+    s.submit(req("c", 1.1, prompt=320, cands=both, block_hashes=hashes), 1.1)  # 21 blocks > 20
+    s.submit(req("a", 1.2, prompt=80, cands=both, block_hashes=hashes[:5]), 1.2)  # 6 blocks
+    assert s.poll(1.2) == [] and s.poll(1.65) == [] and s.poll(1.66) == []
+    assert s.entries["c"].state == "spill" and s.entries["c"].settled == s._gen
+    assert s.entries["a"].state == "queued"  # behind "big" until it spills at 1.7
+    assert s.poll(1.75) == [Dispatch("a", "w0")]
+    assert s.entries["c"].state == "held"
+
+
 def test_a_spilled_step_of_a_program_paused_meanwhile_is_tried_at_once() -> None:
     """The memo never hides a pause: a spilled program step that found no room is skipped
     while its books stand, but once its program is paused (here by memory pressure on the

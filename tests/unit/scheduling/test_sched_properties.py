@@ -229,6 +229,8 @@ class SpillDriver(LoggingDriver):
         r = super().request(rid, x)
         r.prompt_tokens = 16 * (20 + x % 60)  # larger: KV runs out before the running cap
         r.deadline = None
+        if x % 5 == 0:  # a worker the scheduler may not have heard of yet (see "join")
+            r.candidates = [*r.candidates, ("w3", 0)]
         return r
 
     def step(self, op: str, x: int) -> None:
@@ -238,6 +240,19 @@ class SpillDriver(LoggingDriver):
         elif op == "report":
             w = WORKERS[x % 3]
             self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 8), self.now)
+            self.apply(self.s.poll(self.now))
+        elif op == "burst":  # clients on one prefix at once: passes that commit, then hold
+            for k in range(2 + x % 4):
+                self.submit(x + 4 * k)
+            self.apply(self.s.poll(self.now))
+        elif op == "join":  # a new worker reports, or one that left comes back
+            w = ("w3", *WORKERS)[x % 4]
+            self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 8), self.now)
+            self.apply(self.s.poll(self.now))
+        elif op == "leave":
+            w = ("w3", *WORKERS)[x % 4]
+            self.s.remove_worker(w, self.now)
+            self.running = {r: wd for r, wd in self.running.items() if w not in wd}
             self.apply(self.s.poll(self.now))
         else:
             super().step(op, x)
@@ -257,6 +272,9 @@ spill_ops = st.lists(
                 "cache",
                 "report",
                 "release",
+                "join",
+                "leave",
+                "burst",
             ]
         ),
         st.integers(0, 1000),
