@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import msgspec
 import uvloop
 
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import NatsServer
 from thunderagent.schemas import Ack
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average": load_average(),
         **uvloop.run(run(args.messages, args.rounds)),
     }
-    print(json.dumps(report, indent=2))
+    print(dumps(report, indent=2))
     if args.json_out:
         write_json(args.json_out, report)
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 
 import aiohttp
 
 from thunderagent import stats
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import ChatMessage, GenerateRequest, TokenChunk
 from thunderagent.stack.up import Stack, StackConfig
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         }
     finally:
         stack.stop()
-    print(json.dumps(result, indent=2))
+    print(dumps(result, indent=2))
     if args.json_out:
         write_json(args.json_out, result)
 

@@ -21,8 +21,13 @@ def finite(obj: object) -> object:
     return obj
 
 
+def dumps(doc: object, indent: int | None = 2) -> str:
+    """``doc`` as strict JSON text: what the benchmarks print and write."""
+    return json.dumps(finite(doc), indent=indent, allow_nan=False)
+
+
 def write_json(path: str | Path, doc: object, indent: int = 2) -> None:
     """Write ``doc`` to ``path`` (folders made) as strict JSON, one trailing newline."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite(doc), indent=indent, allow_nan=False) + "\n")
+    path.write_text(dumps(doc, indent) + "\n")

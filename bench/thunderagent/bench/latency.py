@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import re
 import time
@@ -32,7 +31,7 @@ import aiohttp
 import uvloop
 
 from thunderagent import stats
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.router.service import RouterConfig, embedded_router
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stack.stop()
     result = report(args, times)
-    print(json.dumps(result, indent=2))
+    print(dumps(result, indent=2))
     if args.json_out:
         write_json(args.json_out, result)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port
 from thunderagent.replay.traces import TraceRequest, load_trace
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
         systems["thunderagent"] = ours.summary()
-        print(json.dumps(systems["thunderagent"]), file=sys.stderr)
+        print(dumps(systems["thunderagent"], indent=None), file=sys.stderr)
         if args.baseline:
             connections = (
                 CONNECTIONS if args.client_connections == "both" else [args.client_connections]
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stack.stop()
     report = build_report(args, systems)
-    print(json.dumps(report, indent=2))
+    print(dumps(report, indent=2))
     if args.json_out:
         write_json(args.json_out, report)
 
@@ -492,7 +492,7 @@ def _run_baseline(
         asyncio.run(wait_http(url))
         asyncio.run(flush_all(stack.engine_urls))
         result = asyncio.run(run_http(url, name, requests, connections)).summary()
-        print(json.dumps({name: result}), file=sys.stderr)
+        print(dumps({name: result}, indent=None), file=sys.stderr)
         return result
     finally:
         stop_router(proc)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import loadgen, perf, procs, pyspy
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     report["load_average_after"] = load_average()
     report["wall_s"] = round(time.perf_counter() - started, 1)
     print(render(report), file=sys.stderr)
-    print(json.dumps(report, indent=2))
+    print(dumps(report, indent=2))
     if args.json_out:
         write_json(args.json_out, report)
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import Profile, get_profile
 from thunderagent.replay import Record, ReplayConfig, ReplayResult
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = run(args)
     for name in args.scenarios:
         print(table(name, doc[name]), end="\n\n")
-    print("targets:", json.dumps(doc["targets"]))
+    print("targets:", dumps(doc["targets"], indent=None))
     if args.json is not None:
         write_json(args.json, doc)
     return 0

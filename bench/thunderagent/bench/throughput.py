@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import live, loadgen, profile
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     report["load_average_after"] = profile.load_average()
     report["wall_s"] = round(time.perf_counter() - started, 1)
     print(summary(report), file=sys.stderr)
-    print(json.dumps(report, indent=2))
+    print(dumps(report, indent=2))
     if args.json_out:
         write_json(args.json_out, report)
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 
 import aiohttp
 
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.engine import get_profile
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         result = asyncio.run(run(stack, args))
     finally:
         stack.stop()
-    print(json.dumps(result, indent=2))
+    print(dumps(result, indent=2))
     if args.json_out:
         write_json(args.json_out, result)
 

@@ -17,11 +17,10 @@ The real traces are for judging a default chosen here, not for choosing it.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import Replay, ReplayConfig, load_trace
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         for v, s in score.items()
     }
     report["recommended"] = best
-    print(json.dumps({"scores": report["scores"], "recommended": best}, indent=2))
+    print(dumps({"scores": report["scores"], "recommended": best}, indent=2))
     if args.json:
         write_json(args.json, report)
 

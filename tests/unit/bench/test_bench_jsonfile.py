@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from thunderagent.bench.jsonfile import finite, write_json
+from thunderagent.bench.jsonfile import dumps, finite, write_json
 
 
 def _strict(text: str) -> object:
@@ -39,3 +39,9 @@ def test_finite_leaves_numbers_and_text_alone() -> None:
     }
     with pytest.raises(ValueError):
         _strict(json.dumps({"x": math.inf}))  # what json.dumps alone would have written
+
+
+def test_what_the_benchmarks_print_is_strict_too() -> None:
+    text = dumps({"added_p99_ms": math.nan, "rates": [math.inf, 2.0]}, indent=None)
+    assert _strict(text) == {"added_p99_ms": None, "rates": [None, 2.0]}
+    assert "\n" not in text
