@@ -241,7 +241,7 @@ class SpillDriver(LoggingDriver):
             w = WORKERS[x % 3]
             self.s.update_worker(WorkerRoom(w, x % 3, 0, 0, 200, 8), self.now)
             self.apply(self.s.poll(self.now))
-        elif op == "burst":  # clients on one prefix at once: passes that commit, then hold
+        elif op == "burst":  # clients on one prefix at once: several spilled in one pass
             for k in range(2 + x % 4):
                 self.submit(x + 4 * k)
             self.apply(self.s.poll(self.now))
