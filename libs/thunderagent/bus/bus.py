@@ -122,9 +122,6 @@ class Bus(JetStreamMixin):
         headers = inject_headers(headers) or None
         await self.nc.publish(subject, payload, reply=reply, headers=headers)
 
-    async def publish_raw(self, subject: str, payload: bytes, *, reply: str = "") -> None:
-        await self.nc.publish(subject, payload, reply=reply, headers=inject_headers() or None)
-
     async def request(
         self,
         subject: str,

@@ -14,10 +14,6 @@ class BusError(Exception):
         super().__init__(f"{subject}: {message}")
         self.subject = subject
 
-    def is_unavailable(self) -> bool:
-        """True when retrying elsewhere (another worker, later) may succeed."""
-        return False
-
 
 class NoResponders(BusError):
     """Nobody subscribes to the subject (NATS answered 503 at once)."""
@@ -25,17 +21,11 @@ class NoResponders(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(subject, "no responders")
 
-    def is_unavailable(self) -> bool:
-        return True
-
 
 class RequestTimeout(BusError):
     def __init__(self, subject: str, timeout: float) -> None:
         super().__init__(subject, f"no reply within {timeout:.3f}s")
         self.timeout = timeout
-
-    def is_unavailable(self) -> bool:
-        return True
 
 
 class PayloadTooLarge(BusError):
@@ -54,9 +44,6 @@ class BadReply(BusError):
     def __init__(self, subject: str, message: str, code: str | None = None) -> None:
         super().__init__(subject, message)
         self.code = code
-
-    def is_unavailable(self) -> bool:
-        return self.code == "unavailable"
 
 
 MAX_SUBJECT_BYTES = 1024

@@ -16,13 +16,9 @@ arrives before it closes is released at its close. Lengths by mode:
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from thunderagent.scheduling.params import SchedParams
-
-RATE_HORIZON_S = 1.0
-"""Arrival rate is counted over the last second: long enough to smooth single bursts."""
 
 
 @dataclass(slots=True)
@@ -30,13 +26,6 @@ class Window:
     params: SchedParams
     _close: dict[int, float] = field(default_factory=dict)
     """Window class (0 online, 1 batch) -> when its open window closes."""
-    _recent: deque[float] = field(default_factory=deque)
-    """Arrival times within the rate horizon (a deque: appended and trimmed at the ends)."""
-
-    def arrival_rate(self, now: float) -> float:
-        while self._recent and self._recent[0] <= now - RATE_HORIZON_S:
-            self._recent.popleft()
-        return len(self._recent) / RATE_HORIZON_S
 
     def length(self, priority: int, waiting: int, now: float) -> float:
         p = self.params
@@ -54,5 +43,4 @@ class Window:
         if close is None or close <= now:
             close = now + self.length(priority, waiting, now)
             self._close[cls] = close
-        self._recent.append(now)
         return close
