@@ -56,13 +56,19 @@ class Running:
         return max(prefill - (now - self.dispatched_at), 0.0) + decode
 
 
+PREEMPTED_REMEMBERED = 1 << 16
+"""Preempted requests whose count is kept (oldest forgotten first): a request preempted that
+many preemptions ago has long finished, and forgetting one only lets it be preempted again."""
+
+
 @dataclass(slots=True)
 class Preemptor:
     params: SchedParams
     last: dict[str, float] = field(default_factory=dict)
     """worker -> time of its last preemption (the rate limit)."""
     counts: dict[str, int] = field(default_factory=dict)
-    """request id -> times preempted (kept across continuations)."""
+    """request id -> times preempted (kept across continuations; the most recent
+    ``PREEMPTED_REMEMBERED`` requests)."""
     preemptions: int = 0
 
     def allowed_at(self, worker_id: str) -> float:
@@ -109,4 +115,6 @@ class Preemptor:
         self.last[victim.worker_id] = now
         rid = victim.req.request_id
         self.counts[rid] = self.counts.get(rid, 0) + 1
+        if len(self.counts) > PREEMPTED_REMEMBERED:  # a scheduler runs for months
+            del self.counts[next(iter(self.counts))]
         self.preemptions += 1

@@ -13,7 +13,7 @@ from thunderagent.scheduling import (
     ThunderScheduler,
     WorkerRoom,
 )
-from thunderagent.scheduling.preemption import Preemptor, Running
+from thunderagent.scheduling.preemption import PREEMPTED_REMEMBERED, Preemptor, Running
 
 HASHES = list(range(101, 109))  # 8 blocks, none cached
 
@@ -146,3 +146,16 @@ def test_pd_cap_holds_prefills_until_a_transfer_lands() -> None:
     assert s.stats()["pd_inflight"] == 2
     s.on_transfer_done("r0", "d0", 0.3)
     assert sent(s.poll(0.3)) == ["r2"]
+
+
+def test_preemption_counts_are_bounded_and_the_recent_ones_kept() -> None:
+    """Each request's preemptions are counted (the per-request cap); the table keeps the most
+    recent ``PREEMPTED_REMEMBERED`` requests, so a scheduler that runs for months stays small."""
+    p = SchedParams(preemption=True, preempt_max_per_s=1e9)
+    pre = Preemptor(p)
+    n = PREEMPTED_REMEMBERED + 10
+    for i in range(n):
+        pre.record(Running(req(f"v{i}"), "w0", 0, 1, 0.0, started_at=0.0), float(i))
+    pre.record(Running(req(f"v{n - 1}"), "w0", 0, 1, 0.0, started_at=0.0), float(n))
+    assert len(pre.counts) == PREEMPTED_REMEMBERED
+    assert "v0" not in pre.counts and pre.counts[f"v{n - 1}"] == 2
