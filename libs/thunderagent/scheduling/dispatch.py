@@ -64,11 +64,9 @@ class DispatchPass:
         spill = self.spill
         if not spill:  # the usual poll: no worker's room is read for nothing
             return
-        known = self.admission.workers
-        open_ = {w for w in known if w not in self.gone}
+        open_ = {w for w in self.admission.workers if w not in self.gone}
         open_ = {w for w in open_ if self._has_room(w, 0)}
         keep = []
-        versions = self.groups.versions
         entries = self.entries
         now_books: dict[str, tuple] | None = None
         closed: list[str] = []
@@ -86,9 +84,7 @@ class DispatchPass:
                 memo = self._no_room_memo(entry)
             if memo is not None:
                 if now_books is None:
-                    now_books = {w: (self._room(w), versions.get(w, 0)) for w in open_}
-                    closed = [w for w, (room, _) in now_books.items() if not room.fits(0)]
-                    gen = self._books_gen(now_books)
+                    now_books, closed, gen = self._books_now(open_)
                 if entry.settled == gen and not closed:
                     keep.append(item)  # settled under these very books: every try is skipped
                     continue
@@ -101,32 +97,51 @@ class DispatchPass:
                         now_books = None
                     keep.append(item)
                     continue
-            for w, _ in self._eligible(entry.req):
-                if w not in open_ and w in known:
-                    continue
-                books = None
-                if memo is not None and w in known:
-                    books = (self._room(w), versions.get(w, 0))
-                    if memo.get(w) == books:
-                        if not books[0].fits(0):
-                            open_.discard(w)
-                            now_books = None
-                        continue
-                if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
-                    now_books = None
-                    break
-                if books is not None:
-                    memo[w] = books  # type: ignore[index]
-                if not self._has_room(w, 0):
-                    open_.discard(w)
-                    now_books = None
-            else:
+            gone, changed = self._try_spilled(entry, memo, open_, now, out)
+            if changed:
+                now_books = None
+            if not gone:
                 keep.append(item)
                 if memo is not None and now_books is not None:
                     entry.settled = gen  # every eligible open worker is in its memo as it is now
         # ``spill`` is kept sorted (a sorted list is a heap too): what was kept, then the rest
         keep.extend(spill[i:])
         self.spill = keep
+
+    def _try_spilled(
+        self, entry: Entry, memo: dict | None, open_: set[str], now: float, out: list[Action]
+    ) -> tuple[bool, bool]:
+        """Try a spilled request on its candidates, skipping those its memo says would fail
+        again: (it left the pool, some worker's books or ``open_`` changed meanwhile)."""
+        known, versions = self.admission.workers, self.groups.versions
+        changed = False
+        for w, _ in self._eligible(entry.req):
+            if w not in open_ and w in known:
+                continue
+            books = None
+            if memo is not None and w in known:
+                books = (self._room(w), versions.get(w, 0))
+                if memo.get(w) == books:
+                    if not books[0].fits(0):
+                        open_.discard(w)
+                        changed = True
+                    continue
+            if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+                return True, True
+            if books is not None:
+                memo[w] = books  # type: ignore[index]
+            if not self._has_room(w, 0):
+                open_.discard(w)
+                changed = True
+        return False, changed
+
+    def _books_now(self, open_: set[str]) -> tuple[dict[str, tuple], list[str], int]:
+        """The open workers' books (headroom, grouping version), those of them now full, and
+        the books' generation (``_books_gen``)."""
+        versions = self.groups.versions
+        books = {w: (self._room(w), versions.get(w, 0)) for w in open_}
+        closed = [w for w, (room, _) in books.items() if not room.fits(0)]
+        return books, closed, self._books_gen(books)
 
     def _dispatch_queued(self, now: float, out: list[Action]) -> None:
         """Per-worker queues, merged by key; a worker whose head cannot go is done this poll
