@@ -108,7 +108,10 @@ async def test_gateway_with_an_embedded_router_serves_http(nats_server):
         answers = []
         async with aiohttp.ClientSession() as session:
             give_up_at = time.monotonic() + 20
-            while len(answers) < 2:  # until the replica has the fleet, then once more
+            # until the replica serves, then three more: with two workers, once the second
+            # request has missed (routed by load to the worker without the prefix) both hold
+            # it, so one of the three follow-ups finds it cached whatever the routing
+            while len(answers) < 4:
                 assert time.monotonic() < give_up_at, "the gateway never served a completion"
                 try:
                     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -118,10 +121,10 @@ async def test_gateway_with_an_embedded_router_serves_http(nats_server):
                 except aiohttp.ClientConnectionError:
                     pass
                 await asyncio.sleep(0.1)
-    first, second = answers
+    first, *again = answers
     assert first["usage"]["completion_tokens"] == 5
-    assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert {a["usage"]["prompt_tokens"] for a in again} == {first["usage"]["prompt_tokens"]}
+    assert any(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in again)
 
 
 async def test_the_replica_that_routes_gets_the_room_not_half(nats_server):
