@@ -93,22 +93,35 @@ async def start(nats_url: str, engine: SlowEndEngine, rid: str = "r1"):
     return nc, client, replies, phases, generation, task
 
 
-async def read_until_final(replies: asyncio.Queue) -> list:
+HANG_S = 30.0
+"""A guard against a hang, not a timing target."""
+
+
+async def read_until_final(replies: asyncio.Queue, task: asyncio.Task) -> list:
+    """The client's replies up to the final one; a run that died first fails with its error."""
     got = []
     while not got or not isinstance(got[-1], FinalReply):
-        got.append(REPLY_DECODER.decode((await asyncio.wait_for(replies.get(), 5)).data))
+        reply = asyncio.ensure_future(replies.get())
+        done, _ = await asyncio.wait({reply, task}, timeout=HANG_S,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if reply not in done:
+            reply.cancel()
+            if task in done:
+                raise AssertionError(f"the run ended before its answer: {task.result()!r}")
+            raise TimeoutError(f"no reply in {HANG_S:g} s after {got!r}")
+        got.append(REPLY_DECODER.decode(reply.result().data))
     return got
 
 
 async def test_final_reply_does_not_wait_for_the_end_of_the_engine_stream(nats_server):
     engine = SlowEndEngine()
     nc, client, replies, phases, _, task = await start(nats_server.url, engine)
-    got = await read_until_final(replies)
+    got = await read_until_final(replies, task)
     assert [type(r) for r in got] == [TokenChunk, TokenChunk, FinalReply]
     assert got[-1].usage.completion_tokens == 2
     assert not engine.drained and not task.done(), "answered while the stream was still open"
     engine.release.set()
-    final = await asyncio.wait_for(task, 5)
+    final = await asyncio.wait_for(task, HANG_S)
     assert final is got[-1] or final == got[-1]
     assert engine.drained
     await client.flush()
@@ -121,20 +134,20 @@ async def test_final_reply_does_not_wait_for_the_end_of_the_engine_stream(nats_s
 async def test_a_stream_broken_or_stopped_after_the_answer_reports_nothing_more(nats_server):
     broken = SlowEndEngine(break_after=True)
     nc, client, replies, phases, _, task = await start(nats_server.url, broken)
-    await read_until_final(replies)
+    await read_until_final(replies, task)
     broken.release.set()
-    assert isinstance(await asyncio.wait_for(task, 5), FinalReply)  # no failure, no hand-back
+    assert isinstance(await asyncio.wait_for(task, HANG_S), FinalReply)  # no failure, no hand-back
 
     stopped = SlowEndEngine()
     nc2, client2, replies2, phases2, generation2, task2 = await start(
         nats_server.url, stopped, "r2"
     )
-    await read_until_final(replies2)
+    await read_until_final(replies2, task2)
     await generation2.stop()  # a preemption or cancel that arrives after the answer
     await asyncio.sleep(0.05)
     assert not task2.done() and not stopped.aborted, "an answered run is left to drain"
     stopped.release.set()
-    assert isinstance(await asyncio.wait_for(task2, 5), FinalReply)
+    assert isinstance(await asyncio.wait_for(task2, HANG_S), FinalReply)
     assert stopped.drained
     await client.flush()
     await asyncio.sleep(0.1)
@@ -148,10 +161,10 @@ async def test_a_stream_broken_or_stopped_after_the_answer_reports_nothing_more(
 async def test_a_one_token_run_sends_its_start_and_end_together_before_the_answer(nats_server):
     engine = SlowEndEngine(one_token=True)
     nc, client, replies, phases, _, task = await start(nats_server.url, engine)
-    got = await read_until_final(replies)
+    got = await read_until_final(replies, task)
     assert [type(r) for r in got] == [TokenChunk, FinalReply]
     engine.release.set()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, HANG_S)
     await client.flush()
     await asyncio.sleep(0.1)
     assert phases == [["started", "finished"], "reply"]

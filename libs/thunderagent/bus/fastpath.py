@@ -17,7 +17,8 @@ Publishing: nats-py wakes its flusher task (a queue and a future per flush) to w
 turn of the loop published; here a ``call_soon`` callback writes it, in the same place in the
 loop's order, with one write for all of a turn's publishes as before. nats-py's flusher still
 does it whenever the socket is backed up (it waits for the buffer to drain), while
-(re)connecting, and for a forced flush.
+(re)connecting, and for a forced flush. A PING (``flush()``) is queued behind what is pending,
+never written ahead of it, so its PONG means the server has everything sent before.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from nats.aio.client import PING_PROTO
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -47,6 +49,18 @@ class FastClient(NATS):
         elif not self._write_scheduled:
             self._write_scheduled = True
             asyncio.get_running_loop().call_soon(self._write_pending)
+
+    async def _send_ping(self, future: asyncio.Future | None = None) -> None:
+        # nats-py 2.16 writes PING straight to the socket, ahead of what is still pending (a SUB
+        # made the same turn), so flush() could return before the server had that SUB: another
+        # connection's publish then found no subscriber and was lost. Queued behind them, its
+        # PONG proves everything before it arrived, as flush() promises.
+        if not self.is_connected:  # reconnecting: nats-py's way (the PING goes nowhere)
+            await super()._send_ping(future)
+            return
+        self._pongs.append(future if future is not None else asyncio.Future())
+        await self._send_command(PING_PROTO)
+        await self._flush_pending()
 
     def _may_write_directly(self) -> bool:
         flusher, transport = self._flusher_task, self._transport
