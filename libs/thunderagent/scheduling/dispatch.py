@@ -46,8 +46,8 @@ Entry = Any
 
 class DispatchPass:
     """The dispatch pass; a mixin of ``ThunderScheduler``, whose ``entries``, ``queues``,
-    ``spill``, ``admission``, ``running``, ``groups``, ``gate``, ``preemptor`` and ``programs``
-    it uses."""
+    ``spill``, ``admission``, ``running``, ``runs_on``, ``groups``, ``gate``, ``preemptor`` and
+    ``programs`` it uses."""
 
     def _head(self, worker_id: str) -> Entry | None:
         q = self.queues.get(worker_id)
@@ -245,7 +245,7 @@ class DispatchPass:
         if decode is not None:
             self.admission.charge(decode, need, out)
             self.gate.start(rid, decode)
-        self.running[rid] = Running(req, w, cached, need, now, decode_worker=decode)
+        self._add_run(Running(req, w, cached, need, now, decode_worker=decode))
         self.groups.lead(rid, w, req.block_hashes, cached)
         if self.params.programs and req.program_id is not None:
             self.programs.on_dispatch(req, w, now)
@@ -278,13 +278,15 @@ class DispatchPass:
     def _try_preempt(self, entry: Entry, w: str, now: float, out: list[Action]) -> bool:
         if not self.params.preemption:
             return False
-        allowed = self.preemptor.allowed_at(w)
-        if allowed > now:  # rate-limited (``pick``'s first test): no need to list the victims
-            if any(r.worker_id == w and r.decode_worker is None for r in self.running.values()):
-                self._retry_at = min(self._retry_at or allowed, allowed)
+        on_w = self.runs_on.get(w)
+        if not on_w:
             return False
-        on_w = [r for r in self.running.values() if r.worker_id == w and r.decode_worker is None]
-        victim = self.preemptor.pick(entry.req, self._cached(entry.req, w), on_w, now)
+        allowed = self.preemptor.allowed_at(w)
+        if allowed > now:  # rate-limited (``pick``'s first test): retry once it is not
+            self._retry_at = min(self._retry_at or allowed, allowed)
+            return False
+        cached = self._cached(entry.req, w)
+        victim = self.preemptor.pick(entry.req, cached, list(on_w.values()), now)
         if victim is None:
             return False
         self.preemptor.record(victim, now)

@@ -47,13 +47,16 @@ class Running:
             return 0
         return int((now - self.started_at) * p.decode_tokens_per_s)
 
-    def remaining_s(self, now: float, p: SchedParams) -> float:
-        out_left = max(remaining_output_tokens(self.req) - self.decoded(now, p), 0)
-        decode = out_left / p.decode_tokens_per_s
-        if self.started_at is not None:
-            return decode
-        prefill = uncached_prompt_tokens(self.req, self.cached_blocks) / p.prefill_tokens_per_s
-        return max(prefill - (now - self.dispatched_at), 0.0) + decode
+    def left(self, now: float, p: SchedParams) -> tuple[int, float]:
+        """Output tokens still to decode (below zero past the expected length) and seconds to
+        the last token: what is left to prefill, if it has not started, then to decode. One
+        call: ``pick`` asks it of every run on a full worker at every poll."""
+        out = remaining_output_tokens(self.req)
+        if self.started_at is None:
+            prefill = uncached_prompt_tokens(self.req, self.cached_blocks) / p.prefill_tokens_per_s
+            return out, max(prefill - (now - self.dispatched_at), 0.0) + out / p.decode_tokens_per_s
+        tokens = out - int((now - self.started_at) * p.decode_tokens_per_s)
+        return tokens, max(tokens, 0) / p.decode_tokens_per_s
 
 
 PREEMPTED_REMEMBERED = 1 << 16
@@ -90,15 +93,14 @@ class Preemptor:
         # the choice among victims, and the soonest finish)
         victim, most, wait = None, None, float("inf")
         for r in running:
-            left = r.remaining_s(now, p)
+            tokens, left = r.left(now, p)
             if left < wait:
                 wait = left
             if (
                 r.started_at is not None
                 and r.req.priority >= waiting.priority
                 and left > need
-                and remaining_output_tokens(r.req) - r.decoded(now, p)
-                >= p.preempt_min_remaining_tokens
+                and tokens >= p.preempt_min_remaining_tokens
                 and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
                 and (most is None or (left, r.req.request_id) > most)
             ):

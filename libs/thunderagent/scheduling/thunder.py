@@ -87,6 +87,8 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self.programs = ProgramTracker(p.program_watermark, p.program_resume_watermark)
         self.entries: dict[str, _Entry] = {}
         self.running: dict[str, Running] = {}
+        self.runs_on: dict[str, dict[str, Running]] = {}
+        """worker -> its runs that also decode there (the ones preemption may stop), by id."""
         self.queues: dict[str, list[tuple[float, int, str]]] = {}
         self.spill: list[tuple[float, int, str]] = []
         self.buffer, self.spill_timers, self.deadlines = _Heap(), _Heap(), _Heap()
@@ -194,7 +196,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         cached = self._cached(request, worker_id)
         need, out = kv_need(request, cached), output_blocks(request)
         self.admission.charge(worker_id, need, out)
-        self.running[rid] = Running(request, worker_id, cached, need, now)
+        self._add_run(Running(request, worker_id, cached, need, now))
         self.groups.lead(rid, worker_id, request.block_hashes, cached)
         self._note_need(need)
         self.counters["dispatched"] += 1
@@ -320,11 +322,22 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             heapq.heappop(heap.items)
         return None
 
+    def _add_run(self, run: Running) -> None:
+        rid = run.req.request_id
+        self.running[rid] = run
+        if run.decode_worker is None:
+            self.runs_on.setdefault(run.worker_id, {})[rid] = run
+
     def _end_run(self, rid: str, now: float) -> None:
         """A run is over (finished, preempted, worker gone): free what it held."""
         run = self.running.pop(rid, None)
         if run is None:
             return
+        if run.decode_worker is None:
+            on_w = self.runs_on[run.worker_id]
+            del on_w[rid]
+            if not on_w:
+                del self.runs_on[run.worker_id]
         self._rooms.clear()
         if run.decode_worker is None:
             out = remaining_output_tokens(run.req)

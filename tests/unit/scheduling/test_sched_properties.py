@@ -1,7 +1,8 @@
 """Across random event sequences every submission leaves exactly once (Dispatch, Reject or a
 cancellation the client asked for), and nothing waits forever: paused agent programs resume by
 themselves (no release message needed), several steps of one program may wait at once (an
-open-loop client), and preemptions re-submit continuations."""
+open-loop client), and preemptions re-submit continuations. The scheduler's per-worker run
+index stays the run table grouped by worker."""
 
 from __future__ import annotations
 
@@ -115,6 +116,15 @@ class Driver:
         elif op == "release":
             self.s.release_program(f"p{x % 5}", self.now)
         self.apply(self.s.poll(self.now))
+        self.check_runs_on()
+
+    def check_runs_on(self) -> None:
+        """The per-worker index preemption reads is the run table, grouped, after every step."""
+        grouped: dict[str, dict] = {}
+        for rid, run in self.s.running.items():
+            if run.decode_worker is None:
+                grouped.setdefault(run.worker_id, {})[rid] = run
+        assert self.s.runs_on == grouped
 
     def drain(self) -> None:
         """Finish what runs and keep time moving, releasing nothing: every waiting request
