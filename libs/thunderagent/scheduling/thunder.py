@@ -333,13 +333,12 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         run = self.running.pop(rid, None)
         if run is None:
             return
+        self._rooms.clear()
         if run.decode_worker is None:
             on_w = self.runs_on[run.worker_id]
             del on_w[rid]
             if not on_w:
                 del self.runs_on[run.worker_id]
-        self._rooms.clear()
-        if run.decode_worker is None:
             out = remaining_output_tokens(run.req)
             self.admission.discharge(
                 run.worker_id, run.kv_blocks, started_at=run.started_at, output_tokens=out
