@@ -42,11 +42,6 @@ class Running:
     started_at: float | None = None
     decode_worker: str | None = None
 
-    def decoded(self, now: float, p: SchedParams) -> int:
-        if self.started_at is None:
-            return 0
-        return int((now - self.started_at) * p.decode_tokens_per_s)
-
     def left(self, now: float, p: SchedParams) -> tuple[int, float]:
         """Output tokens still to decode (below zero past the expected length) and seconds to
         the last token: what is left to prefill, if it has not started, then to decode. One
@@ -91,7 +86,7 @@ class Preemptor:
         need = service_s(waiting, cached, p)
         # one pass: each running request's time left is computed once (for the victim test,
         # the choice among victims, and the soonest finish)
-        victim, most, wait = None, None, float("inf")
+        victim, most, wait, victim_left = None, None, float("inf"), 0
         for r in running:
             tokens, left = r.left(now, p)
             if left < wait:
@@ -104,10 +99,11 @@ class Preemptor:
                 and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
                 and (most is None or (left, r.req.request_id) > most)
             ):
-                victim, most = r, (left, r.req.request_id)
+                victim, most, victim_left = r, (left, r.req.request_id), tokens
         if victim is None:
             return None
-        context = victim.req.prompt_tokens + victim.req.generated_tokens + victim.decoded(now, p)
+        decoded = remaining_output_tokens(victim.req) - victim_left  # since it started
+        context = victim.req.prompt_tokens + victim.req.generated_tokens + decoded
         cost = need + context * p.resume_recompute_fraction / p.prefill_tokens_per_s
         if wait < p.preempt_gain_ratio * cost:
             return None
