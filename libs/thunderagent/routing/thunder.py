@@ -1,15 +1,20 @@
 """ThunderAgent's policy: predicted seconds per worker; the cache credit decays with load.
 
-    cost = prefill_s * (prompt - credit)                  this request's own prefill
+    cost = prefill_s * (1 + recompute) * (prompt - held)  this request's own prefill
+         + prefill_s * held * (1 - exp(-excess / load_scale))  the hit's credit lost to load
          + prefill_s * (queued + pending) * mean_prefill  prefills queued ahead of it
          + decode_weight * output * (kv_s * active_tokens + seq_s * outstanding)   its decode
          + pressure penalty              running requests' KV nearly full: its cache would go
-    credit = (gpu_blocks + host_credit * host_only_blocks) * block_size * exp(-excess / load_scale)
+    held = (gpu_blocks + host_credit * host_only_blocks) * block_size
 
 ``excess`` is the worker's outstanding requests above the least loaded candidate's, so an evenly
-loaded fleet keeps full credit. Ties go to more free KV, then random; with no hit on any worker
-the same cost ranks them all (``no_hit_sample`` 2: power of two choices instead). ``observe``
-tunes ``load_scale`` online (OnlineTuner).
+loaded fleet keeps full credit. ``recompute`` (``recompute_weight``) grows once no worker has
+room; it weighs only what would really be computed again, not the credit the load decay takes:
+that is a load penalty, and weighted as recompute it turned one extra request on a holder into
+more cost than its whole queue, sending hits between holders by request count in overload.
+Ties go to more free KV, then random; with no hit on any worker the same cost ranks them all
+(``no_hit_sample`` 2: power of two choices instead). ``observe`` tunes ``load_scale`` online
+(OnlineTuner).
 """
 
 from __future__ import annotations
@@ -174,13 +179,13 @@ class Thunder(PolicyHooks):
     ) -> float:
         """Predicted seconds until ``query`` would finish on ``w``."""
         gpu, host_only = cached_blocks(query, w.worker_id)
+        held = min((gpu + self.host_credit * host_only) * query.block_size, query.prompt_tokens)
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
-        credit = (gpu + self.host_credit * host_only) * query.block_size * decay
-        own = max(0.0, query.prompt_tokens - credit)
+        own = query.prompt_tokens - held
         ahead = queued_prefill_tokens(w, self._uncached.get())
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         return (
-            self.prefill_s_per_token * ((1 + recompute) * own + ahead)
+            self.prefill_s_per_token * ((1 + recompute) * own + (1 - decay) * held + ahead)
             + self.decode_weight * query.expected_output_tokens * step
             + self.prefill_s_per_token * self.overflow_weight * self._overflow(query, w)
         )

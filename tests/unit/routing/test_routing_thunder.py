@@ -147,6 +147,29 @@ def test_recompute_weighs_more_once_every_worker_kv_is_held_by_running_requests(
         unit(busy_kv_share=1.5)
 
 
+def test_load_decay_is_not_weighted_as_recompute() -> None:
+    """Under recompute pressure two holders of the whole prompt are told apart by their
+    queues: the credit a worker's extra load takes away is a load penalty at the base rate,
+    not a recompute that every request behind it would wait for."""
+    p = unit(recompute_gain=1.0, max_recompute_weight=16.0, load_scale=8.0)
+    p.on_dispatched(q(2), "x")  # a typical prefill: 20 tokens
+    query = q(10, overlaps={"a": 10, "b": 10})  # 100 tokens held by both
+    workers = [
+        WorkerView("a", running=1, prefill_tokens=100, pending_prefill_tokens=0),
+        WorkerView("b", running=0, prefill_tokens=130, pending_prefill_tokens=0),
+    ]
+    # weight 1 x 100 / 20 = 5; a: one request above b, its credit decays by e^(-1/8)
+    assert p.recompute_weight(workers, BS) == pytest.approx(5.0)
+    lost = 100 * (1 - math.exp(-1 / 8))  # 11.75 tokens of credit
+    ranked = p.rank(query, workers, random.Random(0))
+    assert [(c.worker_id, c.score) for c in ranked] == [
+        ("a", pytest.approx(-(100 + lost))),
+        ("b", pytest.approx(-130.0)),
+    ]
+    # x (1 + 5) the penalty would be 70.5 tokens and b's 30 more queued tokens would win
+    assert 6 * lost > 30
+
+
 def test_free_kv_breaks_cost_ties() -> None:
     query = q(4, overlaps={"a": 2, "b": 2})
     workers = [
