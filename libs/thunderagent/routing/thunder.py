@@ -1,11 +1,11 @@
 """ThunderAgent's policy: predicted seconds per worker; the cache credit decays with load.
 
-    cost = prefill_s * (1 + recompute) * (prompt - held)  this request's own prefill
-         + prefill_s * held * (1 - exp(-excess / load_scale))  the hit's credit lost to load
+    cost = prefill_s * (1 + recompute) * (prompt - cached)  this request's own prefill
+         + prefill_s * cached * (1 - exp(-excess / load_scale))  the hit's credit lost to load
          + prefill_s * (queued + pending) * mean_prefill  prefills queued ahead of it
          + decode_weight * output * (kv_s * active_tokens + seq_s * outstanding)   its decode
          + pressure penalty              running requests' KV nearly full: its cache would go
-    held = (gpu_blocks + host_credit * host_only_blocks) * block_size
+    cached = (gpu_blocks + host_credit * host_only_blocks) * block_size
 
 ``excess`` is the worker's outstanding requests above the least loaded candidate's, so an evenly
 loaded fleet keeps full credit. ``recompute`` (``recompute_weight``) grows once no worker has
@@ -179,13 +179,13 @@ class Thunder(PolicyHooks):
     ) -> float:
         """Predicted seconds until ``query`` would finish on ``w``."""
         gpu, host_only = cached_blocks(query, w.worker_id)
-        held = min((gpu + self.host_credit * host_only) * query.block_size, query.prompt_tokens)
+        cached = min((gpu + self.host_credit * host_only) * query.block_size, query.prompt_tokens)
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
-        own = query.prompt_tokens - held
+        own = query.prompt_tokens - cached
         ahead = queued_prefill_tokens(w, self._uncached.get())
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         return (
-            self.prefill_s_per_token * ((1 + recompute) * own + (1 - decay) * held + ahead)
+            self.prefill_s_per_token * ((1 + recompute) * own + (1 - decay) * cached + ahead)
             + self.decode_weight * query.expected_output_tokens * step
             + self.prefill_s_per_token * self.overflow_weight * self._overflow(query, w)
         )
