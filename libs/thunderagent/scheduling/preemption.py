@@ -86,7 +86,7 @@ class Preemptor:
         need = service_s(waiting, cached, p)
         # one pass: each running request's time left is computed once (for the victim test,
         # the choice among victims, and the soonest finish)
-        victim, most, wait, victim_left = None, None, float("inf"), 0
+        victim, most, wait, victim_tokens = None, None, float("inf"), 0
         for r in running:
             tokens, left = r.left(now, p)
             if left < wait:
@@ -99,10 +99,10 @@ class Preemptor:
                 and self.counts.get(r.req.request_id, 0) < p.preempt_max_per_request
                 and (most is None or (left, r.req.request_id) > most)
             ):
-                victim, most, victim_left = r, (left, r.req.request_id), tokens
+                victim, most, victim_tokens = r, (left, r.req.request_id), tokens
         if victim is None:
             return None
-        decoded = remaining_output_tokens(victim.req) - victim_left  # since it started
+        decoded = remaining_output_tokens(victim.req) - victim_tokens  # since it started
         context = victim.req.prompt_tokens + victim.req.generated_tokens + decoded
         cost = need + context * p.resume_recompute_fraction / p.prefill_tokens_per_s
         if wait < p.preempt_gain_ratio * cost:
