@@ -116,18 +116,19 @@ class Thunder(PolicyHooks):
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
-    busy_kv_share: float = 0.7
-    """The other way no worker has room: even the least held worker's KV is mostly held by
-    running requests (and what was sent since its report), so new work anywhere waits for KV
-    to free, with or without a prefill queue. Past this share the recompute weight rises
+    busy_kv_share: float = 0.2
+    """The other way no worker has room: even the least held worker's KV is filling with
+    running requests (and what was sent since its report), so new work anywhere will wait for
+    KV to free, with or without a prefill queue. Past this share the recompute weight rises
     linearly to ``max_recompute_weight`` at a full pool. Without it the weight stayed 0 for half
     the decisions in the hot-spot overload (some worker always had no prefill queued, its KV
-    full of decodes) and the router traded hits for a balance that freed nothing. Chosen on the
-    generated hot-spot workload (seeds 0, 1, 2; speeds 1-16x on seed 0, 8-14x on 1, 6-12x on
-    2) with bursty and agent (seed 0, to 16x and 6x) as checks, thunder capacity: off
-    10 / 10 / 8x, 0.5 10 / 12 / 10x, 0.7 12 / 12 / 10x, 0.8 12 / 10 / 10x; bursty 10x and
-    agent 4x with every value. It costs ``bench sched``'s program ratio 1.34x -> 1.26x: the
-    program-unaware baseline there gains from it. 1 turns it off."""
+    full of decodes) and the router traded hits for a balance that freed nothing. Chosen with
+    ``bench tune``'s ranking on the generated workloads, bursty and hot spot seeds 0-2 (1-16x)
+    and agent seeds 0-1 (1-5x), ``recompute_gain`` 4: worst capacity ratio to the best peer
+    for 0.7 / 0.5 / 0.3 / 0.2 / 0.1 / 0 was 0.86 / 0.86 / 1.00 / 1.00 / 1.00 / 1.00 (hot spot
+    seed 1: 12x against sglang_cache_aware's 14x from 0.4 up), TTFT p99 misses 3 / 2 / 2 / 1 /
+    1 / 2, and 0.2 has more goodput than 0.1 (lower shares stack decodes on holders: longer
+    makespans past the peers' capacity). 1 turns it off."""
     tuner: OnlineTuner | Mapping[str, float] = field(default_factory=OnlineTuner)
     """Online tuning of ``load_scale``; a mapping (from YAML) is turned into an OnlineTuner."""
 

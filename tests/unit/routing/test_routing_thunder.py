@@ -131,7 +131,7 @@ def test_recompute_weighs_more_once_every_worker_kv_is_held_by_running_requests(
     # (a: 50 queued ahead, nothing of its own; b: its own 40, x (1 + 8) when busy; overflow off)
     query = q(4, overlaps={"a": 4})
     queued = [busy("a", 900, prefill_tokens=50), busy("b", 850, prefill_tokens=0)]
-    aware = unit(recompute_gain=1.0, overflow_weight=0.0)
+    aware = unit(recompute_gain=1.0, overflow_weight=0.0, busy_kv_share=0.7)
     blind = unit(recompute_gain=1.0, overflow_weight=0.0, busy_kv_share=1.0)
     for policy in (aware, blind):
         policy.on_dispatched(q(2), "x")
