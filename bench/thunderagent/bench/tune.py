@@ -4,9 +4,11 @@ setting, against every peer as it ships, on every workload given.
     thunderagent bench tune --traces A.jsonl,B.jsonl --speeds 1,2,3,4 \\
         --param thunder.recompute_gain=0.5,1,2,4 [--json F]
         --param scheduler.kv_watermark=0.9,0.95,1          # a knob of thunder's scheduler
+        --param thunder.recompute_gain=2,4 --param thunder.busy_kv_share=0.2,0.7   # a grid
 
 For each workload it sweeps the speeds, runs thunder (router + its scheduler) once per value
-of the parameter and each peer (direct dispatch), and reports each one's capacity (the highest
+of the parameter (per combination when ``--param`` is given more than once) and each peer
+(direct dispatch), and reports each one's capacity (the highest
 swept speed meeting the SLO with nothing lost), goodput, and its TTFT p99 misses: swept speeds
 where some peer meets the SLO and thunder's TTFT p99 is more than 5% above the best such peer's.
 The recommended value maximises the worst capacity ratio to the best peer across workloads, then
@@ -17,6 +19,7 @@ The real traces are for judging a default chosen here, not for choosing it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -32,7 +35,30 @@ PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
 def _values(text: str) -> tuple[str, str, list[float]]:
     key, _, raw = text.partition("=")
     policy, _, field = key.partition(".")
+    if policy not in ("thunder", "scheduler") or not field:
+        raise SystemExit(f"--param {text!r}: expected thunder.FIELD=V1,... or scheduler.FIELD=...")
     return policy, field, [float(v) for v in raw.split(",")]
+
+
+Candidate = tuple[str, dict, dict]
+"""(name, thunder routing params, thunder scheduler params)."""
+
+
+def candidates(params: list[tuple[str, str, list[float]]]) -> list[Candidate]:
+    """Every combination of the parameters' values, named ``policy@value`` for one parameter
+    and ``thunder.f=v,scheduler.g=w`` for several."""
+    out: list[Candidate] = []
+    for combo in itertools.product(*(values for _, _, values in params)):
+        route: dict = {}
+        sched: dict = {}
+        for (policy, field, _), v in zip(params, combo, strict=True):
+            (sched if policy == "scheduler" else route)[field] = v
+        if len(params) == 1:
+            name = f"{params[0][0]}@{combo[0]:g}"
+        else:
+            name = ",".join(f"{p}.{f}={v:g}" for (p, f, _), v in zip(params, combo, strict=True))
+        out.append((name, route, sched))
+    return out
 
 
 def capacity(entries: list[dict]) -> float:
@@ -77,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--param",
         required=True,
-        help="thunder.FIELD=V1,V2,... (routing) or scheduler.FIELD=V1,... (thunder's scheduler)",
+        action="append",
+        help="thunder.FIELD=V1,V2,... (routing) or scheduler.FIELD=V1,... (thunder's "
+        "scheduler); repeat for a grid of every combination",
     )
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--profile", default="llama-3.1-8b-h100")
@@ -86,18 +114,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def workload(path: str, profile, param: tuple[str, str, list[float]], speeds, peers) -> dict:
-    """One trace: thunder at every value of the parameter and every peer, at every speed."""
-    policy, field, values = param
+def workload(path: str, profile, cands: list[Candidate], speeds, peers) -> dict:
+    """One trace: thunder with every candidate setting and every peer, at every speed."""
     trace = load_trace(path, block_size=profile.engine.block_size)
     timing = TimingModel(profile)
     slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
     runs: dict[str, list[dict]] = {}
-    for v in values:
-        route, sched = ({}, {field: v}) if policy == "scheduler" else ({field: v}, {})
-        runs[f"{policy}@{v:g}"] = [
-            run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds
-        ]
+    for name, route, sched in cands:
+        runs[name] = [run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds]
     for peer in peers:
         runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]
     caps = {name: capacity(entries) for name, entries in runs.items()}
@@ -123,23 +147,26 @@ def scores(workloads: dict, name: str, peers: list[str]) -> tuple[float, int, fl
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    policy, field, values = _values(args.param)
+    params = [_values(text) for text in args.param]
+    cands = candidates(params)
     speeds = [float(s) for s in args.speeds.split(",")]
     peers = args.peers.split(",")
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
-    report: dict = {"param": f"{policy}.{field}", "values": values, "workloads": {}}
+    names = [name for name, _, _ in cands]
+    report: dict = {"params": [f"{p}.{f}" for p, f, _ in params], "candidates": names}
+    report["workloads"] = {}
     for path in args.traces.split(","):
-        w = workload(path, profile, (policy, field, values), speeds, peers)
+        w = workload(path, profile, cands, speeds, peers)
         report["workloads"][Path(path).stem] = w
         print(
             f"{Path(path).stem}: SLO {w['slo_ms'] / 1000:.2f} s, capacity {w['capacity']}",
             flush=True,
         )
-    score = {v: scores(report["workloads"], f"{policy}@{v:g}", peers) for v in values}
-    best = max(values, key=lambda v: score[v])
+    score = {name: scores(report["workloads"], name, peers) for name in names}
+    best = max(names, key=lambda name: score[name])
     report["scores"] = {
-        f"{v:g}": {"worst_ratio": s[0], "p99_misses": -s[1], "goodput": s[2]}
-        for v, s in score.items()
+        name: {"worst_ratio": s[0], "p99_misses": -s[1], "goodput": s[2]}
+        for name, s in score.items()
     }
     report["recommended"] = best
     print(dumps({"scores": report["scores"], "recommended": best}, indent=2))

@@ -1,0 +1,91 @@
+"""bench tune: the candidate grid, the ranking rule, and a small run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from thunderagent.bench import gen, tune
+from thunderagent.routing.cost import ParamError
+
+
+def test_one_parameter_names_its_values_and_a_scheduler_knob_goes_to_the_scheduler() -> None:
+    assert tune.candidates([tune._values("thunder.recompute_gain=2,4")]) == [
+        ("thunder@2", {"recompute_gain": 2.0}, {}),
+        ("thunder@4", {"recompute_gain": 4.0}, {}),
+    ]
+    assert tune.candidates([tune._values("scheduler.kv_watermark=0.9")]) == [
+        ("scheduler@0.9", {}, {"kv_watermark": 0.9}),
+    ]
+
+
+def test_repeated_parameters_make_every_combination() -> None:
+    got = tune.candidates(
+        [tune._values("thunder.recompute_gain=2,4"), tune._values("scheduler.kv_watermark=0.9,1")]
+    )
+    assert [(route["recompute_gain"], sched["kv_watermark"]) for _, route, sched in got] == [
+        (2.0, 0.9),
+        (2.0, 1.0),
+        (4.0, 0.9),
+        (4.0, 1.0),
+    ]
+    assert got[1][0] == "thunder.recompute_gain=2,scheduler.kv_watermark=1"
+    assert len({name for name, _, _ in got}) == 4
+
+
+@pytest.mark.parametrize("text", ["recompute_gain=2", "router.recompute_gain=2", "thunder.=1"])
+def test_a_parameter_without_its_owner_is_refused(text: str) -> None:
+    with pytest.raises(SystemExit, match=r"expected thunder\.FIELD"):
+        tune._values(text)
+
+
+def test_ranking_is_worst_capacity_ratio_then_misses_then_goodput() -> None:
+    def workload(caps: dict, p99: dict, goodput: dict, best: float) -> dict:
+        return {
+            "slo_ms": 1000.0,
+            "capacity": caps,
+            "best_peer_capacity": best,
+            "ttft_p99_ms": p99,
+            "goodput": goodput,
+        }
+
+    # speeds 1, 2: the peer meets the SLO at both (500, 900 ms)
+    w = workload(
+        {"a": 2.0, "b": 2.0, "c": 1.0, "peer": 2.0},
+        {"a": [520, 960], "b": [515, 900], "c": [400, 2000], "peer": [500, 900]},
+        {"a": [1.0, 2.0], "b": [1.0, 1.0], "c": [5.0, 5.0], "peer": [1.0, 2.0]},
+        2.0,
+    )
+    # a: 520 <= 1.05 x 500, 960 > 945: one miss; b: none; c: 2000 > 945: one, and half the
+    # capacity
+    assert [tune.p99_misses(w, n, ["peer"]) for n in "abc"] == [1, 0, 1]
+    scores = {n: tune.scores({"t": w}, n, ["peer"]) for n in "abc"}
+    assert scores == {"a": (1.0, -1, 3.0), "b": (1.0, 0, 2.0), "c": (0.5, -1, 10.0)}
+    assert max("abc", key=scores.__getitem__) == "b"
+
+
+def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path) -> None:
+    trace = tmp_path / "b.jsonl"
+    made = gen.main(["--kind", "bursty", "--out", str(trace), "--seed", "3", "--duration", "20"])
+    assert made == 0
+    out = tmp_path / "tune.json"
+    tune.main(
+        [
+            "--traces", str(trace), "--speeds", "1,4", "--peers", "dynamo_kv",
+            "--param", "thunder.recompute_gain=2,4", "--param", "thunder.busy_kv_share=0.2,0.7",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert len(report["candidates"]) == 4
+    assert report["recommended"] in report["candidates"]
+    w = report["workloads"]["b"]
+    assert set(w["capacity"]) == {*report["candidates"], "dynamo_kv"}
+    assert all(len(v) == 2 for v in w["ttft_p99_ms"].values())
+    # an out-of-range value fails in the policy: the grid's values are what the router gets
+    with pytest.raises(ParamError, match="busy_kv_share"):
+        tune.main(
+            ["--traces", str(trace), "--speeds", "1", "--peers", "dynamo_kv",
+             "--param", "thunder.busy_kv_share=1.5"]
+        )  # fmt: skip
