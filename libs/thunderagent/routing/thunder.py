@@ -101,7 +101,8 @@ class Thunder(PolicyHooks):
     peers': 10, 12); agent 4x with 2 and 4 (their full replays; the agent part of the tune did
     not finish) and with every value in an earlier sweep to 8x, before the scheduler's
     admission fix, that tied every value. 4 is the only value level with the best peer on all
-    three. It costs ``bench sched``'s program scenario 1.42x -> 1.34x (not in the tune)."""
+    three. Re-checked with ``busy_kv_share`` on three seeds (see there): at 0.2, 2 / 4 / 8 tie
+    on capacity with 3 / 1 / 3 TTFT p99 misses."""
     no_hit_sample: int = 0
     """Workers compared when none holds any of the prompt: 0 ranks them all on the cost (it
     already counts what this router sent since the last load report, so the cheapest is not a
