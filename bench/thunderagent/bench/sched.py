@@ -190,6 +190,17 @@ def pd(s: Setup) -> dict:
 
 
 # ---- scenario 4: agent programs -----------------------------------------------------------
+def _rate_to_share(done: Sequence[Record], share: float) -> float:
+    """Steps per minute until ``share`` of the steps had finished: the rate without the last
+    few programs, whose chains of tool pauses set the makespan whatever the scheduler does."""
+    if not done:
+        return 0.0
+    ends = sorted(r.finish for r in done)
+    k = max(1, math.ceil(share * len(ends)))
+    span = ends[k - 1] - min(r.arrival for r in done)
+    return round(k / span * 60.0, 1) if span > 0 else 0.0
+
+
 def programs(s: Setup) -> dict:
     """Many closed-loop programs at once: their contexts oversubscribe the cluster's KV."""
     params = AgentParams(
@@ -219,6 +230,7 @@ def programs(s: Setup) -> dict:
         out[key] = {
             "scheduler": name if not knobs else f"{name} (programs off)",
             "steps_per_min": round(len(done) / span * 60.0, 1) if span else 0.0,
+            "steps_per_min_95": _rate_to_share(done, 0.95),
             "recomputed_tokens": _recomputed(res.records, params.block_size),
             "program_pauses": st.get("program_pauses", 0),
             "program_resumes": st.get("program_resumes", 0),
@@ -285,6 +297,7 @@ TABLES = {
     ),
     "programs": (
         "steps_per_min",
+        "steps_per_min_95",
         "hit_ratio",
         "recomputed_tokens",
         "prefill_tokens",
@@ -334,6 +347,8 @@ def targets(doc: dict) -> dict:
     if pg:
         x = pg["aware"]["steps_per_min"] / max(pg["unaware"]["steps_per_min"], 1e-9)
         out["programs_steps_per_min_gain"] = {"x": round(x, 2), "met": x >= 1.5}
+        x95 = pg["aware"]["steps_per_min_95"] / max(pg["unaware"]["steps_per_min_95"], 1e-9)
+        out["programs_steps_per_min_95_gain"] = {"x": round(x95, 2)}
     return out
 
 

@@ -12,6 +12,10 @@ Driver contract: ``start()`` gives every first step; after each step finishes ca
 None when that was the program's last step (then send ``release_program``). Output and
 observation content are fresh block ids: an engine caches generated tokens under its own ids,
 so only the part of the next prompt that was in an earlier prompt is a guaranteed hit.
+
+Each program draws its sizes and pauses from its own stream, seeded by the workload's seed and
+the program's index. A shared stream would be consumed in completion order, so two schedulers
+would be compared on different programs (other outputs, observations and tool pauses).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from thunderagent.workloads.common import WorkRequest, noisy
 
 SYSTEM_BASE = 1 << 40
 """System-prompt block ids live above this; program content below (never collide)."""
+PROGRAM_BLOCKS = 1 << 24
+"""Program i's own block ids start at i * PROGRAM_BLOCKS, so a program's ids do not depend on
+the order other programs' steps finish in."""
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -48,48 +55,48 @@ class _Program:
     program_id: str
     steps: int
     context: list[int]
+    rng: random.Random
+    next_block: int
     step: int = 0
+
+    def fresh(self, n: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
 
 
 @dataclass(slots=True)
 class AgentWorkload:
     params: AgentParams = field(default_factory=AgentParams)
     seed: int = 0
-    _rng: random.Random = field(init=False)
     _programs: dict[str, _Program] = field(default_factory=dict)
     _last: dict[str, WorkRequest] = field(default_factory=dict)
     """request id -> the step it is (until it is done)."""
-    _next_block: int = 0
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
-
-    def _fresh(self, n: int) -> list[int]:
-        ids = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        return ids
 
     def start(self) -> list[WorkRequest]:
         p, out = self.params, []
+        if p.programs > SYSTEM_BASE // PROGRAM_BLOCKS:
+            raise ValueError(f"at most {SYSTEM_BASE // PROGRAM_BLOCKS} programs, got {p.programs}")
         system = [SYSTEM_BASE + i for i in range(p.system_blocks)]
         for i in range(p.programs):
             pid = f"prog-{i}"
-            task = self._fresh(self._rng.randint(*p.task_blocks_range))
-            prog = _Program(pid, self._rng.randint(*p.steps_range), [*system, *task])
+            rng = random.Random(f"{self.seed}/{i}")
+            prog = _Program(pid, rng.randint(*p.steps_range), [*system], rng, i * PROGRAM_BLOCKS)
+            prog.context.extend(prog.fresh(rng.randint(*p.task_blocks_range)))
             self._programs[pid] = prog
             out.append(self._step(prog, i * p.start_gap_s))
         return out
 
     def _step(self, prog: _Program, at: float) -> WorkRequest:
         p = self.params
-        out_tokens = self._rng.randint(*p.output_tokens_range)
+        out_tokens = prog.rng.randint(*p.output_tokens_range)
         req = WorkRequest(
             request_id=f"{prog.program_id}-s{prog.step}",
             issue_at=at,
             blocks=tuple(prog.context),
             block_size=p.block_size,
             output_tokens=out_tokens,
-            expected_output_tokens=noisy(self._rng, out_tokens, p.estimate_noise),
+            expected_output_tokens=noisy(prog.rng, out_tokens, p.estimate_noise),
             priority=p.priority,
             program_id=prog.program_id,
             step=prog.step,
@@ -107,10 +114,10 @@ class AgentWorkload:
             return None
         p = self.params
         grown = math.ceil(done.output_tokens / p.block_size)
-        grown += self._rng.randint(*p.observation_blocks_range)
-        prog.context.extend(self._fresh(grown))
+        grown += prog.rng.randint(*p.observation_blocks_range)
+        prog.context.extend(prog.fresh(grown))
         prog.step += 1
-        pause = p.tool_pause_median_s * math.exp(p.tool_pause_sigma * self._rng.gauss(0, 1))
+        pause = p.tool_pause_median_s * math.exp(p.tool_pause_sigma * prog.rng.gauss(0, 1))
         return self._step(prog, now + pause)
 
     def active(self) -> int:

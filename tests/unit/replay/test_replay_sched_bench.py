@@ -12,7 +12,10 @@ SHAPE = {
     ),
     "window": (("none", "fixed_100ms", "adaptive"), ("ttft_p99_ms", "prefill_tokens_saved")),
     "pd": (("uncapped", "capped"), ("output_tok_s", "ttft_p99_ms")),
-    "programs": (("unaware", "aware"), ("steps_per_min", "hit_ratio", "recomputed_tokens")),
+    "programs": (
+        ("unaware", "aware"),
+        ("steps_per_min", "steps_per_min_95", "hit_ratio", "recomputed_tokens"),
+    ),
 }
 
 
@@ -30,3 +33,12 @@ def test_quick_run_writes_every_key(tmp_path: Path, capsys) -> None:
     assert set(doc["targets"]) >= {"short_ttft_p99_gain", "programs_steps_per_min_gain"}
     printed = capsys.readouterr().out
     assert "### programs" in printed and "targets:" in printed
+
+
+def test_rate_to_share_leaves_out_the_last_steps() -> None:
+    from thunderagent.replay import Record
+
+    done = [Record(f"r{i}", 0.0, 16, 1, finish=float(t)) for i, t in enumerate([10, 20, 30, 600])]
+    assert sched._rate_to_share(done, 0.75) == 6.0  # 3 steps by 30 s
+    assert sched._rate_to_share(done, 1.0) == 0.4  # the straggler sets the span
+    assert sched._rate_to_share([], 0.95) == 0.0

@@ -25,6 +25,34 @@ def test_agent_closed_loop_extends_the_prompt_and_ends() -> None:
     assert w.active() == 2
 
 
+def _drain(w: AgentWorkload, order: list[int]) -> dict[str, list[tuple]]:
+    """Finish every step, picking which pending step ends next by ``order``; each program's
+    steps as (blocks, output tokens, tool pause)."""
+    seen: dict[str, list[tuple]] = {}
+    pending, now, k = w.start(), 0.0, 0
+    while pending:
+        req = pending.pop(order[k % len(order)] % len(pending))
+        k += 1
+        now = max(now, req.issue_at) + 1.0
+        nxt = w.on_step_done(req.request_id, now)
+        pause = None if nxt is None else round(nxt.issue_at - now, 9)
+        seen.setdefault(req.program_id or "", []).append((req.blocks, req.output_tokens, pause))
+        if nxt is not None:
+            pending.append(nxt)
+    return seen
+
+
+def test_agent_programs_do_not_depend_on_completion_order() -> None:
+    """Two schedules that finish steps in different orders must see the same programs: a
+    scheduler comparison on different outputs, observations or pauses would not be one."""
+    p = AgentParams(programs=5, steps_range=(3, 6), system_blocks=4)
+    first = _drain(AgentWorkload(p, seed=11), [0])
+    last = _drain(AgentWorkload(p, seed=11), [-1])
+    mixed = _drain(AgentWorkload(p, seed=11), [3, 1, 4, 1, 5, 9, 2, 6])
+    assert first == last == mixed
+    assert first != _drain(AgentWorkload(p, seed=12), [0])
+
+
 def test_generators_are_seeded() -> None:
     a = AgentWorkload(seed=3).start()
     b = AgentWorkload(seed=3).start()
