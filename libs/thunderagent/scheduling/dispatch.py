@@ -79,9 +79,10 @@ class DispatchPass:
             entry = entries.get(item[2])
             if entry is None or entry.state != SPILL:
                 continue
-            memo = entry.no_room  # once set, only a program's pause can void it
-            if memo is None or (programs and entry.req.program_id is not None):
-                memo = self._no_room_memo(entry)
+            memo = entry.no_room  # once set, only a program's pause or the clock can void it
+            clocked = now < entry.all_open_at or (programs and entry.req.program_id is not None)
+            if memo is None or clocked:
+                memo = self._no_room_memo(entry, now)
             if memo is not None:
                 if now_books is None:
                     now_books, closed, gen = self._books_now(open_)
@@ -115,8 +116,9 @@ class DispatchPass:
         again: (it left the pool, some worker's books or ``open_`` changed meanwhile)."""
         known, versions = self.admission.workers, self.groups.versions
         changed = False
+        opens = entry.opens or {}
         for w, _ in self._eligible(entry.req):
-            if w not in open_ and w in known:
+            if (w not in open_ and w in known) or opens.get(w, now) > now:
                 continue
             books = None
             if memo is not None and w in known:
@@ -187,13 +189,16 @@ class DispatchPass:
             self._gen_books = books
         return self._gen
 
-    def _no_room_memo(self, entry: Entry) -> dict[str, tuple] | None:
+    def _no_room_memo(self, entry: Entry, now: float) -> dict[str, tuple] | None:
         """Where ``entry`` last found no room (see the module docstring); None when its try
-        can end otherwise, so it is always tried: a deadline (the clock can doom it), the PD
-        gate (its answer depends on other workers), a step of a program paused now (the try
-        parks or resumes it). A step of a running program tries exactly as a plain request."""
+        can end otherwise, so it is always tried: a deadline (the clock can doom it), a
+        candidate not open to it yet (the clock opens it), the PD gate (its answer depends on
+        other workers), a step of a program paused now (the try parks or resumes it). A step
+        of a running program tries exactly as a plain request."""
         req, p = entry.req, self.params
         if (req.deadline is not None and p.deadlines) or p.pd_mode == "disaggregated":
+            return None
+        if now < entry.all_open_at:
             return None
         if p.programs and req.program_id is not None:
             prog = self.programs.programs.get(req.program_id)

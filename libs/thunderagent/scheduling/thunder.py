@@ -4,7 +4,8 @@ Requests wait here, not in engine queues. Life of a request (``_Entry.state``):
 
 ``window`` (collected until its class's window closes) -> ``queued`` on its *home* worker (the
 router's first eligible candidate; a program's KV holder goes first) -> ``spill`` once it has
-waited ``spill_after_s`` (then any candidate with room may take it, in router order) ->
+waited ``spill_after_s`` (then any candidate with room may take it, in router order; one
+caching less of the prompt than the best only after a further wait of its extra prefill) ->
 dispatched, or ``held`` behind a prefix leader (back to ``queued`` when the prefix is cached),
 or ``paused`` with its program (back when memory frees), or rejected (deadline).
 
@@ -52,6 +53,11 @@ class _Entry:
     settled: int = -1
     """The books generation (``DispatchPass._books_gen``) under which its memo covered every
     open worker it may go to: while it lasts, a pass skips this request at once."""
+    opens: dict[str, float] | None = None
+    """Spilled: when each candidate caching less than its best opens to it
+    (``spill_pays_for_hits``); absent: open since the spill."""
+    all_open_at: float = 0.0
+    """When the last of ``opens`` opens (until then its tries depend on the clock)."""
 
 
 @dataclass(slots=True)
@@ -92,6 +98,8 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self.queues: dict[str, list[tuple[float, int, str]]] = {}
         self.spill: list[tuple[float, int, str]] = []
         self.buffer, self.spill_timers, self.deadlines = _Heap(), _Heap(), _Heap()
+        self.open_timers = _Heap()
+        """When a spilled request's next candidate opens to it (``_open_later``)."""
         self.gone: set[str] = set()
         self._out: list[Action] = []
         self._seq = 0
@@ -247,6 +255,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         times = [
             self._first_live(self.buffer, (WINDOW,)),
             self._first_live(self.spill_timers, (QUEUED,)),
+            self._first_open(now),
             self._first_live(self.deadlines, (WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP)),
             self.groups.next_timeout(self.params.group_timeout_s),
             self._retry_at,
@@ -301,6 +310,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         entry.home, cached = cands[0]
         entry.key = order_key(req, cached, self.params)
         entry.state = QUEUED
+        entry.opens = None
         queue = self.queues.setdefault(entry.home, [])
         heapq.heappush(queue, (entry.key, entry.seq, req.request_id))
         if len(cands) > 1:
@@ -312,6 +322,31 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             if entry is not None and entry.state == QUEUED:
                 entry.state = SPILL
                 bisect.insort(self.spill, (entry.key, entry.seq, rid))  # sorted: see dispatch
+                if self.params.spill_pays_for_hits:
+                    self._open_later(entry, now)
+
+    def _open_later(self, entry: _Entry, now: float) -> None:
+        """Candidates caching less than the best one open once the request has waited, past
+        the spill, as long as they would take to prefill what they lack (``SchedParams.
+        spill_pays_for_hits``)."""
+        cands = self._eligible(entry.req)
+        best = max((c for _, c in cands), default=0)
+        rate = self.params.prefill_tokens_per_s / entry.req.block_size
+        entry.opens = {w: now + (best - c) / rate for w, c in cands if c < best}
+        entry.all_open_at = max(entry.opens.values(), default=now)
+        for t in sorted(set(entry.opens.values())):
+            self.open_timers.push(t, entry.seq, entry.req.request_id)
+
+    def _first_open(self, now: float) -> float | None:
+        """When a candidate next opens to a request still spilled (past ones are dropped)."""
+        heap = self.open_timers.items
+        while heap:
+            t, _, rid = heap[0]
+            entry = self.entries.get(rid)
+            if t > now and entry is not None and entry.state == SPILL:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _first_live(self, heap: _Heap, states: tuple[str, ...]) -> float | None:
         while heap.items:

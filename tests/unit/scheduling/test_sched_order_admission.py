@@ -128,12 +128,45 @@ def test_spill_to_next_candidate_after_the_bound() -> None:
     s.update_worker(room("w1"), 0.0)
     s.submit(req("busy"), 0.0)
     assert s.poll(0.0) == [Dispatch("busy", "w0")]
-    s.submit(req("r", cands=[("w0", 5), ("w1", 0)]), 0.0)
+    s.submit(req("r", cands=[("w0", 0), ("w1", 0)]), 0.0)
     assert s.poll(0.0) == []
     assert s.poll(0.4) == []
     assert s.next_wakeup(0.4) == 0.5
     assert s.poll(0.5) == [Dispatch("r", "w1")]
     assert s.next_wakeup(0.5) is None
+
+
+def _spill_with_a_hit(**kw):
+    """``r`` holds 500 blocks (8,000 tokens) on busy w0, none on idle w1."""
+    s = SCHEDULERS.create("fcfs", spill_after_s=0.5, prefill_tokens_per_s=10_000.0, **kw)
+    s.update_worker(room("w0"), 0.0)
+    s.update_worker(room("w1"), 0.0)
+    s.submit(req("busy"), 0.0)
+    assert s.poll(0.0) == [Dispatch("busy", "w0")]
+    s.submit(req("r", prompt=8160, cands=[("w0", 500), ("w1", 0)]), 0.0)
+    assert s.poll(0.0) == []
+    return s
+
+
+def test_a_spilled_request_gives_up_its_hit_only_after_waiting_its_prefill() -> None:
+    s = _spill_with_a_hit()
+    assert s.poll(0.5) == []  # spilled, but w1 would prefill 8,000 tokens: 0.8 s
+    assert s.next_wakeup(0.5) == pytest.approx(1.3)
+    assert s.poll(1.2) == []
+    assert s.poll(1.3) == [Dispatch("r", "w1")]
+    assert s.next_wakeup(1.3) is None
+
+
+def test_a_spilled_request_takes_its_hit_when_the_holder_frees_first() -> None:
+    s = _spill_with_a_hit()
+    assert s.poll(0.5) == []
+    s.on_finished("busy", "w0", 0.9)
+    assert s.poll(0.9) == [Dispatch("r", "w0")]
+
+
+def test_without_paying_for_hits_every_candidate_opens_at_the_spill() -> None:
+    s = _spill_with_a_hit(spill_pays_for_hits=False)
+    assert s.poll(0.5) == [Dispatch("r", "w1")]
 
 
 @pytest.mark.parametrize(

@@ -184,7 +184,7 @@ class LoggingDriver(Driver):
         if not memo:  # every room question asked of admission afresh, every try made
             self.s._has_room = lambda w, need: self.s.admission.has_room(w, need)
             self.s._room = lambda w: self.s.admission.headroom(w)
-            self.s._no_room_memo = lambda entry: None
+            self.s._no_room_memo = lambda entry, now: None
 
     def apply(self, actions) -> None:
         self.log.append((self.now, list(actions)))
