@@ -238,6 +238,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             self._enqueue(self.entries[rid], now)
         self._expire_deadlines(now, out)
         self._spill_due(now)
+        self.open_timers.due(now)  # opened: the pass below tries them; only later ones wake us
         if self.params.programs:
             self._programs_tick(now)
         self._retry_at = None
@@ -255,7 +256,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         times = [
             self._first_live(self.buffer, (WINDOW,)),
             self._first_live(self.spill_timers, (QUEUED,)),
-            self._first_open(now),
+            self._first_live(self.open_timers, (SPILL,)),
             self._first_live(self.deadlines, (WINDOW, QUEUED, SPILL, HELD, PAUSED_STEP)),
             self.groups.next_timeout(self.params.group_timeout_s),
             self._retry_at,
@@ -336,17 +337,6 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         entry.all_open_at = max(entry.opens.values(), default=now)
         for t in sorted(set(entry.opens.values())):
             self.open_timers.push(t, entry.seq, entry.req.request_id)
-
-    def _first_open(self, now: float) -> float | None:
-        """When a candidate next opens to a request still spilled (past ones are dropped)."""
-        heap = self.open_timers.items
-        while heap:
-            t, _, rid = heap[0]
-            entry = self.entries.get(rid)
-            if t > now and entry is not None and entry.state == SPILL:
-                return t
-            heapq.heappop(heap)
-        return None
 
     def _first_live(self, heap: _Heap, states: tuple[str, ...]) -> float | None:
         while heap.items:
