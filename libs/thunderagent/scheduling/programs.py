@@ -4,7 +4,8 @@ A program (``SchedRequest.program_id``) alternates between *reasoning* (a step r
 *acting* (a tool call between steps; its KV sits on the worker waiting for the next step). Per
 worker the tracker sums the context of the programs living there (reasoning or acting). When
 that passes ``program_watermark`` of the worker's KV pool, acting programs there are *paused*
-smallest context first until it is back under: a paused program's blocks are left to the
+smallest context first until it is back under (never one resumed for a step still queued:
+that step would park twice): a paused program's blocks are left to the
 engine's eviction, and its next step waits here instead of thrashing the cache. A paused step
 resumes (oldest pause first) on the first router candidate where the program fits under
 ``program_resume_watermark``, or at once where the engine still holds its previous prompt
@@ -44,6 +45,10 @@ class Program:
     last_seen: float = 0.0
     paused_at: float = 0.0
     steps: int = 0
+    waking: bool = False
+    """Resumed with parked steps that have not been dispatched yet: it is not paused again
+    before they run, or a step could wait past ``program_park_max_s`` (forced back in, then
+    paused while still queued, then parked again)."""
     hashes: Sequence[int] = ()
     """Its latest prompt's full blocks: blocks programs share (a system or tool prompt) are
     counted once per worker."""
@@ -153,6 +158,7 @@ class ProgramTracker:
         prog.context_tokens = max(prog.context_tokens, req.prompt_tokens)
         prog.hashes = tuple(req.block_hashes)
         prog.phase = REASONING
+        prog.waking = False
         prog.steps += 1
         prog.last_seen = now
         self._move(prog, worker_id)
@@ -174,7 +180,11 @@ class ProgramTracker:
         if kv_total <= 0 or self.resident(worker_id) <= limit:
             return []
         acting = sorted(
-            (p for p in self.programs.values() if p.worker_id == worker_id and p.phase == ACTING),
+            (
+                p
+                for p in self.programs.values()
+                if p.worker_id == worker_id and p.phase == ACTING and not p.waking
+            ),
             key=lambda p: (p.context_tokens, p.program_id),
         )
         paused: list[str] = []
@@ -211,6 +221,7 @@ class ProgramTracker:
                 for p in self.programs.values()
                 if p.worker_id == worker_id
                 and p.phase == ACTING
+                and not p.waking
                 and p is not prog
                 and now - p.last_seen >= silent_for
             ),
@@ -260,7 +271,11 @@ class ProgramTracker:
         return [pid for pid in self.pending if self.parked_at.get(pid, before) <= before]
 
     def unpark(self, program_id: str, request_id: str) -> None:
-        """A parked step left (deadline, cancellation)."""
+        """A step left without running (deadline, cancellation), parked or queued: a program
+        woken for it may be paused again."""
+        prog = self.programs.get(program_id)
+        if prog is not None:
+            prog.waking = False
         steps = self.pending.get(program_id)
         if steps and request_id in steps:
             steps.remove(request_id)
@@ -276,7 +291,9 @@ class ProgramTracker:
         self._move(prog, worker_id)
         self.resumes += 1
         self.parked_at.pop(prog.program_id, None)
-        return self.pending.pop(prog.program_id, [])
+        steps = self.pending.pop(prog.program_id, [])
+        prog.waking = bool(steps)
+        return steps
 
     def release(self, program_id: str) -> list[str]:
         """End a program; returns the request ids of steps still parked on it."""

@@ -217,8 +217,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         if entry is None:
             self._end_run(request_id, now)
             return False
-        if entry.state == PAUSED_STEP:
-            self.programs.unpark(entry.req.program_id or "", request_id)
+        self.programs.unpark(entry.req.program_id or "", request_id)
         self.groups.drop(request_id)
         entry.state = "cancelled"
         self.counters["cancelled"] += 1
@@ -399,6 +398,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
     def _reject(self, entry: _Entry, reason: str, out: list[Action]) -> None:
         rid = entry.req.request_id
         self.entries.pop(rid, None)
+        self.programs.unpark(entry.req.program_id or "", rid)
         self.groups.drop(rid)
         entry.state = "rejected"
         self.counters["rejected"] += 1
@@ -408,8 +408,6 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         for rid in self.deadlines.due(now):
             entry = self.entries.get(rid)
             if entry is not None:
-                if entry.state == PAUSED_STEP:
-                    self.programs.unpark(entry.req.program_id or "", rid)
                 self._reject(entry, "deadline passed", out)
 
 

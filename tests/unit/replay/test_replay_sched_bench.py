@@ -30,7 +30,14 @@ def test_quick_run_writes_every_key(tmp_path: Path, capsys) -> None:
                 assert isinstance(row[key], int | float), (scenario, variant, key)
             assert row["completed"] + row["rejected"] == row["requests"] > 0
     assert "preemptions" in doc["priority"]["preempt"]
-    assert set(doc["targets"]) >= {"short_ttft_p99_gain", "programs_steps_per_min_gain"}
+    floor = doc["programs"]["makespan_floor_s"]
+    spans = [doc["programs"][v]["makespan_s"] for v in ("unaware", "aware", "direct")]
+    assert 0 < floor <= min(spans), (floor, spans)
+    assert set(doc["targets"]) >= {
+        "short_ttft_p99_gain",
+        "programs_steps_per_min_gain",
+        "programs_ceiling_gain",
+    }
     printed = capsys.readouterr().out
     assert "### programs" in printed and "targets:" in printed
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from program_helpers import run, sched
 
-from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler
+from thunderagent.scheduling import Dispatch, SchedRequest, ThunderScheduler, WorkerRoom
 from thunderagent.scheduling.programs import ACTING, PAUSED
 
 BS_TOKENS = 16
 
 
-def step(rid, pid, prompt, cands=(("w0", 0),), out=16) -> SchedRequest:
-    return SchedRequest(rid, 0.0, prompt, out, list(cands), program_id=pid)
+def step(rid, pid, prompt, cands=(("w0", 0),), out=16, hashed=False) -> SchedRequest:
+    """``hashed``: the prompt's blocks carry hashes (the program's own), so a step can find
+    its program's previous prompt cached (rescue)."""
+    hashes = [hash((pid, i)) for i in range(prompt // BS_TOKENS)] if hashed else []
+    return SchedRequest(rid, 0.0, prompt, out, list(cands), block_hashes=hashes, program_id=pid)
 
 
 def test_sticky_placement_prefers_the_worker_holding_the_program() -> None:
@@ -21,10 +24,10 @@ def test_sticky_placement_prefers_the_worker_holding_the_program() -> None:
     assert run(s, step("p-1", "p", 320, [("w0", 2), ("w1", 0)]), 2.0) == [Dispatch("p-1", "w1")]
 
 
-def crowded(**params) -> ThunderScheduler:
+def crowded(hashed=False, **params) -> ThunderScheduler:
     s = sched(total=100, **params)  # pause above 95 blocks, resume under 75
     for pid, prompt in (("A", 160), ("B", 480), ("C", 800)):
-        assert len(run(s, step(f"{pid}-0", pid, prompt), 0.0)) == 1
+        assert len(run(s, step(f"{pid}-0", pid, prompt, hashed=hashed), 0.0)) == 1
         s.on_finished(f"{pid}-0", "w0", 1.0)
     # acting: A 11 blocks, B 31, C 51 = 93; D reasoning with 20 more: 113 > 95
     assert run(s, step("D-0", "D", 320), 2.0) == [Dispatch("D-0", "w0")]
@@ -83,6 +86,46 @@ def test_the_forced_resume_displaces_the_program_silent_longest() -> None:
     wake = s.next_wakeup(3.0)
     assert s.poll(wake) == [Dispatch("A-1", "w0")]
     assert s.programs.programs["C"].phase == PAUSED, "C, acting since t=1, made room for A"
+
+
+FULL = WorkerRoom("w0", 8, 0, 100, 100, 8)
+"""w0's engine with no room: a step handed to it waits in the scheduler's queue."""
+
+
+def forced_back_while_full() -> ThunderScheduler:
+    """A's step was forced back in after the park bound, but the engine has no room yet, so
+    it waits in the queue; B and C, still cached on w0, are rescued there meanwhile and push
+    w0's programs over the watermark (113 blocks > 95)."""
+    s = crowded(hashed=True, program_park_max_s=5.0)
+    assert run(s, step("A-1", "A", 176, [("w0", 0)]), 3.0) == []  # evicted: it parks
+    s.update_worker(FULL, 3.5)
+    assert s.poll(8.0) == []  # forced back in, nowhere to run yet
+    assert s.programs.programs["A"].phase == ACTING and "A" not in s.programs.pending
+    for pid, prompt in (("C", 816), ("B", 496)):
+        cands = [("w1", 0), ("w0", prompt // BS_TOKENS - 1)]
+        assert run(s, step(f"{pid}-1", pid, prompt, cands, hashed=True), 8.2) == []
+    assert s.programs.resident("w0") > 95
+    return s
+
+
+def test_a_forced_step_still_queued_is_not_parked_again() -> None:
+    """Pausing A now would park its step a second time, past the bound: the pass pauses no
+    program whose woken steps are still queued, and A's step goes once the engine has room."""
+    s = forced_back_while_full()
+    s.update_worker(FULL, 8.4)
+    assert s.poll(8.4) == []
+    assert s.programs.programs["A"].phase == ACTING, "A's step is queued, not parked"
+    s.update_worker(WorkerRoom("w0", 0, 0, 0, 100, 8), 9.0)
+    got = [a for a in s.poll(9.0) if isinstance(a, Dispatch)]
+    assert Dispatch("A-1", "w0") in got
+
+
+def test_a_woken_program_whose_step_is_cancelled_can_pause_again() -> None:
+    s = forced_back_while_full()
+    assert s.cancel("A-1", 8.3) is True
+    s.update_worker(FULL, 8.4)
+    s.poll(8.4)
+    assert s.programs.programs["A"].phase == PAUSED, "nothing of A's waits: it gives way"
 
 
 def test_a_stale_program_gives_way_at_once_a_live_one_does_not() -> None:
