@@ -13,7 +13,8 @@ BS_TOKENS = 16
 def step(rid, pid, prompt, cands=(("w0", 0),), out=16, hashed=False) -> SchedRequest:
     """``hashed``: the prompt's blocks carry hashes (the program's own), so a step can find
     its program's previous prompt cached (rescue)."""
-    hashes = [hash((pid, i)) for i in range(prompt // BS_TOKENS)] if hashed else []
+    own = sum(map(ord, pid)) << 20
+    hashes = [own + i for i in range(prompt // BS_TOKENS)] if hashed else []
     return SchedRequest(rid, 0.0, prompt, out, list(cands), block_hashes=hashes, program_id=pid)
 
 
