@@ -24,7 +24,6 @@ class PrefixDemand:
     blocks: int
     model: str
     hits: deque[float] = field(default_factory=deque)
-    last_hit: float = 0.0
 
 
 class DemandTracker:
@@ -83,7 +82,6 @@ class DemandTracker:
         else:
             self._prefixes.move_to_end(prefix)
         demand.hits.append(now)
-        demand.last_hit = now
         if len(demand.hits) > self.max_hits:
             demand.hits.popleft()
 

@@ -43,7 +43,6 @@ class Program:
     phase: str = ACTING
     worker_id: str | None = None
     last_seen: float = 0.0
-    paused_at: float = 0.0
     steps: int = 0
     waking: bool = False
     """Resumed with parked steps that have not been dispatched yet: it is not paused again
@@ -192,7 +191,7 @@ class ProgramTracker:
             if self.resident(worker_id) <= limit:
                 break
             self._at(worker_id).remove(prog)
-            prog.phase, prog.paused_at = PAUSED, now
+            prog.phase = PAUSED
             paused.append(prog.program_id)
         self.pauses += len(paused)
         return paused
@@ -232,7 +231,7 @@ class ProgramTracker:
             if self.fits(prog, worker_id, kv_total):
                 break
             self._at(worker_id).remove(victim)
-            victim.phase, victim.paused_at = PAUSED, now
+            victim.phase = PAUSED
             paused.append(victim.program_id)
         self.pauses += len(paused)
         return paused
