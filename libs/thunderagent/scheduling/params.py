@@ -115,15 +115,19 @@ class SchedParams:
     """Pause acting programs on a worker once program contexts exceed this share of its KV."""
     program_resume_watermark: float = 0.85
     """Resume a paused program only where it fits under this share (hysteresis, no flapping)."""
-    program_park_max_s: float = 60.0
+    program_park_max_s: float = 90.0
     """A parked step of a paused program waits at most this long for room: then the program
     resumes on its first candidate, displacing the programs silent longest there. Pausing must
     never starve a program. Room comes sooner when a program ends or goes stale (silent past
     the 99th percentile of the tool pauses seen: it gives its place up at once). Holding is what
-    keeps the cache from thrashing when live programs overfill the KV, so the bound is long, the
-    release timeout: on the closed-loop agent programs of ``bench sched`` (generated) 2 s gave
-    1.01x the steps/min of program-unaware scheduling, 10 s 1.18x, 30 s 1.43x, 60 s 1.43x, no
-    bound 1.45x; the open-loop agent trace's TTFT was the same for every value."""
+    keeps the cache from thrashing when live programs overfill the KV, so the bound is a guard
+    that should rarely fire: each forced resume displaces programs and re-prefills. On the
+    closed-loop agent programs of ``bench sched`` (generated; aware steps/min, seeds 0-3): 30 s
+    416.7 / 415.1 / 352.1 / 424.9, 60 s 428 / 425 / 385 / 455 (13-30 forced resumes a run),
+    90 s 447.1 / 428.9 / 391.3 / 452.9, the same at 120 and 180 s (it never fires); seeds 4-7
+    at 60 / 90 s: 371.8 / 377.0 / 423.4 / 454.5 against 377.5 / 370.5 / 428.9 / 485.8 (+1.9 %
+    over the eight seeds). The open-loop agent traces (seeds 0-2, 1-8x) are identical at 60
+    and 90 s. Earlier draws: 2 s 1.01x the program-unaware rate, 10 s 1.18x, 30 s 1.43x."""
     program_rescue_share: float = 0.9
     """A step of a paused program whose previous prompt is still cached, to at least this
     share of its blocks, on one of its candidates resumes the program there at once instead of
