@@ -157,7 +157,7 @@ class ProgramSteps:
         totals = self._kv_totals()
         changed, self._dirty = self._dirty, set()
         for w in sorted(changed):
-            self.programs.over_capacity(w, totals.get(w, 0), now)
+            self.programs.over_capacity(w, totals.get(w, 0))
         periodic = now >= self._next_idle_check
         if changed or periodic:
             for pid in list(self.programs.pending):

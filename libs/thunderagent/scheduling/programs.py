@@ -173,7 +173,7 @@ class ProgramTracker:
         prog.last_seen = now
         self._move(prog, worker)
 
-    def over_capacity(self, worker_id: str, kv_total: int, now: float) -> list[str]:
+    def over_capacity(self, worker_id: str, kv_total: int) -> list[str]:
         """Pause acting programs on ``worker_id``, smallest first, until under the watermark."""
         limit = self.watermark * kv_total
         if kv_total <= 0 or self.resident(worker_id) <= limit:

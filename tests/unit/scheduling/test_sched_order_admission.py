@@ -329,6 +329,6 @@ def test_a_spilled_step_of_a_program_paused_meanwhile_is_tried_at_once() -> None
     s.submit(step, 0.2)
     assert s.poll(0.2) == [] and s.poll(1.0) == [] and s.poll(1.1) == []
     assert s.entries["p1-1"].state == "spill" and set(s.entries["p1-1"].no_room) == {"w1", "w2"}
-    assert s.programs.over_capacity("w0", 1, 1.2) == ["p1"]
+    assert s.programs.over_capacity("w0", 1) == ["p1"]
     s.poll(1.3)
     assert s.entries["p1-1"].state != "spill"
