@@ -123,7 +123,7 @@ class SchedParams:
     keeps the cache from thrashing when live programs overfill the KV, so the bound is a guard
     that should rarely fire: each forced resume displaces programs and re-prefills. On the
     closed-loop agent programs of ``bench sched`` (generated; aware steps/min, seeds 0-3): 30 s
-    416.7 / 415.1 / 352.1 / 424.9, 60 s 428 / 425 / 385 / 455 (13-30 forced resumes a run),
+    416.7 / 415.1 / 352.1 / 424.9, 60 s 428 / 425 / 385 / 455 (16, 30 forced resumes at 0, 2),
     90 s 447.1 / 428.9 / 391.3 / 452.9, the same at 120 and 180 s (it never fires); seeds 4-7
     at 60 / 90 s: 371.8 / 377.0 / 423.4 / 454.5 against 377.5 / 370.5 / 428.9 / 485.8 (+1.9 %
     over the eight seeds). The open-loop agent traces (seeds 0-2, 1-8x) are identical at 60
