@@ -24,6 +24,7 @@ from thunderagent.bench.replay import code_version
 from thunderagent.engine import Profile, get_profile
 from thunderagent.engine.timing import TimingModel
 from thunderagent.replay import Record, ReplayConfig, ReplayResult
+from thunderagent.replay.summary import alone_ttft_s
 from thunderagent.replay.workload_driver import run_open, run_programs
 from thunderagent.stats import percentile
 from thunderagent.workloads import AgentParams, AgentWorkload, MixedParams, MixedWorkload
@@ -260,11 +261,7 @@ def makespan_floor(params: AgentParams, seed: int, profile: Profile) -> float:
     while todo:
         r = todo.pop()
         have = min(cached[r.program_id], r.prompt_tokens - 1)
-        t = r.issue_at
-        while have < r.prompt_tokens:
-            n = min(chunk, r.prompt_tokens - have)
-            t += timing.prefill_time([(n, have)])
-            have += n
+        t = r.issue_at + alone_ttft_s(timing, r.prompt_tokens, have, chunk)
         t += timing.decode_run_time(1, r.prompt_tokens, r.output_tokens - 1)
         cached[r.program_id] = r.prompt_tokens
         nxt = wl.on_step_done(r.request_id, t)
