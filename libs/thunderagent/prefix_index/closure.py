@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final, TypeAlias
 
+from thunderagent.prefix_index.entry import Entry
+
 KIDS_PRUNE_MIN: Final = 32
 """A branch point's kid set is first pruned of gone entries at this size."""
 
@@ -51,11 +53,9 @@ def with_kid(entries: dict, kids: KidsField, kid: int) -> KidsField:
     return Kids((kids, kid))
 
 
-def link(entries: dict, key: int, e: tuple, kid: int) -> None:
-    """Record ``kid`` among the kids of ``key`` (whose entry is ``e``)."""
-    kids = with_kid(entries, e[4], kid)
-    if kids is not e[4]:
-        entries[key] = (e[0], e[1], e[2], e[3], kids)
+def link(entries: dict, e: Entry, kid: int) -> None:
+    """Record ``kid`` among the kids of the entry ``e``."""
+    e.kids = with_kid(entries, e.kids, kid)  # type: ignore[arg-type]
 
 
 def unclose(entries: dict, stack: list[tuple[KidsField, int]]) -> None:
@@ -67,8 +67,8 @@ def unclose(entries: dict, stack: list[tuple[KidsField, int]]) -> None:
         kids, mask = stack.pop()
         for c in kids if kids.__class__ is Kids else (kids,):  # type: ignore[union-attr]
             e = get(c)
-            if e is not None and e[1] & mask:
-                m = e[1] & mask
-                entries[c] = (e[0], e[1] ^ m, e[2], e[3], e[4])
-                if e[4] is not None:
-                    stack.append((e[4], m))
+            if e is not None and e.closed & mask:
+                m = e.closed & mask
+                e.closed ^= m
+                if e.kids is not None:
+                    stack.append((e.kids, m))  # type: ignore[arg-type]

@@ -4,11 +4,12 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
 
 * A chained hash names a whole prefix, so a flat dict replaces a radix tree: a query looks up
   the prompt's hashes directly, with no nodes to walk from the root.
-* ``_entries: dict[primary, (held, closed, check, bucket, kids)]``: ``held``, one bit per worker
-  slot holding the block; ``closed`` ⊆ ``held``, the workers known to hold the block *and every
-  block before it*; the first writer's ``check`` hash; the TTL ``bucket`` of the last
-  confirmation; ``kids``, the children that may be closed for someone (None, one hash, or a
-  ``Kids`` set at a branch point such as a shared system prompt's last block).
+* ``_entries: dict[primary, Entry]``, an entry being ``(held, closed, check, bucket, kids)``:
+  ``held``, one bit per worker slot holding the block; ``closed`` ⊆ ``held``, the workers known
+  to hold the block *and every block before it*; the first writer's ``check`` hash; the TTL
+  ``bucket`` of the last confirmation; ``kids``, the children that may be closed for someone
+  (None, one hash, or a ``Kids`` set at a branch point such as a shared system prompt's last
+  block).
 * ``closed`` is set when a worker stores a block under a parent closed for it (or at the root)
   and cleared down ``kids`` whenever the worker loses the block (removal, expiry), so along a
   prompt it only ever loses workers and the query bisects for the few depths where it changes
@@ -17,19 +18,23 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   ~50 ns of interpreter work. It may under-state (blocks stored before their parent), which the
   query repairs by following ``held``; it never over-states, so answers stay exact.
 * Recording ``kids`` is nearly free: a new block's only kid is the next block of the same event,
-  stored in the same tuple; only an event's parent gets one extra write.
-* A tuple, not a list or a slots dataclass: tuples of ints are untracked by the cyclic GC, while
-  a million lists kept it rescanning them (GC was 60 % of ingest with lists), and a dataclass
-  ``__init__`` per block costs twice a literal. A new block is one ``setdefault``; an existing
-  one is rewritten only when a bit, the bucket or its kids change.
-* ``_Worker.log: list[primary]`` with an exact ``count``: clearing, removing or dumping a worker
+  stored in the same entry; only an event's parent gets one extra write.
+* Nothing per block is visible to the cyclic GC, so a full collection costs the same with a
+  million blocks indexed as with none (~200 ms per million when the entries were tuples and the
+  logs lists, every collection walking them): entries are ``gc=False`` structs (``entry``), so
+  the dict is never tracked, and the logs and TTL lists are ``array("Q")``, whose items the GC
+  does not visit (block hashes are unsigned 64-bit, as the KV event schema enforces). A struct
+  takes ~40 ns more to build than a tuple (80 against 39 ns); an allocation the GC tracks per
+  block costs more (GC was 60 % of ingest when entries were lists). A new block is one
+  ``setdefault``; an existing one is changed in place.
+* ``_Worker.log: array[primary]`` with an exact ``count``: clearing, removing or dumping a worker
   costs its blocks, not a scan of the index. Each event's hashes are appended with one
   ``extend`` (re-stored ones too); stale items are filtered on the mask, the log compacted past
-  twice the count. A list, not a set: a set insert is one more random access per block.
+  twice the count. A log, not a set: a set insert is one more random access per block.
 * Worker ids are strings outside and bit slots inside; a freed slot is reused (lowest first, so
   masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
   only after its bit is gone from every entry.
-* TTL: a deque of ``(bucket, [primary...])`` in time order; each event's hashes are appended to
+* TTL: a deque of ``(bucket, array of primary hashes)`` in time order; each event's hashes go to
   the current bucket's list with one ``extend``; ``expire`` pops whole lists whose time is up
   and drops an entry only if it was not re-confirmed since (amortised O(1) per stored block). A
   block confirmed at ``t`` expires at the first ``expire(now)`` with ``now >= (t // bucket_s +
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +55,7 @@ from typing import Final
 
 from thunderagent.hashing import BlockHashes
 from thunderagent.prefix_index.closure import Kids, link, unclose, with_kid
+from thunderagent.prefix_index.entry import Entry
 from thunderagent.prefix_index.results import APPLIED, EventResult, Gap, IndexStats, Stale
 from thunderagent.prefix_index.search import search, walk
 from thunderagent.prefix_index.snapshot import (
@@ -85,7 +92,7 @@ class _Worker:
     last_event_at: float | None = None
     count: int = 0
     """Entries whose mask has this worker's bit (exact)."""
-    log: list[int] = field(default_factory=list)
+    log: array = field(default_factory=lambda: array("Q"))
     """Primary hashes this worker's bit was set on, possibly stale or repeated."""
 
 
@@ -103,13 +110,13 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.bucket_s = 0.0 if ttl_s is None else ttl_s / ttl_buckets
         self.stats = IndexStats()
-        self._entries: dict[int, tuple] = {}
+        self._entries: dict[int, Entry] = {}
         self._workers: dict[str, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
-        self._pending: deque[tuple[int, list[int]]] = deque()
+        self._pending: deque[tuple[int, array]] = deque()
         self._tail_bucket = 0
-        self._tail: list[int] | None = None
+        self._tail: array | None = None
         self._bucket_end = -math.inf
 
     # ----------------------------------------------------------------- workers
@@ -177,12 +184,12 @@ class PrefixIndex:
             return BlockHashes([], [])
         entries = self._entries
         primary = self._live_log(w)
-        return BlockHashes(primary, [entries[p][2] for p in primary])
+        return BlockHashes(primary, [entries[p].check for p in primary])
 
     def _live_log(self, w: _Worker) -> list[int]:
         get = self._entries.get
         bit = w.bit
-        return [p for p in dict.fromkeys(w.log) if (e := get(p)) is not None and e[0] & bit]
+        return [p for p in dict.fromkeys(w.log) if (e := get(p)) is not None and e.held & bit]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -209,7 +216,7 @@ class PrefixIndex:
             return APPLIED
         return self._out_of_sequence(w, seq)
 
-    def _bucket_list(self, now: float) -> tuple[int, list[int]]:
+    def _bucket_list(self, now: float) -> tuple[int, array]:
         """The TTL bucket for a store at ``now`` and the list to append new confirmations to.
         The bucket never moves backwards (a clock step back confirms at the newest bucket), so
         the queue stays in time order. ``_bucket_end`` is the first time of a later bucket, so
@@ -217,7 +224,7 @@ class PrefixIndex:
         bucket = int(now // self.bucket_s) if self.ttl_s is not None else 0
         if bucket > self._tail_bucket or self._tail is None:
             self._tail_bucket = max(bucket, self._tail_bucket)
-            self._tail = []
+            self._tail = array("Q")
             self._pending.append((self._tail_bucket, self._tail))
             self._bucket_end = self._first_time_after(self._tail_bucket)
         return self._tail_bucket, self._tail
@@ -270,17 +277,17 @@ class PrefixIndex:
         cbit = bit  # the worker holds the chain's prefix so far: blocks stored are closed
         if parent is not None:
             pe = entries.get(parent)
-            if pe is None or not pe[0] & bit:
+            if pe is None or not pe.held & bit:
                 self.stats.orphan_stores += 1
                 cbit = 0
-            elif not pe[1] & bit:
+            elif not pe.closed & bit:
                 cbit = 0
             elif primary:
-                kids = pe[4]
+                kids = pe.kids
                 if kids is None:  # the usual continuation: the parent was a chain's end
-                    entries[parent] = (pe[0], pe[1], pe[2], pe[3], primary[0])
+                    pe.kids = primary[0]
                 elif kids != primary[0]:
-                    link(entries, parent, pe, primary[0])
+                    link(entries, pe, primary[0])
         tail = self._tail
         if tail is None or now >= self._bucket_end:
             bucket, tail = self._bucket_list(now)
@@ -290,7 +297,7 @@ class PrefixIndex:
         put = entries.setdefault  # one hash lookup for a new block, not a get and a set
         added = 0
         for p, c, nx in zip_longest(primary, check, primary[1:]):
-            new = (bit, cbit, c, bucket, nx)
+            new = Entry(bit, cbit, c, bucket, nx)
             e = put(p, new)
             if e is not new:
                 cbit, got = self._store_existing(p, c, nx, e, bit, cbit, bucket)
@@ -301,28 +308,26 @@ class PrefixIndex:
         log = w.log
         log.extend(primary)  # every block the bit is set on, plus a few already set
         if len(log) > 2 * w.count + _LOG_SLACK:
-            w.log = self._live_log(w)
+            w.log = array("Q", self._live_log(w))
         return result
 
     def _store_existing(
-        self, p: int, c: int, nx: int | None, e: tuple, bit: int, cbit: int, bucket: int
+        self, p: int, c: int, nx: int | None, e: Entry, bit: int, cbit: int, bucket: int
     ) -> tuple[int, int]:
         """Store block ``p`` (check ``c``, next block ``nx``) that is already indexed as
         ``e``: returns the closed bit for the next block and whether ``bit`` was newly set.
         A new block costs one ``setdefault`` in the caller's loop; this is the slower path."""
-        held, closed, ck, b, kids = e
-        if ck != c:
+        if e.check != c:
             self.stats.store_collisions += 1
             return 0, 0
-        nc = closed | cbit
+        e.closed = nc = e.closed | cbit
+        e.bucket = bucket
         cbit = nc & bit
-        if cbit and nx is not None and kids != nx:
-            kids = with_kid(self._entries, kids, nx)
-        if not held & bit:
-            self._entries[p] = (held | bit, nc, c, bucket, kids)
+        if cbit and nx is not None and e.kids != nx:
+            e.kids = with_kid(self._entries, e.kids, nx)  # type: ignore[arg-type]
+        if not e.held & bit:
+            e.held |= bit
             return cbit, 1
-        if nc != closed or b != bucket or kids is not e[4]:
-            self._entries[p] = (held, nc, c, bucket, kids)
         return cbit, 0
 
     def apply_removed(
@@ -347,15 +352,15 @@ class PrefixIndex:
         below: list[tuple[object, int]] = []
         for p in primary:
             e = get(p)
-            if e is not None and e[0] & bit:
+            if e is not None and e.held & bit:
                 cleared += 1
-                held = e[0] ^ bit
-                if held:
-                    entries[p] = (held, e[1] & ~bit, e[2], e[3], e[4])
+                if cascade and e.closed & bit and e.kids is not None:
+                    below.append((e.kids, bit))
+                e.held ^= bit
+                if e.held:
+                    e.closed &= ~bit
                 else:
                     del entries[p]
-                if cascade and e[1] & bit and e[4] is not None:
-                    below.append((e[4], bit))
         if below:
             unclose(self._entries, below)
         return cleared
@@ -373,7 +378,7 @@ class PrefixIndex:
 
     def _drop_blocks(self, w: _Worker) -> None:
         self._unset(w.bit, w.log, False)
-        w.log = []
+        w.log = array("Q")
         w.count = 0
 
     def expire(self, now: float) -> int:
@@ -393,13 +398,13 @@ class PrefixIndex:
                 self._tail = None
             for p in hashes:
                 e = entries.get(p)
-                if e is None or e[3] > bucket:
+                if e is None or e.bucket > bucket:
                     continue  # removed since, or re-confirmed later
                 del entries[p]
                 dropped += 1
-                if e[1] and e[4] is not None:
-                    below.append((e[4], e[1]))
-                m = e[0]
+                if e.closed and e.kids is not None:
+                    below.append((e.kids, e.closed))
+                m = e.held
                 while m:
                     low = m & -m
                     by_slot[low.bit_length() - 1].count -= 1  # type: ignore[union-attr]
@@ -450,12 +455,12 @@ class PrefixIndex:
                 slot=w.slot,
                 last_seq=w.last_seq,
                 last_event_at=w.last_event_at,
-                blocks=list(w.log),
+                blocks=w.log.tolist(),
                 count=w.count,
             )
             for w in self._workers.values()
         ]
-        queue = [(bucket, list(hashes)) for bucket, hashes in self._pending]
+        queue = [(bucket, hashes.tolist()) for bucket, hashes in self._pending]
         return to_snapshot(self._entries, workers, len(self._by_slot), self.bucket_s, queue)
 
     def restore(self, snap: IndexSnapshot, now: float = 0.0) -> None:
@@ -465,12 +470,12 @@ class PrefixIndex:
         snapshot taken without TTL counts as confirmed at ``now``.
         """
         bucket_s = self.bucket_s if self.ttl_s is not None else None
-        self._entries, queue = from_snapshot(snap, bucket_s, now, Kids)
+        self._entries, queue = from_snapshot(snap, bucket_s, now, Entry, Kids)
         self._workers = {}
         self._by_slot = [None] * max((w.slot + 1 for w in snap.workers), default=0)
         for img in snap.workers:
             w = _Worker(img.name, img.slot, 1 << img.slot, img.last_seq, img.last_event_at)
-            w.log = list(img.blocks)
+            w.log = array("Q", img.blocks)
             w.count = len(img.blocks) if img.count < 0 else img.count
             self._workers[img.name] = w
             self._by_slot[img.slot] = w
@@ -485,11 +490,11 @@ class PrefixIndex:
         if self.ttl_s is None:
             return
         if queue:
-            self._pending = deque((bucket, list(hashes)) for bucket, hashes in queue)
+            self._pending = deque((bucket, array("Q", hashes)) for bucket, hashes in queue)
         else:
-            lists: dict[int, list[int]] = {}
+            lists: dict[int, array] = {}
             for p, e in self._entries.items():
-                lists.setdefault(e[3], []).append(p)
+                lists.setdefault(e.bucket, array("Q")).append(p)
             self._pending = deque((bucket, lists[bucket]) for bucket in sorted(lists))
         if self._pending:
             self._tail_bucket, self._tail = self._pending[-1]

@@ -1,7 +1,7 @@
 """The overlap query over ``PrefixIndex`` entries: a bisection for the depths where the set of
 workers changes, instead of a walk over every block.
 
-Entries are ``primary -> (held, closed, check, bucket, kids)`` (see ``index``). ``closed`` is
+Entries are ``primary -> Entry(held, closed, check, bucket, kids)`` (see ``index``). ``closed`` is
 monotone along a chain: a worker in ``closed`` of block ``i`` is in ``closed`` of every block
 before it, so along one prompt ``f(i) = closed(prompt[i])`` only ever loses workers. The answer
 is where it loses them: a worker that leaves between depths ``d - 1`` and ``d`` holds exactly
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-Entry = tuple
+from thunderagent.prefix_index.entry import Entry
+
 Credit = Callable[[dict, int, int], None]
 Get = Callable[[int], Entry | None]
 
@@ -44,7 +45,7 @@ def search(
     first = get(primary[0])
     if first is None:
         return out
-    m_first = first[1]
+    m_first = first.closed
     if _drop(get, primary, check, credit, out, 0, first, ~m_first, first):
         return None
     # Intervals (a, b, f(a), f(b), entry a, entry b) whose ends differ; past the prompt's end
@@ -58,7 +59,7 @@ def search(
             continue
         mid = (a + b) >> 1
         em = get(primary[mid])
-        mm = em[1] & ma if em is not None else 0
+        mm = em.closed & ma if em is not None else 0
         if mm != mb:
             todo.append((mid, b, mm, mb & mm, em, eb))
         if mm != ma:
@@ -70,11 +71,11 @@ def _drop(get, primary, check, credit, out, d: int, prev: Entry, gone: int, nxt)
     """The workers ``gone`` hold blocks ``0..d-1`` and are not closed at block ``d`` (entry
     ``nxt``; ``prev`` is block ``d-1``'s): credit them with ``d``, except those that still
     hold block ``d`` (``closed`` under-stated), which are followed. True on a check mismatch."""
-    follow = gone & nxt[0] if nxt is not None else 0
+    follow = gone & nxt.held if nxt is not None else 0
     if follow:
         gone &= ~follow
     if gone and d:
-        if check is not None and prev[2] != check[d - 1]:
+        if check is not None and prev.check != check[d - 1]:
             return True
         credit(out, gone, d)
     if follow:
@@ -88,9 +89,9 @@ def _extend(get, primary, check, credit, out, d: int, e: Entry, mask: int) -> bo
     while True:
         d += 1
         nxt = get(primary[d]) if d < n else None
-        m = nxt[0] & mask if nxt is not None else 0
+        m = nxt.held & mask if nxt is not None else 0
         if m != mask:
-            if check is not None and e[2] != check[d - 1]:
+            if check is not None and e.check != check[d - 1]:
                 return True
             credit(out, mask ^ m, d)
             if not m:
@@ -114,9 +115,9 @@ def walk(
     prev = None
     for i, p in enumerate(primary):
         e = get(p)
-        if e is None or (verify and check is not None and e[2] != check[i]):
+        if e is None or (verify and check is not None and e.check != check[i]):
             break
-        m = mask & e[0]
+        m = mask & e.held
         if m != mask:
             if depth:
                 credit(out, mask ^ m, depth)

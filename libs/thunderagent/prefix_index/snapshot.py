@@ -12,6 +12,7 @@ event stream instead).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Final
 
 import msgspec
@@ -93,16 +94,18 @@ def join_masks(flat: list[int], words: int) -> list[int]:
 
 
 def to_snapshot(
-    entries: dict[int, tuple],
+    entries: dict,
     workers: list[WorkerImage],
     slots: int,
     bucket_s: float,
     ttl_queue: list[tuple[int, list[int]]],
 ) -> IndexSnapshot:
-    """Columns from the index's ``primary -> (held, closed, check, bucket, kids)`` dict."""
+    """Columns from the index's ``primary -> Entry(held, closed, check, bucket, kids)`` dict."""
     words = max(1, -(-slots // WORD_BITS))
     values = list(entries.values())
-    held, closed, check, buckets, kids = ([v[k] for v in values] for k in range(5))
+    held, closed, check, buckets, kids = (
+        list(map(attrgetter(f), values)) for f in ("held", "closed", "check", "bucket", "kids")
+    )
     primary = list(entries)
     branches = []
     for i, k in enumerate(kids):  # the few branch points: sets become a separate column
@@ -129,12 +132,12 @@ _ONE: Final = (int, type(None))
 
 
 def from_snapshot(
-    snap: IndexSnapshot, bucket_s: float | None, now: float, kid_set: type = set
-) -> tuple[dict[int, tuple], list[tuple[int, list[int]]] | None]:
+    snap: IndexSnapshot, bucket_s: float | None, now: float, entry: type, kid_set: type = set
+) -> tuple[dict, list[tuple[int, list[int]]] | None]:
     """The index's entries dict and TTL queue from ``snap``, buckets converted to width
     ``bucket_s`` (``None``: TTL off). A snapshot without TTL counts as confirmed at ``now``;
-    the queue is ``None`` when it must be rebuilt from the entries. Branch points' kids become
-    ``kid_set`` instances."""
+    the queue is ``None`` when it must be rebuilt from the entries. Entries are ``entry``
+    instances (held, closed, check, bucket, kids); branch points' kids ``kid_set`` ones."""
     if snap.version != SNAPSHOT_VERSION:
         raise ValueError(f"snapshot version {snap.version} != {SNAPSHOT_VERSION}")
     if snap.hash_scheme != SCHEME_VERSION:
@@ -150,11 +153,12 @@ def from_snapshot(
             buckets = [int(now // bucket_s)] * len(buckets)
     masks = join_masks(snap.masks, snap.mask_words)
     closed = join_masks(snap.closed, snap.mask_words)
-    values = zip(masks, closed, snap.check, buckets, snap.kids, strict=True)
-    entries = dict(zip(snap.primary, values, strict=True))
+    columns = (snap.primary, masks, closed, snap.check, buckets, snap.kids)
+    if len({len(c) for c in columns}) != 1:
+        raise ValueError(f"snapshot columns differ in length: {[len(c) for c in columns]}")
+    entries = dict(zip(snap.primary, map(entry, *columns[1:]), strict=True))
     for p, kids in snap.branch_kids:
-        e = entries[p]
-        entries[p] = (e[0], e[1], e[2], e[3], kid_set(kids))
+        entries[p].kids = kid_set(kids)
     return entries, queue
 
 

@@ -13,15 +13,16 @@ from msgspec import Meta, Struct
 
 Counter64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 """A sequence number or epoch: anything wider cannot be snapshotted (msgpack int64)."""
-_HASH_MIN, _HASH_END = -(2**63), 2**64
+_HASH_MIN, _HASH_END = 0, 2**64
 
 
 def _check_hashes(*lists: list[int]) -> None:
-    """Block hashes are 64-bit (xxh3, unsigned): a wider one cannot be stored or snapshotted.
-    msgspec bounds stop at int64, so the range is checked after decoding (min/max run in C)."""
+    """Block hashes are unsigned 64-bit (ours are xxh3; an engine's own hashes never reach this
+    schema): the index keeps them in ``array("Q")`` logs and snapshots them as uint64. msgspec
+    bounds stop at int64, so the range is checked after decoding (min/max run in C)."""
     for hashes in lists:
         if hashes and (min(hashes) < _HASH_MIN or max(hashes) >= _HASH_END):
-            raise ValueError("block hashes must fit in 64 bits")
+            raise ValueError("block hashes must be unsigned 64-bit integers, in [0, 2**64)")
 
 
 class Medium(enum.StrEnum):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from thunderagent.hashing import BlockHasher, BlockHashes
@@ -395,7 +397,7 @@ def test_restore_rejects_other_hash_schemes() -> None:
 def closed_of(ix: PrefixIndex, *ids: int) -> set[str]:
     """Workers the index records as holding the whole prefix ``ids`` (its ``closed`` set)."""
     e = ix._entries[chain(*ids).primary[-1]]
-    return {w.name for w in ix._workers.values() if e[1] & w.bit}
+    return {w.name for w in ix._workers.values() if e.closed & w.bit}
 
 
 def test_removing_a_middle_block_clears_the_prefix_below_it() -> None:
@@ -439,7 +441,7 @@ def test_a_branch_point_keeps_every_child() -> None:
     n = 200
     for i in range(n):  # 200 conversations under the same 2-block system prompt
         ix.apply_stored("a", 1 + i, *tail((1, 2, 1000 + i), 2), 0.0)
-    kids = ix._entries[chain(1, 2).primary[-1]][4]
+    kids = ix._entries[chain(1, 2).primary[-1]].kids
     assert len(kids) == n
     leaves = [chain(1, 2, 1000 + i).primary[-1] for i in range(n - 5)]
     ix.apply_removed("a", n + 1, leaves, 0.0)  # leaf-first evictions of most of them
@@ -458,7 +460,7 @@ def test_kid_sets_are_pruned_of_gone_entries() -> None:
         ix.apply_stored("a", seq + 1, part, parent, 0.0)
         ix.apply_removed("a", seq + 2, part.primary, 0.0)
         seq += 3
-    kids = ix._entries[chain(1).primary[0]][4]
+    kids = ix._entries[chain(1).primary[0]].kids
     assert len(kids) < 100  # pruned as it grows, not 1000
 
 
@@ -484,6 +486,27 @@ def test_search_agrees_with_the_block_by_block_walk() -> None:
         hits += bool(expected)
     assert hits > len(w.queries) // 2
     assert ix.stats.query_collisions == 0
+
+
+def test_a_full_collection_does_not_walk_the_index() -> None:
+    """Nothing the index keeps per block is a GC container: with tuples as entries the dict was
+    tracked, and every full collection walked all of it (~200 ms per million blocks)."""
+    ix = PrefixIndex(ttl_s=60.0)
+    store(ix, "a", 0, (1, 2, 3))
+    for i, leaf in enumerate((4, 5, 6)):  # block 3 becomes a branch point: a Kids set
+        part, parent = tail((1, 2, 3, leaf), 3)
+        ix.apply_stored("a", 1 + i, part, parent, 1.0)
+    store(ix, "b", 0, (1, 2))
+    ix.apply_removed("a", 4, [chain(1, 2, 3, 5).primary[-1]], 2.0)
+    gc.collect()
+    assert not gc.is_tracked(ix._entries)
+    logs = [w.log for w in ix._workers.values()] + [hashes for _, hashes in ix._pending]
+    assert all(len(log) for log in logs)
+    assert not any(isinstance(o, int) for log in logs for o in gc.get_referents(log))
+    # the branch point's kid set is referenced only from an untracked entry: still intact
+    assert query(ix, 1, 2, 3, 4) == {"a": 4, "b": 2}
+    ix.apply_removed("a", 5, [chain(1, 2).primary[-1]], 3.0)
+    assert closed_of(ix, 1, 2, 3, 4) == set() and closed_of(ix, 1, 2, 3, 6) == set()
 
 
 def test_snapshot_keeps_closed_sets_and_kids() -> None:

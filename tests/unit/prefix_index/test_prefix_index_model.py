@@ -174,7 +174,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def closed_never_overstates(self) -> None:
-        for p, (held, closed, *_rest) in self.ix._entries.items():
+        for p, e in self.ix._entries.items():
+            held, closed = e.held, e.closed
             assert closed & ~held == 0
             if not closed:
                 continue

@@ -91,6 +91,22 @@ def test_invalid_requests_are_rejected_with_the_reason(payload, fragment):
         msgspec.json.decode(msgspec.json.encode(payload), type=GenerateRequest)
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "stored", "hashes": [-1], "check_hashes": [1]},
+        {"type": "stored", "hashes": [1], "check_hashes": [-3]},
+        {"type": "stored", "hashes": [1], "check_hashes": [1], "parent_hash": -(2**63)},
+        {"type": "removed", "hashes": [3, -5]},
+    ],
+)
+def test_kv_events_take_unsigned_64_bit_hashes_only(event):
+    """The index keeps hashes in uint64 arrays: a signed or wider one is refused at decode."""
+    batch = {"worker_id": "w", "seq": 0, "ts": 0.0, "events": [event]}
+    with pytest.raises(msgspec.ValidationError, match="unsigned 64-bit"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KvEventBatch)
+
+
 @given(st.text(min_size=1, max_size=40))
 def test_model_token_is_one_subject_token_and_round_trips(model):
     token = subjects.model_token(model)
