@@ -22,13 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from thunderagent.hashing import BlockHasher, namespace_roots
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEvent, Medium
 from thunderagent.sglang import kv_wire
 
 
-@dataclass(slots=True)
-class MirrorBlock:
+class MirrorBlock(msgspec.Struct, frozen=True, gc=False):
+    """One engine block, in our hashes. Invisible to the cyclic GC (nothing it holds can form a
+    cycle), so the adapter's ``blocks`` dict stays untracked however large the engine's cache
+    grows: as a slots dataclass every full collection walked it, ~70 ms per 500k blocks on the
+    dev VM, on the process that streams every request's tokens."""
+
     primary: int
     check: int
     parent_engine_hash: int | None
