@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry import metrics, trace
 
+from thunderagent.telemetry.gcpause import export_gc_pauses
+
 log = logging.getLogger(__name__)
 
 _TRACE_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -77,6 +79,8 @@ def setup_telemetry(service_name: str, *, metrics_port: int | None = None) -> Te
         tel.metrics_port = server.server_port
         tel._shutdowns.append(provider.shutdown)
         tel._shutdowns.append(server.shutdown)
+        service = service_name.removeprefix("thunderagent-")
+        tel._shutdowns.append(export_gc_pauses(meter("thunderagent.process"), service))
     return tel
 
 
