@@ -1,0 +1,53 @@
+"""A service process and the cyclic GC: its startup heap frozen, its pauses exported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import gc, urllib.request
+from thunderagent.telemetry.setup import setup_telemetry
+tel = setup_telemetry("thunderagent-probe", metrics_port=0)
+junk = [[i] for i in range(200_000)]  # a full collection walks these
+gc.collect()
+print(urllib.request.urlopen(f"http://127.0.0.1:{tel.metrics_port}/metrics").read().decode())
+tel.shutdown()
+"""
+
+
+def test_a_service_with_metrics_exports_its_gc_pauses() -> None:
+    text = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("thunderagent_gc_pause") and 'generation="2"' in line:
+            assert 'service="probe"' in line
+            rows[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    assert rows["thunderagent_gc_pause_seconds_total"] > 0
+    assert (
+        0 < rows["thunderagent_gc_pause_max_seconds"] <= rows["thunderagent_gc_pause_seconds_total"]
+    )
+
+
+SERVICE = """
+import gc, sys
+from thunderagent.shell.runner import run_service
+
+async def main(ctx):
+    print("frozen", gc.get_freeze_count(), "tracked", len(gc.get_objects()), flush=True)
+
+run_service("probe", sys.argv[1], main)
+"""
+
+
+def test_a_service_freezes_what_its_startup_built(nats_server) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SERVICE, nats_server.url],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    words = out.split()
+    frozen, tracked = int(words[words.index("frozen") + 1]), int(words[words.index("tracked") + 1])
+    assert frozen > 10_000  # the imports: a full collection no longer walks them
+    assert tracked < frozen // 10
