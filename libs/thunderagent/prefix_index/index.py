@@ -293,6 +293,13 @@ class PrefixIndex:
             bucket, tail = self._bucket_list(now)
         else:
             bucket = self._tail_bucket
+        log = w.log
+        try:  # before any entry changes: a hash the arrays refuse leaves the index as it was
+            if self.ttl_s is not None:
+                tail.extend(primary)  # re-confirmed blocks too: expire skips what is stale
+            log.extend(primary)  # every block the bit is set on, plus a few already set
+        except OverflowError:
+            raise ValueError("block hashes must be unsigned 64-bit integers") from None
         size = len(entries)
         put = entries.setdefault  # one hash lookup for a new block, not a get and a set
         added = 0
@@ -315,10 +322,6 @@ class PrefixIndex:
                 e.held |= bit
                 added += 1
         w.count += added + len(entries) - size
-        if self.ttl_s is not None:
-            tail.extend(primary)  # re-confirmed blocks too: expire skips what is stale
-        log = w.log
-        log.extend(primary)  # every block the bit is set on, plus a few already set
         if len(log) > 2 * w.count + _LOG_SLACK:
             w.log = array("Q", self._live_log(w))
         return result

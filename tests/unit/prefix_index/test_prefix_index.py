@@ -509,6 +509,17 @@ def test_a_full_collection_does_not_walk_the_index() -> None:
     assert closed_of(ix, 1, 2, 3, 4) == set() and closed_of(ix, 1, 2, 3, 6) == set()
 
 
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_a_hash_outside_64_bits_is_refused_and_changes_nothing(bad: int) -> None:
+    ix = PrefixIndex()
+    store(ix, "a", 0, (1, 2))
+    good = chain(1, 2, 3)
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        ix.apply_stored("a", 1, ([good.primary[2], bad], [good.check[2], 7]), good.primary[1], 0.0)
+    assert len(ix) == 2 and ix.block_counts() == {"a": 2}
+    assert query(ix, 1, 2, 3) == {"a": 2}
+
+
 def test_snapshot_keeps_closed_sets_and_kids() -> None:
     ix = PrefixIndex()
     store(ix, "a", 0, (1, 2, 3))
