@@ -465,6 +465,9 @@ class PrefixIndex:
         TTL settings stay this index's own: buckets are rescaled to this index's width, and a
         snapshot taken without TTL counts as confirmed at ``now``.
         """
+        lists = [img.blocks for img in snap.workers] + [h for _, h in snap.ttl_queue]
+        if any(h and (min(h) < 0 or max(h) >= 1 << 64) for h in lists):  # before any change
+            raise ValueError("snapshot block hashes must be unsigned 64-bit integers")
         bucket_s = self.bucket_s if self.ttl_s is not None else None
         self._entries, queue = from_snapshot(snap, bucket_s, now, Entry, Kids)
         self._workers = {}

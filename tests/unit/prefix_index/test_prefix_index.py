@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import msgspec
 import pytest
 
 from thunderagent.hashing import BlockHasher, BlockHashes
@@ -518,6 +519,20 @@ def test_a_hash_outside_64_bits_is_refused_and_changes_nothing(bad: int) -> None
         ix.apply_stored("a", 1, ([good.primary[2], bad], [good.check[2], 7]), good.primary[1], 0.0)
     assert len(ix) == 2 and ix.block_counts() == {"a": 2}
     assert query(ix, 1, 2, 3) == {"a": 2}
+
+
+def test_a_snapshot_with_a_signed_hash_is_refused_before_anything_changes() -> None:
+    ix = PrefixIndex()
+    store(ix, "a", 0, (1, 2))
+    snap = ix.snapshot()
+    bad = msgspec.structs.replace(
+        snap, workers=[msgspec.structs.replace(snap.workers[0], blocks=[-5])]
+    )
+    other = PrefixIndex()
+    store(other, "b", 0, (7,))
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        other.restore(decode(encode(bad)))
+    assert query(other, 7) == {"b": 1} and len(other) == 1
 
 
 def test_snapshot_keeps_closed_sets_and_kids() -> None:
