@@ -31,3 +31,5 @@ def test_soak_holds_memory_descriptors_and_every_request(tmp_path, capsys):
     bad = {name: v for name, v in result["processes"].items() if not v["ok"]}
     assert not bad, f"memory or descriptors grew: {bad}"
     assert len(result["processes"]) >= 10  # nats, redis, 4 services, 2 x (engine + adapter), us
+    services = {"index", "scheduler", "router-0", "migration", "worker-w0", "worker-w1"}
+    assert services <= set(result["gc"]), result["gc"]  # every service reported its GC pauses

@@ -16,6 +16,10 @@ Pass criteria, after a warm-up (a quarter of the run, at most 120 s):
 - descriptors flat: each process's count after warm-up within ``--max-fd-growth`` (2) of its
   count at the end of warm-up.
 
+Reported, not judged: each service's cyclic-GC pauses over the whole run, from its own
+``/metrics`` at the end (full collections, the longest pause of any generation, the share of
+time stopped).
+
     thunderagent bench soak [--duration 600] [--rate 30] [--json soak.json]
 """
 
@@ -25,8 +29,10 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from thunderagent.bench.jsonfile import write_json
@@ -226,14 +232,57 @@ def judge(series: Series, warmup_s: float, cfg: SoakConfig) -> dict:
     }
 
 
+def scrape_gc(ports: dict[str, int]) -> dict[str, dict[tuple[str, str], float]]:
+    """Each service's GC series from its ``/metrics``, by (name, generation); a service that
+    does not answer is left out. Reading resets the longest-pause gauges."""
+    out = {}
+    for name, port in ports.items():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            continue
+        out[name] = {
+            (m["name"], m["gen"]): float(m["value"]) for m in _GC_LINE.finditer(text.decode())
+        }
+    return out
+
+
+def gc_report(before: dict, after: dict, elapsed_s: float) -> dict[str, dict]:
+    """Per service, between the two scrapes: full collections, the longest pause of any
+    generation and the share of wall time spent collecting."""
+    out = {}
+    for name, end in after.items():
+        start = before.get(name, {})
+        grew = {key: v - start.get(key, 0.0) for key, v in end.items()}
+        longest = max((v for (n, _), v in end.items() if n.endswith("max_seconds")), default=0.0)
+        stopped = sum(v for (n, _), v in grew.items() if n.endswith("pause_seconds_total"))
+        out[name] = {
+            "full_collections": int(grew.get(("python_gc_collections_total", "2"), 0)),
+            "longest_pause_ms": round(1000 * longest, 2),
+            "stopped_share": round(stopped / elapsed_s, 5),
+        }
+    return out
+
+
+_GC_LINE = re.compile(
+    r"^(?P<name>thunderagent_gc_pause_(?:seconds_total|max_seconds)|python_gc_collections_total)"
+    r'\{[^}]*generation="(?P<gen>\d)"[^}]*\} (?P<value>\S+)$',
+    re.M,
+)
+
+
 def run(cfg: SoakConfig) -> dict:
-    stack = Stack.start(StackConfig(workers=cfg.workers, speedup=cfg.speedup, gateways=0))
+    stack = Stack.start(
+        StackConfig(workers=cfg.workers, speedup=cfg.speedup, gateways=0, metrics=True)
+    )
     try:
         sampler = Sampler(stack_processes(stack))
+        gc_before = scrape_gc(stack.metrics_ports)
         started = time.time()
         counts, in_flight = asyncio.run(drive(stack, cfg, sampler))
         elapsed = time.time() - started
         dead = [c.name for c in stack.dead_children()]
+        gc = gc_report(gc_before, scrape_gc(stack.metrics_ports), elapsed)
     finally:
         stack.stop()
     warmup_s = min(cfg.duration_s / 4, 120.0)
@@ -249,6 +298,7 @@ def run(cfg: SoakConfig) -> dict:
         "cache_hit_ratio": round(counts.cached_tokens / max(counts.prompt_tokens, 1), 3),
         "dead_processes": dead,
         "processes": verdicts,
+        "gc": gc,
         "series": {name: asdict(s) for name, s in sampler.series.items()},
         "ok": ok,
     }
@@ -271,6 +321,17 @@ def table(result: dict) -> str:
             f"| {name} | {v['rss_start_mb']} | {v['rss_end_mb']} | {v['rss_slope_mb_per_min']} "
             f"| {v['rss_growth_mb']} | {v['fds_start']} | {v['fds_max']} | {v['ok']} |"
         )
+    if result.get("gc"):
+        lines += [
+            "cyclic GC over the run (reported, not judged):",
+            "| service | full collections | longest pause ms | time stopped |",
+            "|---|---|---|---|",
+        ]
+        for name, g in result["gc"].items():
+            lines.append(
+                f"| {name} | {g['full_collections']} | {g['longest_pause_ms']} "
+                f"| {g['stopped_share']:.3%} |"
+            )
     lines.append("PASS" if result["ok"] else "FAIL")
     return "\n".join(lines)
 
