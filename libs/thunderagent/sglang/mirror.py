@@ -50,13 +50,25 @@ class MirrorStats:
     unknown_removals: int = 0
     """Removed hashes the mirror did not hold (already removed, or never seen)."""
     size_mismatches: int = 0
-    """Stored events whose block size differs from the registered block size."""
+    """Stored blocks skipped because their event's block size differs from the registered one."""
     other_tier_blocks: int = 0
     """Stored blocks on a tier the index does not track (SGLang's DISK and EXTERNAL HiCache
     levels, or a medium it does not know): skipped."""
     unhashable_blocks: int = 0
     """Stored blocks with token ids outside uint32 (SGLang hashes those wide; no prompt the
     router accepts has them, so they could never be hit): skipped, never a crash."""
+
+    def by_outcome(self) -> dict[str, int]:
+        """Blocks per outcome, as the adapter exports them (``thunderagent_kv_mirror_blocks``)."""
+        return {
+            "stored": self.stored_blocks,
+            "removed": self.removed_blocks,
+            "orphan": self.orphan_blocks,
+            "unknown_removal": self.unknown_removals,
+            "size_mismatch": self.size_mismatches,
+            "other_tier": self.other_tier_blocks,
+            "unhashable": self.unhashable_blocks,
+        }
 
 
 @dataclass
@@ -95,7 +107,7 @@ class KvMirror:
             self.stats.other_tier_blocks += len(ev.block_hashes)
             return None
         if ev.block_size != self.block_size:
-            self.stats.size_mismatches += 1
+            self.stats.size_mismatches += len(ev.block_hashes)
             return None
         if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
             self.stats.orphan_blocks += len(ev.block_hashes)

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import msgspec
 from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bucket, Bus, Delivery
 from thunderagent.fleet import AcceptedRuns, load_report
@@ -100,6 +101,24 @@ class WorkerAdapter:
             unit="{token}",
             description="Prompt tokens served from the engine's KV cache",
         )
+        m.create_observable_counter(
+            "thunderagent_kv_mirror_blocks",
+            callbacks=[self._mirror_blocks],
+            unit="{block}",
+            description="Engine KV blocks the adapter relayed to the index, or skipped and why",
+        )
+
+    def _mirror_blocks(self, _options: CallbackOptions) -> list[Observation]:
+        """The mirror's counts: a block skipped here is one the router never learns of, so an
+        operator must see them (a lost event, a block size that does not match, a tier the
+        index does not track)."""
+        if self.relay is None:
+            return []
+        wid = self.config.worker_id
+        return [
+            Observation(n, {"worker_id": wid, "outcome": outcome})
+            for outcome, n in self.relay.mirror.stats.by_outcome().items()
+        ]
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")

@@ -64,6 +64,30 @@ def test_mirror_continues_the_chain_from_a_known_parent_and_skips_orphans():
     assert mirror.stats.orphan_blocks == 1
 
 
+def test_every_block_the_mirror_skips_is_counted_by_its_reason():
+    mirror = KvMirror(PAGE)
+    ok, hashes = stored(list(range(8)))
+    mirror.apply([ok])
+    wrong_size = kv_wire.BlockStored(
+        block_hashes=[7, 8], parent_block_hash=None, token_ids=list(range(16)),
+        block_size=2 * PAGE, lora_id=None, medium="GPU",
+    )  # fmt: skip
+    orphan = kv_wire.BlockStored(
+        block_hashes=[5], parent_block_hash=999, token_ids=[1, 2, 3, 4],
+        block_size=PAGE, lora_id=None, medium="GPU",
+    )  # fmt: skip
+    disk, _ = stored(list(range(100, 104)), medium="DISK")
+    gone = kv_wire.BlockRemoved(block_hashes=[hashes[1], 424242], medium="GPU")
+    ours = BlockHasher(PAGE).hash_tokens(list(range(8)))
+    assert mirror.apply([wrong_size, orphan, disk, gone]) == [
+        BlocksRemoved(hashes=[ours.primary[1]])
+    ]
+    assert mirror.stats.by_outcome() == {
+        "stored": 2, "removed": 1, "orphan": 1, "unknown_removal": 1,
+        "size_mismatch": 2, "other_tier": 1, "unhashable": 0,
+    }  # fmt: skip
+
+
 def test_mirror_translates_removals_and_tiers_and_dumps_parents_first():
     tokens = list(range(12))
     ev, engine_hashes = stored(tokens)
