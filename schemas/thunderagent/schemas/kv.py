@@ -35,7 +35,7 @@ class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="t
     """Blocks that became reusable on the worker, in prefix order."""
 
     hashes: list[int]
-    """Chained primary block hashes, one per full block, parent first."""
+    """Chained primary block hashes (unsigned 64-bit), one per full block, parent first."""
     check_hashes: list[int]
     """Independent second hash per block, compared on a hit (a collision becomes a miss)."""
     parent_hash: int | None = None
@@ -53,7 +53,7 @@ class BlocksRemoved(Struct, frozen=True, kw_only=True, tag="removed", tag_field=
     """Blocks the worker evicted (from ``medium``)."""
 
     hashes: list[int]
-    """Primary hashes of the evicted blocks."""
+    """Primary hashes (unsigned 64-bit) of the evicted blocks."""
     medium: Medium = Medium.GPU
     """Tier they left."""
 
