@@ -29,11 +29,12 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
@@ -242,7 +243,10 @@ def scrape_gc(ports: dict[str, int]) -> dict[str, dict[tuple[str, str], float]]:
         except OSError:
             continue
         out[name] = {
-            (m["name"], m["gen"]): float(m["value"]) for m in _GC_LINE.finditer(text.decode())
+            (sample.name, sample.labels["generation"]): sample.value
+            for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples
+            if sample.name in _GC_SERIES
         }
     return out
 
@@ -264,10 +268,12 @@ def gc_report(before: dict, after: dict, elapsed_s: float) -> dict[str, dict]:
     return out
 
 
-_GC_LINE = re.compile(
-    r"^(?P<name>thunderagent_gc_pause_(?:seconds_total|max_seconds)|python_gc_collections_total)"
-    r'\{[^}]*generation="(?P<gen>\d)"[^}]*\} (?P<value>\S+)$',
-    re.M,
+_GC_SERIES = frozenset(
+    (
+        "thunderagent_gc_pause_seconds_total",
+        "thunderagent_gc_pause_max_seconds",
+        "python_gc_collections_total",
+    )
 )
 
 

@@ -37,7 +37,7 @@ ServiceMain = Callable[[ServiceContext], Awaitable[None]]
 def freeze_startup_heap() -> None:
     """Take what startup built (modules, classes, functions: ~40k objects in a service) out of
     the cyclic GC's generations, as ``gc.freeze`` is meant for. Every full collection walked
-    them again: 15-20 ms on the dev VM, a stall in the router's request path; afterwards a full
+    them again: 27-29 ms on the dev VM, a stall in the router's request path; afterwards a full
     collection walks only what the service made since. Collected first, so no garbage is kept.
     """
     gc.collect()
