@@ -372,7 +372,8 @@ class SchedulerService:
             return
         for hashes in stored_hashes(batch):
             self.core.on_prefix_cached(batch.worker_id, hashes, self.clock())
-        self.wake.set()
+        if self.core.waiting():  # a cached prefix only matters to requests waiting here
+            self.wake.set()
 
     # ---- the loop -------------------------------------------------------------------------
     def poll_now(self) -> None:
@@ -395,10 +396,13 @@ class SchedulerService:
             if wake_at is not None:
                 timeout = min(timeout, max(0.0, wake_at - self.clock()))
             self.wake.clear()
+            # A timer that sets the event, not ``wait_for``: that wraps the wait in a new task
+            # on every pass, and the loop passes once per message (~7 us more each).
+            timer = asyncio.get_running_loop().call_later(timeout, self.wake.set)
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
-            except TimeoutError:
-                pass
+                await self.wake.wait()
+            finally:
+                timer.cancel()
         await self._answer_waiting_on_stop()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.config.handoff_timeout_s * 2)
