@@ -139,3 +139,29 @@ async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other
     stats = sched.core.stats()
     assert stats["pd_transfers"] >= 1
     assert stats["pd_inflight"] == 0, "the transfer was reported done: the cap slot is free"
+
+
+async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nats_server):
+    """A request for a long prefix the previous one is still prefilling: the router's overlay
+    predicts the hit, the engine has not confirmed it, so it skips the credit fast path and goes
+    through the scheduler's queue, to the leader's worker, where it finds the whole prefix."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, policy="thunder", profile="llama-3.1-8b-h100")
+        client = await routable(nats_server.url, 1)
+        sched = stack.services["scheduler"].runtime.core
+        prefix = list(range(1000, 1000 + 8192))  # 512 blocks: ~0.4 s of prefill
+        leader = asyncio.create_task(
+            client.generate(GenerateRequest(model=MODEL, token_ids=[*prefix, 1], max_tokens=2))
+        )
+        await wait_for(lambda: sched.stats()["running"] == 1, what="the leader's dispatch")
+        before = sched.stats()
+        follower = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=[*prefix, 2], max_tokens=2)
+        )
+        first = await leader
+        after = sched.stats()
+        await client.close()
+    assert first.final.usage.cached_tokens == 0
+    queued = (after["submitted"] - after["direct"]) - (before["submitted"] - before["direct"])
+    assert queued == 1, "the follower went through the queue, not on credit"
+    assert follower.final.usage.cached_tokens == len(prefix)

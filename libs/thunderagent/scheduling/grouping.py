@@ -6,6 +6,11 @@ whose first uncached block on its target is being prefilled by a leader, with at
 ``group_min_blocks`` shared, is *held* until ``on_prefix_cached`` reports that block (it then
 re-enters the queue and hits the cache), the leader ends, or ``group_timeout_s`` passes.
 Hashes are chained, so one hash names a whole prefix and the first shared block decides.
+
+A request's candidates carry the router's predicted overlap, which already counts its own
+in-flight prompts (the overlay) as cached; so a follower of a leader from the same router
+starts past the leader's blocks and is not held (``credits.may_dispatch_directly``): holds
+come from leaders the router did not see, another replica's.
 """
 
 from __future__ import annotations
