@@ -151,9 +151,13 @@ async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nat
         sched = stack.services["scheduler"].runtime.core
         prefix = list(range(1000, 1000 + 8192))  # 512 blocks: ~0.4 s of prefill
         leader = asyncio.create_task(
-            client.generate(GenerateRequest(model=MODEL, token_ids=[*prefix, 1], max_tokens=2))
+            client.generate(
+                GenerateRequest(
+                    model=MODEL, token_ids=[*prefix, 1], max_tokens=2, request_id="leader"
+                )
+            )
         )
-        await wait_for(lambda: sched.stats()["running"] == 1, what="the leader's dispatch")
+        await wait_for(lambda: "leader" in sched.running, what="the leader's dispatch")
         before = sched.stats()
         follower = await client.generate(
             GenerateRequest(model=MODEL, token_ids=[*prefix, 2], max_tokens=2)
