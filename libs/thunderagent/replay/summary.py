@@ -85,6 +85,7 @@ def summarize(
         "busy_s": result.busy_s,
         "preemptions": sum(r.preemptions for r in recs),
         "engine_steps": result.steps,
+        "scheduler": dict(result.sched_stats),  # its counters: credit, holds, spills, pauses
         "makespan_s": result.makespan,
         "wall_s": wall_s,
     }

@@ -179,6 +179,11 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
         ("thunder", 2.0),
     ]
     assert all(e["completed"] == 20 for e in doc["results"])
+    for e in doc["results"][1::2]:  # thunder's scheduler: every request once, queued or on credit
+        sched = e["scheduler"]
+        assert sched["submitted"] == 20, sched
+        assert sched["dispatched"] == sched["submitted"] - sched["rejected"]
+        assert sched["direct"] == sched["direct_dispatches"] <= 20
     ceiling = doc["work_ceiling"]
     assert ceiling["workers"] == 2 and ceiling["span_s"] == 0.19  # Mooncake timestamps are ms
     assert ceiling["none"]["speed"] <= ceiling["pooled"]["speed"] <= ceiling["ideal"]["speed"]
