@@ -19,19 +19,27 @@ from pathlib import Path
 import psutil
 
 
-def thread_cpu_ns(pid: int) -> int:
-    """On-CPU nanoseconds of every live thread of ``pid`` (0 when it is gone)."""
-    total = 0
+def thread_schedstat(pid: int) -> tuple[int, int]:
+    """(on-CPU nanoseconds, times put on a CPU) of every live thread of ``pid`` ((0, 0) when it
+    is gone). The second is the kernel's count of timeslices: each wake-up to handle a message
+    is one, so per request it counts how often the process was woken."""
+    ns = runs = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0
+        return 0, 0
     for tid in tids:
         try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+            ns, runs = ns + int(fields[0]), runs + int(fields[2])
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return ns, runs
+
+
+def thread_cpu_ns(pid: int) -> int:
+    """On-CPU nanoseconds of every live thread of ``pid`` (0 when it is gone)."""
+    return thread_schedstat(pid)[0]
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -45,6 +53,11 @@ def tree_pids(pid: int) -> list[int]:
 
 def tree_cpu_ns(pid: int) -> int:
     return sum(thread_cpu_ns(p) for p in tree_pids(pid))
+
+
+def tree_runs(pid: int) -> int:
+    """Times the threads of ``pid`` and its descendants were put on a CPU."""
+    return sum(thread_schedstat(p)[1] for p in tree_pids(pid))
 
 
 def user_sys_ticks(pid: int) -> tuple[int, int]:
@@ -72,6 +85,9 @@ class CpuMeter:
     used_ns: dict[str, int] = field(default_factory=dict)
     kernel_share: dict[str, float] = field(default_factory=dict)
     """Share of each process's CPU time spent in the kernel (syscalls: sockets, epoll)."""
+    _start_runs: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    """Times each process was put on a CPU (``thread_schedstat``), the load generator too."""
 
     def _read(self) -> dict[str, int]:
         out = {name: tree_cpu_ns(pid) for name, pid in self.pids.items()}
@@ -79,13 +95,22 @@ class CpuMeter:
             out["loadgen"] = time.process_time_ns()
         return out
 
+    def _read_runs(self) -> dict[str, int]:
+        out = {name: tree_runs(pid) for name, pid in self.pids.items()}
+        if self.own:
+            out["loadgen"] = tree_runs(os.getpid())
+        return out
+
     def start(self) -> None:
         self._ticks = {name: user_sys_ticks(pid) for name, pid in self.pids.items()}
+        self._start_runs = self._read_runs()
         self._start = self._read()
 
     def stop(self) -> dict[str, int]:
         end = self._read()
+        runs = self._read_runs()
         self.used_ns = {name: max(0, end[name] - self._start.get(name, 0)) for name in end}
+        self.runs = {name: max(0, runs[name] - self._start_runs.get(name, 0)) for name in runs}
         for name, pid in self.pids.items():
             user, system = user_sys_ticks(pid)
             u0, s0 = self._ticks.get(name, (0, 0))

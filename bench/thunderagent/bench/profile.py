@@ -90,30 +90,49 @@ class Measured:
     load: loadgen.LoadResult
     cpu_us: dict[str, float] = field(default_factory=dict)
     kernel_share: dict[str, float] = field(default_factory=dict)
+    wakeups: dict[str, float] = field(default_factory=dict)
+    """Times each service was put on a CPU per request, less its idle rate."""
 
     def json(self) -> dict:
         return {**self.load.summary(), "cpu_us_per_req": self.cpu_us,
-                "kernel_share": self.kernel_share}  # fmt: skip
+                "wakeups_per_req": self.wakeups, "kernel_share": self.kernel_share}  # fmt: skip
 
 
-async def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
-    """CPU ns per second each process burns with no requests."""
+@dataclass
+class Idle:
+    """What each process does with no requests, per second: CPU ns and times put on a CPU."""
+
+    ns_per_s: dict[str, float]
+    runs_per_s: dict[str, float]
+
+
+async def idle_rates(pids: dict[str, int], seconds: float) -> Idle:
     meter = procs.CpuMeter(pids)
     meter.start()
     await asyncio.sleep(seconds)
     used = meter.stop()
-    return {name: ns / seconds for name, ns in used.items()}
+    return Idle(
+        {name: ns / seconds for name, ns in used.items()},
+        {name: n / seconds for name, n in meter.runs.items()},
+    )
 
 
-async def measured(
-    pids: dict[str, int], idle: dict[str, float], rate: float, count: int, send
-) -> Measured:
+async def measured(pids: dict[str, int], idle: Idle, rate: float, count: int, send) -> Measured:
     meter = procs.CpuMeter(pids)
     meter.start()
     result = await loadgen.open_loop(rate, count, send)
     used = meter.stop()
-    per = procs.per_request_us(used, count, idle_ns_per_s=idle, seconds=result.wall_s)
-    return Measured(result, procs.group(per, SERVICE_GROUPS), meter.kernel_share)
+    per = procs.per_request_us(used, count, idle_ns_per_s=idle.ns_per_s, seconds=result.wall_s)
+    runs = {
+        name: round(max(0.0, n - idle.runs_per_s.get(name, 0.0) * result.wall_s) / count, 2)
+        for name, n in meter.runs.items()
+    }
+    return Measured(
+        result,
+        procs.group(per, SERVICE_GROUPS),
+        meter.kernel_share,
+        procs.group(runs, SERVICE_GROUPS),
+    )
 
 
 def added(stack: loadgen.LoadResult, direct: loadgen.LoadResult) -> dict:
@@ -201,7 +220,7 @@ async def run(stack: Stack, args: argparse.Namespace, receiver: SpanReceiver | N
         await loadgen.open_loop(args.rate, len(warm), loadgen.thunder_sender(client, model, warm))
         await asyncio.sleep(0.5)
         idle = await idle_rates(pids, args.idle_s)
-        report["idle_cpu_ms_per_s"] = {k: round(v / 1e6, 2) for k, v in idle.items()}
+        report["idle_cpu_ms_per_s"] = {k: round(v / 1e6, 2) for k, v in idle.ns_per_s.items()}
         ours = await measured(pids, idle, args.rate, args.requests,
                               loadgen.thunder_sender(client, model, bodies))  # fmt: skip
         async with loadgen.http_session() as session:
@@ -298,6 +317,8 @@ def render(report: dict) -> str:
         f"added: {report['added_ttft_ms']}",
         "CPU µs per request: " + _by_size(ours["cpu_us_per_req"]),
         "CPU µs per request, direct (the KV-event pipeline): " + _by_size(direct["cpu_us_per_req"]),
+        "wake-ups per request: " + _by_size(ours["wakeups_per_req"]),
+        "wake-ups per request, direct: " + _by_size(direct["wakeups_per_req"]),
     ]
     for name, prof in report.get("perf", {}).items():
         if isinstance(prof, dict) and "groups_pct" in prof:

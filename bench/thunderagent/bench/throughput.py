@@ -53,6 +53,7 @@ def step(rate: float, system: profile.Measured, direct: profile.Measured) -> dic
         "added_p50_ms": added["p50"],
         "added_p99_ms": added["p99"],
         "cpu_us_per_req": system.cpu_us,
+        "wakeups_per_req": system.wakeups,
         "system": system.load.summary(),
         "direct": direct.load.summary(),
         "direct_cpu_us_per_req": direct.cpu_us,
@@ -92,7 +93,7 @@ class Sweep:
         self.args = args
         self.engine_urls = engine_urls
         self.pids: dict[str, int] = {}
-        self.idle: dict[str, float] = {}
+        self.idle = profile.Idle({}, {})
         self._seed = 10
 
     def count(self, rate: float) -> int:

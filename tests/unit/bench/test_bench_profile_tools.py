@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -95,6 +96,32 @@ def test_cpu_meter_reads_this_process() -> None:
     used = meter.stop()
     assert used["me"] > 0 and used["loadgen"] > 0
     assert 0.0 <= meter.kernel_share["me"] <= 1.0
+    assert set(meter.runs) == {"me", "loadgen"}
+
+
+def test_the_meter_counts_wake_ups() -> None:
+    """A thread woken 50 times is put on a CPU at least 50 times (the kernel's timeslice count)."""
+    import threading
+
+    ready, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(50):
+            ready.wait()
+            ready.clear()
+        done.set()
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    meter = procs.CpuMeter({"me": os.getpid()}, own=False)
+    meter.start()
+    while not done.is_set():
+        ready.set()
+        time.sleep(0.002)
+    meter.stop()
+    t.join()
+    # a count, not nanoseconds: ~50 wake-ups each side, not the thousands of ns they waited
+    assert 50 <= meter.runs["me"] < 1000, meter.runs
 
 
 def _row(rate, p99, achieved=None, errors=0) -> dict:
