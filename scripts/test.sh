@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "== lint"
-.venv/bin/ruff check schemas libs services tests
+.venv/bin/ruff check schemas libs services tests bench
 echo "== tests"
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"

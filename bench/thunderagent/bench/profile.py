@@ -5,8 +5,9 @@ of sampled requests from their spans.
 Starts the embedded stack with instant engines (zero compute: one token at once), then, at a fixed
 open-loop rate: (1) idle CPU of every process for ``--idle-s``; (2) ``--requests`` through the
 stack over NATS with every process's CPU time and wake-ups (times put on a CPU) read from the
-kernel before and after (less their idle rates); (3) the same requests straight to the engines over HTTP (the added latency's reference);
-(4) the same load again under ``py-spy record`` on each service process (unless ``--no-pyspy``).
+kernel before and after (less their idle rates); (3) the same requests straight to the engines
+over HTTP (the added latency's reference); (4) the same load again under ``py-spy record`` on each
+service process (unless ``--no-pyspy``).
 
     thunderagent bench profile --rate 200 --requests 2000 --json /tmp/profile.json \
         [--workers 2] [--trace-ratio 0.05] [--no-pyspy]
