@@ -37,11 +37,6 @@ def thread_schedstat(pid: int) -> tuple[int, int]:
     return ns, runs
 
 
-def thread_cpu_ns(pid: int) -> int:
-    """On-CPU nanoseconds of every live thread of ``pid`` (0 when it is gone)."""
-    return thread_schedstat(pid)[0]
-
-
 def tree_pids(pid: int) -> list[int]:
     """``pid`` and its descendants."""
     try:
@@ -51,13 +46,13 @@ def tree_pids(pid: int) -> list[int]:
         return [pid]
 
 
-def tree_cpu_ns(pid: int) -> int:
-    return sum(thread_cpu_ns(p) for p in tree_pids(pid))
-
-
-def tree_runs(pid: int) -> int:
-    """Times the threads of ``pid`` and its descendants were put on a CPU."""
-    return sum(thread_schedstat(p)[1] for p in tree_pids(pid))
+def tree_schedstat(pid: int) -> tuple[int, int]:
+    """``thread_schedstat`` summed over ``pid`` and its descendants."""
+    ns = runs = 0
+    for p in tree_pids(pid):
+        n, r = thread_schedstat(p)
+        ns, runs = ns + n, runs + r
+    return ns, runs
 
 
 def user_sys_ticks(pid: int) -> tuple[int, int]:
@@ -89,26 +84,19 @@ class CpuMeter:
     runs: dict[str, int] = field(default_factory=dict)
     """Times each process was put on a CPU (``thread_schedstat``), the load generator too."""
 
-    def _read(self) -> dict[str, int]:
-        out = {name: tree_cpu_ns(pid) for name, pid in self.pids.items()}
+    def _read(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(CPU ns, times put on a CPU) per process, each read once from the kernel."""
+        stats = {name: tree_schedstat(pid) for name, pid in self.pids.items()}
         if self.own:
-            out["loadgen"] = time.process_time_ns()
-        return out
-
-    def _read_runs(self) -> dict[str, int]:
-        out = {name: tree_runs(pid) for name, pid in self.pids.items()}
-        if self.own:
-            out["loadgen"] = tree_runs(os.getpid())
-        return out
+            stats["loadgen"] = (time.process_time_ns(), tree_schedstat(os.getpid())[1])
+        return {k: v[0] for k, v in stats.items()}, {k: v[1] for k, v in stats.items()}
 
     def start(self) -> None:
         self._ticks = {name: user_sys_ticks(pid) for name, pid in self.pids.items()}
-        self._start_runs = self._read_runs()
-        self._start = self._read()
+        self._start, self._start_runs = self._read()
 
     def stop(self) -> dict[str, int]:
-        end = self._read()
-        runs = self._read_runs()
+        end, runs = self._read()
         self.used_ns = {name: max(0, end[name] - self._start.get(name, 0)) for name in end}
         self.runs = {name: max(0, runs[name] - self._start_runs.get(name, 0)) for name in runs}
         for name, pid in self.pids.items():
@@ -119,6 +107,24 @@ class CpuMeter:
         return self.used_ns
 
 
+def per_request(
+    used: Mapping[str, float],
+    requests: int,
+    *,
+    idle_per_s: Mapping[str, float] | None = None,
+    seconds: float = 0.0,
+    unit: float = 1.0,
+    digits: int = 2,
+) -> dict[str, float]:
+    """Each process's count per request (in ``unit``s), less what it does idle over the same
+    ``seconds`` (load reports, leases, timers) when an idle rate is given."""
+    idle = idle_per_s or {}
+    return {
+        name: round(max(0.0, n - idle.get(name, 0.0) * seconds) / max(1, requests) / unit, digits)
+        for name, n in used.items()
+    }
+
+
 def per_request_us(
     used_ns: Mapping[str, int],
     requests: int,
@@ -126,14 +132,10 @@ def per_request_us(
     idle_ns_per_s: Mapping[str, float] | None = None,
     seconds: float = 0.0,
 ) -> dict[str, float]:
-    """CPU µs per request of each process, less what it burns idle over the same ``seconds``
-    (load reports, leases, timers) when an idle rate is given."""
-    out: dict[str, float] = {}
-    idle = idle_ns_per_s or {}
-    for name, ns in used_ns.items():
-        net = ns - idle.get(name, 0.0) * seconds
-        out[name] = round(max(0.0, net) / max(1, requests) / 1e3, 1)
-    return out
+    """CPU µs per request of each process, less its idle CPU (``per_request``)."""
+    return per_request(
+        used_ns, requests, idle_per_s=idle_ns_per_s, seconds=seconds, unit=1e3, digits=1
+    )
 
 
 def group(per_process: Mapping[str, float], groups: Iterable[tuple[str, str]]) -> dict:

@@ -124,10 +124,7 @@ async def measured(pids: dict[str, int], idle: Idle, rate: float, count: int, se
     result = await loadgen.open_loop(rate, count, send)
     used = meter.stop()
     per = procs.per_request_us(used, count, idle_ns_per_s=idle.ns_per_s, seconds=result.wall_s)
-    runs = {
-        name: round(max(0.0, n - idle.runs_per_s.get(name, 0.0) * result.wall_s) / count, 2)
-        for name, n in meter.runs.items()
-    }
+    runs = procs.per_request(meter.runs, count, idle_per_s=idle.runs_per_s, seconds=result.wall_s)
     return Measured(
         result,
         procs.group(per, SERVICE_GROUPS),
