@@ -32,6 +32,8 @@ async def test_batches_waiting_on_an_ack_share_the_next_message(nats_server):
     bus = Bus(nc, service="worker-w0")
     relay = KvRelay(bus, "w0", BLOCK)
     await relay.start()  # publishes AllCleared: the fresh epoch starts empty
+    heard = []
+    relay.listeners.append(heard.append)  # the token tap's place: every notice, in order
     seen: list[KvEventBatch] = []
 
     async def on_batch(batch: KvEventBatch, _seq: int) -> None:
@@ -58,6 +60,7 @@ async def test_batches_waiting_on_an_ack_share_the_next_message(nats_server):
     assert [len(e.hashes) for e in stored] == [1] * 9
     assert [b.seq for b in seen] == list(range(len(seen))), "one sequence, no gaps"
     assert len(seen[1].events) == 1, "a quiet engine's batch is not held back"
+    assert [n.seq for n in heard] == list(range(9))
     assert len(seen) <= 4, f"9 engine batches in {len(seen) - 1} messages"
     assert relay.published == len(seen)
     # the order of the engine's stores survives the merging (the mirror re-hashed each block)

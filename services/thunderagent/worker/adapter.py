@@ -172,10 +172,9 @@ class WorkerAdapter:
         migration = WorkerMigration(self.config.worker_id, self.bus, self.engine,
                                     lambda: self.relay and self.relay.mirror,
                                     self.registration.block_size)  # fmt: skip
-        await migration.start(events)
+        await migration.start(relay)
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(migration.run(stop))
                 if relay is not None:
                     tg.create_task(relay.run(*events, stop))
                     tg.create_task(relay.refresh_loop(self.config.kv_refresh_s, stop))

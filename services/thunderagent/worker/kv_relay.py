@@ -9,6 +9,8 @@ message. ZMQ gaps are repaired by replay while the engine still
 buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
 mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
 them). A resync request is answered by republishing the whole mirror as one batch, in sequence.
+Other readers of the engine's events (the migration side's token tap) are fed from this one
+subscription: a second one would wake the adapter again for every engine batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 from thunderagent.bus import Bus, Delivery
@@ -26,6 +29,7 @@ from thunderagent.schemas import Ack, AllCleared, KvEvent, KvEventBatch, ResyncR
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import (
     Gap,
+    Notice,
     Received,
     Restarted,
     Undecodable,
@@ -54,6 +58,8 @@ class KvRelay:
         self._sender: asyncio.Task | None = None
         self.published = 0
         """Batches published."""
+        self.listeners: list[Callable[[Notice], None]] = []
+        """Also given every notice from the engine's events, in order."""
 
     async def start(self) -> None:
         await self.bus.ensure_kv_events_stream()
@@ -83,7 +89,9 @@ class KvRelay:
         async for notice in sub:
             await self.handle(notice)
 
-    async def handle(self, notice) -> None:
+    async def handle(self, notice: Notice) -> None:
+        for listener in self.listeners:
+            listener(notice)
         if isinstance(notice, Received):
             events = self.mirror.apply(list(notice.batch.events))
             if events:

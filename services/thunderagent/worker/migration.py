@@ -12,13 +12,12 @@ Two transports, chosen per engine from ``/server_info``'s ``kv_transfer``:
   (``/kv/export``, ``/kv/pull``, ``/kv/release``; the target NIXL-reads the source's memory).
 * ``warmup``: any other engine (stock SGLang has no KV import path): the target prefills the
   prefix (``/generate``, ``max_new_tokens=1``). The source's tokens come from a token tap on its
-  engine's KV events (every ``BlockStored`` carries them). It cannot free a prefix selectively,
-  so a migration there leaves the source's copy to its LRU.
+  engine's KV events (every ``BlockStored`` carries them), fed by the adapter's KV relay. It
+  cannot free a prefix selectively, so a migration there leaves the source's copy to its LRU.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -43,8 +42,9 @@ from thunderagent.schemas import (
 )
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
-from thunderagent.sglang.zmq_subscriber import Received, Restarted, ZmqKvEventSubscriber
+from thunderagent.sglang.zmq_subscriber import Notice, Received, Restarted
 from thunderagent.worker.engine_client import EngineClient, EngineError
+from thunderagent.worker.kv_relay import KvRelay
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +87,12 @@ class TokenTap:
             out.frombytes(packed)
         return out.tolist()
 
-    async def run(self, endpoint: str, replay: str | None, topic: str, stop: asyncio.Event) -> None:
-        async with ZmqKvEventSubscriber(endpoint, replay_endpoint=replay, topic=topic) as sub:
-            consume = asyncio.create_task(self._consume(sub))
-            await stop.wait()
-            consume.cancel()
-
-    async def _consume(self, sub: ZmqKvEventSubscriber) -> None:
-        async for notice in sub:
-            if isinstance(notice, Received):
-                self.apply(list(notice.batch.events))
-            elif isinstance(notice, Restarted):
-                self.blocks.clear()
+    def take(self, notice: Notice) -> None:
+        """One notice of the engine's event stream (a listener of the adapter's KV relay)."""
+        if isinstance(notice, Received):
+            self.apply(notice.batch.events)
+        elif isinstance(notice, Restarted):
+            self.blocks.clear()
 
 
 def engine_chain(mirror: KvMirror, prefix_hash: int) -> list[int] | None:
@@ -135,15 +129,16 @@ class WorkerMigration:
         self.kv_transfer: dict[str, Any] | None = None
         """The engine's NIXL capability (``/server_info``), None: warm-up only."""
         self.tap: TokenTap | None = None
-        self._events: tuple[str, str | None, str] | None = None
         self._chains: dict[str, list[int]] = {}
 
-    async def start(self, events: tuple[str, str | None, str] | None) -> None:
+    async def start(self, relay: KvRelay | None) -> None:
+        """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (None: the
+        engine publishes none, so a warm-up cannot name its prefixes)."""
         info = await self.engine.get_json("/server_info")
         self.kv_transfer = info.get("kv_transfer") or None
-        if self.kv_transfer is None and events is not None:
+        if self.kv_transfer is None and relay is not None:
             self.tap = TokenTap(self.block_size)
-            self._events = events
+            relay.listeners.append(self.tap.take)
         w = self.worker_id
         await self.bus.subscribe(
             subjects.worker_kv_export(w), KvExportRequest, self.on_export, concurrent=True
@@ -154,10 +149,6 @@ class WorkerMigration:
         await self.bus.subscribe(
             subjects.worker_kv_release(w), KvRelease, self.on_release, concurrent=True
         )
-
-    async def run(self, stop: asyncio.Event) -> None:
-        if self.tap is not None and self._events is not None:
-            await self.tap.run(*self._events, stop)
 
     # ---- source --------------------------------------------------------------------------
     async def on_export(self, req: KvExportRequest, delivery: Delivery) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from thunderagent.hashing import BlockHasher
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
+from thunderagent.sglang.zmq_subscriber import Gap, Received, Restarted
 from thunderagent.worker.migration import TokenTap, engine_chain
 
 BS = 4
@@ -46,3 +47,14 @@ def test_token_tap_follows_stores_removals_and_clears() -> None:
     assert 7 not in tap.blocks
     tap.apply([kv_wire.AllBlocksCleared()])
     assert tap.blocks == {}
+
+
+def test_the_tap_reads_the_relays_notices_and_forgets_all_on_an_engine_restart() -> None:
+    tap = TokenTap(BS)
+    batch = kv_wire.KvEventBatch(ts=0.0, events=[stored([1], None, [5, 6, 7, 8])])
+    tap.take(Received(seq=0, batch=batch))
+    assert tap.tokens([1]) == [5, 6, 7, 8]
+    tap.take(Gap(start=1, stop=2, lost=((1, 2),)))  # what was lost is unknown; the rest holds
+    assert tap.tokens([1]) == [5, 6, 7, 8]
+    tap.take(Restarted(seq=0))
+    assert tap.tokens([1]) is None and tap.blocks == {}
