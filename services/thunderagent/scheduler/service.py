@@ -7,7 +7,8 @@ model, shared with the replay); ``Dispatch`` becomes a hand-off to the worker (r
 next candidate when a worker refuses) and a ``Dispatched`` notice to the routing replica;
 ``Preempt`` becomes an abort at the worker and a continuation that the client sees as one
 unbroken stream; ``Reject`` becomes an ``ErrorReply``. Every submission ends in a worker's ack,
-an error reply, or a cancellation the client asked for.
+an error reply, or a cancellation the client asked for. The wire side of those hand-offs is
+``handoff``; the books kept per request, ``pending``.
 """
 
 from __future__ import annotations
@@ -19,61 +20,43 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from msgspec import structs
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
-from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import (
-    Run,
-    WorkerRegistry,
-    continuation,
-    progress_refusal,
-    sched_request,
-    worker_room,
-)
+from thunderagent.bus import Bus, Delivery
+from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
 from thunderagent.prefix_index.feed import stored_hashes
-from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject, SchedRequest
+from thunderagent.scheduler.handoff import Handoff
+from thunderagent.scheduler.pending import EarlyProgress, Pending
+from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject
 from thunderagent.scheduling.credits import CreditIssuer
 from thunderagent.schemas import (
-    AbortRequest,
     Ack,
     CancelRequest,
     CreditGrant,
     DirectDispatch,
-    Dispatched,
     ErrorCode,
-    ErrorReply,
     KvEventBatch,
     LoadReport,
-    Preempted,
     ProgramRelease,
     ProgressBatch,
     RequestProgress,
     RouterHello,
     RunFailed,
     ScheduleRequest,
-    WorkerGenerate,
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext
-from thunderagent.telemetry.propagation import child_span
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
-_tracer = trace.get_tracer("thunderagent.scheduler")
 DRAIN_WINDOW_S = 10.0
 GRANT_EVERY_S = 1.0
 """Every router gets a fresh grant this often even when nothing changed: its credits expire
 when a scheduler falls silent."""
-MAX_EARLY = 10_000
 MAX_FINISHED = 100_000
 """Ended request ids remembered for deduplication: minutes of traffic at high rates."""
 MAX_RESUMES = 2
 """A request whose worker or engine failed it this many times is not tried again."""
-EARLY_PROGRESS_S = 5.0
-"""A run's progress may beat the router's report of its direct dispatch; it is kept this long
-for the report to arrive."""
 
 
 @dataclass(kw_only=True)
@@ -95,22 +78,6 @@ class SchedulerConfig:
     scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
-@dataclass(slots=True)
-class Pending:
-    submit: ScheduleRequest
-    context: otel_context.Context
-    output: list[int] = field(default_factory=list)
-    """Output tokens the client received before a preemption (a continuation carries them)."""
-    worker_id: str = ""
-    """Where the current run is (empty while it waits)."""
-    started: bool = False
-    """The current run produced its first token (the client has output from it)."""
-    excluded: set[str] = field(default_factory=set)
-    """Workers that failed this request: it is not sent there again."""
-    resumes: int = 0
-    """Times it was resumed after a worker or engine failure."""
-
-
 class SchedulerService:
     def __init__(self, config: SchedulerConfig, bus: Bus, *, clock=time.time) -> None:
         self.config = config
@@ -126,7 +93,8 @@ class SchedulerService:
         """Recent dispatch times: the drain rate behind a retry hint."""
         self.registry = WorkerRegistry()
         self.issuer = CreditIssuer()
-        self._early: dict[str, list[RequestProgress]] = {}
+        self.handoff = Handoff(bus, config.handoff_timeout_s)
+        self._early = EarlyProgress()
         self.wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._depth = meter("thunderagent.scheduler").create_observable_gauge(
@@ -170,7 +138,7 @@ class SchedulerService:
         pending = self.pending[rid] = Pending(submit, otel_context.get_current())
         self.waiting[model] += 1
         self.issuer.routed(submit.router_id, self.clock())
-        self.core.submit(self._sched_request(pending), self.clock())
+        self.core.submit(pending.sched_request(), self.clock())
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
         self.poll_now()  # no loop hop: a request with room goes out in this same callback
@@ -186,16 +154,11 @@ class SchedulerService:
         pending = self.pending[rid] = Pending(
             submit, otel_context.get_current(), worker_id=direct.worker_id
         )
-        self.core.admitted(self._sched_request(pending), direct.worker_id, self.clock())
+        self.core.admitted(pending.sched_request(), direct.worker_id, self.clock())
         self.dispatches.append(self.clock())
-        for progress in self._early.pop(rid, []):
+        for progress in self._early.take(rid):
             self._on_run_event(progress)
         self.wake.set()
-
-    def _forget_early(self, now: float) -> None:
-        """Progress whose direct dispatch never came (a request that ended otherwise)."""
-        for rid in [r for r, ps in self._early.items() if now - ps[0].ts > EARLY_PROGRESS_S]:
-            del self._early[rid]
 
     async def on_hello(self, hello: RouterHello, _: Delivery) -> None:
         if self.issuer.hello(hello.router_id, self.clock()):
@@ -222,26 +185,6 @@ class SchedulerService:
     def _leaves_queue(self, pending: Pending) -> None:
         model = pending.submit.request.model
         self.waiting[model] = max(0, self.waiting[model] - 1)
-
-    def _sched_request(self, pending: Pending) -> SchedRequest:
-        submit = pending.submit
-        req = submit.request
-        decision = submit.decision
-        if pending.excluded:  # workers that failed it are no candidates any more
-            kept = [c for c in decision.candidates if c.worker_id not in pending.excluded]
-            decision = structs.replace(decision, candidates=kept)
-        return sched_request(
-            request_id=req.request_id,
-            arrival=submit.decision.decided_at,
-            run=Run(len(req.token_ids or []), req.max_tokens, len(pending.output)),
-            expected_output_tokens=submit.expected_output_tokens or req.max_tokens,
-            decision=decision,
-            block_size=submit.block_size,
-            block_hashes=submit.block_hashes,
-            priority=req.priority,
-            program_id=req.program_id,
-            deadline=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
-        )
 
     def _owns(self, worker_id: str) -> bool:
         """A worker of one of this scheduler's models (any, when it owns every model)."""
@@ -270,7 +213,7 @@ class SchedulerService:
             if pending.started:  # the client has part of an answer we cannot rebuild
                 self._forget(pending)
                 why = f"worker {worker_id} left ({what}) while streaming this answer; retry"
-                self._spawn(self._fail(pending, ErrorCode.UNAVAILABLE, why))
+                self._spawn(self.handoff.fail(pending, ErrorCode.UNAVAILABLE, why))
             else:  # nothing reached the client yet: run it elsewhere
                 self._resume(pending, worker_id, pending.output)
         self.wake.set()
@@ -285,7 +228,7 @@ class SchedulerService:
         pending.output = list(output)
         pending.worker_id, pending.started = "", False
         self.waiting[pending.submit.request.model] += 1
-        self.core.submit(self._sched_request(pending), self.clock())
+        self.core.submit(pending.sched_request(), self.clock())
         return True
 
     def _forget(self, pending: Pending) -> None:
@@ -330,11 +273,7 @@ class SchedulerService:
     def _on_run_event(self, progress: RequestProgress) -> None:
         now, rid = self.clock(), progress.request_id
         pending = self.pending.get(rid)
-        if pending is None and now - progress.ts < EARLY_PROGRESS_S:
-            early = self._early.setdefault(rid, [])  # its direct dispatch may be on its way
-            early.append(progress)
-            if len(self._early) > MAX_EARLY:
-                self._early.pop(next(iter(self._early)))
+        if pending is None and self._early.hold(progress, now):  # its report may be on its way
             return
         if progress.phase == "started":
             if pending is not None and pending.worker_id == progress.worker_id:
@@ -358,7 +297,7 @@ class SchedulerService:
             self._leaves_queue(pending)
         log.info("request %s cancelled (%s)", cancel.request_id, cancel.reason or "client")
         if not waiting and pending.worker_id:
-            self._spawn(self._abort(pending.worker_id, cancel.request_id, "cancelled"))
+            self._spawn(self.handoff.abort(pending.worker_id, cancel.request_id, "cancelled"))
         self.wake.set()
 
     async def on_release(self, release: ProgramRelease, _: Delivery) -> None:
@@ -390,7 +329,7 @@ class SchedulerService:
                 self.issuer.expire(self.clock())
                 self.issuer.reweigh(self.clock())
                 self._grant(force=True)
-                self._forget_early(time.time())
+                self._early.forget_old(time.time())
             wake_at = self.core.next_wakeup(self.clock())
             timeout = self.config.max_sleep_s
             if wake_at is not None:
@@ -414,7 +353,7 @@ class SchedulerService:
         for pending in waiting:
             self._forget(pending)
             message = "the scheduler is restarting; retry this request (same id)"
-            await self._fail(pending, ErrorCode.UNAVAILABLE, message)
+            await self.handoff.fail(pending, ErrorCode.UNAVAILABLE, message)
         if waiting:
             log.info("stopping: answered %d waiting requests", len(waiting))
 
@@ -439,82 +378,25 @@ class SchedulerService:
                 await self._preempt(pending, action.worker_id, action.reason)
             elif isinstance(action, Reject):
                 self._forget(pending)
-                await self._fail(pending, ErrorCode.DEADLINE, action.reason)
+                await self.handoff.fail(pending, ErrorCode.DEADLINE, action.reason)
         finally:
             otel_context.detach(token)
 
     async def _dispatch(self, pending: Pending, worker_id: str, decode_worker: str = "") -> None:
-        submit = pending.submit
-        rid = submit.request.request_id
-        order = [worker_id] + [
-            c.worker_id
-            for c in submit.decision.candidates
-            if c.worker_id != worker_id and c.worker_id not in pending.excluded
-        ]
-        overlap = {c.worker_id: c.overlap_blocks for c in submit.decision.candidates}
-        request = continuation(submit.request, pending.output)
-        reasons = []
-        with child_span(_tracer, "scheduler dispatch") as span:
-            span.set_attribute("thunderagent.request_id", rid)
-            for attempt, wid in enumerate(order):
-                pending.worker_id = wid
-                await self._tell_router(submit, wid)
-                work = WorkerGenerate(
-                    request=request,
-                    reply_subject=submit.reply_subject,
-                    predicted_cached_tokens=overlap.get(wid, 0) * submit.block_size,
-                    attempt=attempt,
-                    output_offset=len(pending.output),
-                    decode_worker=decode_worker if wid == worker_id else "",
-                )
-                try:
-                    ack = await self.bus.request(
-                        subjects.worker_generate(wid),
-                        work,
-                        Ack,
-                        timeout=self.config.handoff_timeout_s,
-                    )
-                except BusError as err:
-                    reasons.append(f"{wid}: {err}")
-                    # no ack is not "no": the worker may be running it. Stop it there before
-                    # the next worker starts it; what it streamed already, the next continues.
-                    stray = await self._abort(wid, rid, "hand-off timed out: another worker")
-                    if stray is not None and stray.found and stray.output_token_ids:
-                        pending.output = list(stray.output_token_ids)
-                        request = continuation(submit.request, pending.output)
-                    continue
-                if ack.accepted:
-                    span.set_attribute("thunderagent.worker_id", wid)
-                    if wid != worker_id:  # the policy's choice failed: account where it went
-                        self.core.on_finished(rid, worker_id, self.clock())
-                    return
-                reasons.append(f"{wid}: refused ({ack.reason})")
-        self.core.on_finished(rid, worker_id, self.clock())
-        self._forget(pending)
-        await self._fail(pending, ErrorCode.UNAVAILABLE,
-                         "no worker accepted the request: " + "; ".join(reasons))  # fmt: skip
-
-    async def _tell_router(self, submit: ScheduleRequest, worker_id: str) -> None:
-        if submit.router_id:
-            notice = Dispatched(request_id=submit.request.request_id, worker_id=worker_id)
-            await self.bus.publish(subjects.router_dispatched(submit.router_id), notice)
-
-    async def _abort(self, worker_id: str, rid: str, reason: str) -> Preempted | None:
-        try:
-            return await self.bus.request(
-                subjects.worker_abort(worker_id),
-                AbortRequest(request_id=rid, reason=reason),
-                Preempted,
-                timeout=self.config.handoff_timeout_s,
-            )
-        except BusError as err:
-            log.warning("aborting %s on %s failed (%s): it keeps running", rid, worker_id, err)
-            return None
+        took, reasons = await self.handoff.dispatch(pending, worker_id, decode_worker)
+        if took == worker_id:
+            return
+        # the policy's choice failed: account where it went
+        self.core.on_finished(pending.request_id, worker_id, self.clock())
+        if took is None:
+            self._forget(pending)
+            why = "no worker accepted the request: " + "; ".join(reasons)
+            await self.handoff.fail(pending, ErrorCode.UNAVAILABLE, why)
 
     async def _preempt(self, pending: Pending, worker_id: str, reason: str) -> None:
         rid = pending.submit.request.request_id
         pending.worker_id = ""  # the aborted run's end notice is stale from here on
-        answer = await self._abort(worker_id, rid, reason)
+        answer = await self.handoff.abort(worker_id, rid, reason)
         if answer is None:  # the adapter did not answer: the run goes on there
             pending.worker_id = worker_id
             return
@@ -523,14 +405,8 @@ class SchedulerService:
             return
         pending.output = list(answer.output_token_ids)
         self.waiting[pending.submit.request.model] += 1
-        self.core.submit(self._sched_request(pending), self.clock())
+        self.core.submit(pending.sched_request(), self.clock())
         self.wake.set()
-
-    async def _fail(self, pending: Pending, code: ErrorCode, message: str) -> None:
-        rid = pending.submit.request.request_id
-        log.info("request %s: %s: %s", rid, code.value, message)
-        error = ErrorReply(code=code, message=message, request_id=rid, service="scheduler")
-        await self.bus.publish(pending.submit.reply_subject, error)
 
     def _observe_depths(self, _options):
         from opentelemetry.metrics import Observation

@@ -1,0 +1,107 @@
+"""The scheduler's side of the wire to workers and clients: a dispatch is a request/ack with the
+next candidate when a worker refuses or does not answer, an abort returns what the run streamed,
+and a request that cannot run gets an error its client can act on. No queue state lives here:
+the service applies what comes back to its books and the scheduling core."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+
+from thunderagent.bus import Bus, BusError
+from thunderagent.fleet import continuation
+from thunderagent.scheduler.pending import Pending
+from thunderagent.schemas import (
+    AbortRequest,
+    Ack,
+    Dispatched,
+    ErrorCode,
+    ErrorReply,
+    Preempted,
+    ScheduleRequest,
+    WorkerGenerate,
+    subjects,
+)
+from thunderagent.telemetry.propagation import child_span
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("thunderagent.scheduler")
+
+
+class Handoff:
+    def __init__(self, bus: Bus, timeout_s: float) -> None:
+        self.bus = bus
+        self.timeout_s = timeout_s
+
+    async def dispatch(
+        self, pending: Pending, worker_id: str, decode_worker: str = ""
+    ) -> tuple[str | None, list[str]]:
+        """Hand ``pending`` to ``worker_id``, then to its other candidates in the router's
+        order while they refuse; (the worker that took it or None, why the others did not).
+        ``pending.worker_id`` follows each try, ``pending.output`` what a stray run streamed."""
+        submit = pending.submit
+        rid = submit.request.request_id
+        order = [worker_id] + [
+            c.worker_id
+            for c in submit.decision.candidates
+            if c.worker_id != worker_id and c.worker_id not in pending.excluded
+        ]
+        overlap = {c.worker_id: c.overlap_blocks for c in submit.decision.candidates}
+        request = continuation(submit.request, pending.output)
+        reasons: list[str] = []
+        with child_span(_tracer, "scheduler dispatch") as span:
+            span.set_attribute("thunderagent.request_id", rid)
+            for attempt, wid in enumerate(order):
+                pending.worker_id = wid
+                await self._tell_router(submit, wid)
+                work = WorkerGenerate(
+                    request=request,
+                    reply_subject=submit.reply_subject,
+                    predicted_cached_tokens=overlap.get(wid, 0) * submit.block_size,
+                    attempt=attempt,
+                    output_offset=len(pending.output),
+                    decode_worker=decode_worker if wid == worker_id else "",
+                )
+                try:
+                    ack = await self.bus.request(
+                        subjects.worker_generate(wid), work, Ack, timeout=self.timeout_s
+                    )
+                except BusError as err:
+                    reasons.append(f"{wid}: {err}")
+                    # no ack is not "no": the worker may be running it. Stop it there before
+                    # the next worker starts it; what it streamed already, the next continues.
+                    stray = await self.abort(wid, rid, "hand-off timed out: another worker")
+                    if stray is not None and stray.found and stray.output_token_ids:
+                        pending.output = list(stray.output_token_ids)
+                        request = continuation(submit.request, pending.output)
+                    continue
+                if ack.accepted:
+                    span.set_attribute("thunderagent.worker_id", wid)
+                    return wid, reasons
+                reasons.append(f"{wid}: refused ({ack.reason})")
+        return None, reasons
+
+    async def _tell_router(self, submit: ScheduleRequest, worker_id: str) -> None:
+        if submit.router_id:
+            notice = Dispatched(request_id=submit.request.request_id, worker_id=worker_id)
+            await self.bus.publish(subjects.router_dispatched(submit.router_id), notice)
+
+    async def abort(self, worker_id: str, rid: str, reason: str) -> Preempted | None:
+        """Stop ``rid`` on ``worker_id``; None when the adapter did not answer (it runs on)."""
+        try:
+            return await self.bus.request(
+                subjects.worker_abort(worker_id),
+                AbortRequest(request_id=rid, reason=reason),
+                Preempted,
+                timeout=self.timeout_s,
+            )
+        except BusError as err:
+            log.warning("aborting %s on %s failed (%s): it keeps running", rid, worker_id, err)
+            return None
+
+    async def fail(self, pending: Pending, code: ErrorCode, message: str) -> None:
+        rid = pending.submit.request.request_id
+        log.info("request %s: %s: %s", rid, code.value, message)
+        error = ErrorReply(code=code, message=message, request_id=rid, service="scheduler")
+        await self.bus.publish(pending.submit.reply_subject, error)

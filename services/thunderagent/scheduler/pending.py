@@ -1,0 +1,84 @@
+"""What the scheduler service keeps per request it owns, and progress that arrived before it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from msgspec import structs
+from opentelemetry import context as otel_context
+
+from thunderagent.fleet import Run, sched_request
+from thunderagent.scheduling import SchedRequest
+from thunderagent.schemas import RequestProgress, ScheduleRequest
+
+EARLY_PROGRESS_S = 5.0
+"""A run's progress may beat the router's report of its direct dispatch; it is kept this long
+for the report to arrive."""
+MAX_EARLY = 10_000
+
+
+@dataclass(slots=True)
+class Pending:
+    submit: ScheduleRequest
+    context: otel_context.Context
+    output: list[int] = field(default_factory=list)
+    """Output tokens the client received before a preemption (a continuation carries them)."""
+    worker_id: str = ""
+    """Where the current run is (empty while it waits)."""
+    started: bool = False
+    """The current run produced its first token (the client has output from it)."""
+    excluded: set[str] = field(default_factory=set)
+    """Workers that failed this request: it is not sent there again."""
+    resumes: int = 0
+    """Times it was resumed after a worker or engine failure."""
+
+    @property
+    def request_id(self) -> str:
+        return self.submit.request.request_id
+
+    def sched_request(self) -> SchedRequest:
+        """What the scheduling core sees: the run so far, and only candidates that did not
+        fail it."""
+        submit = self.submit
+        req = submit.request
+        decision = submit.decision
+        if self.excluded:
+            kept = [c for c in decision.candidates if c.worker_id not in self.excluded]
+            decision = structs.replace(decision, candidates=kept)
+        return sched_request(
+            request_id=req.request_id,
+            arrival=submit.decision.decided_at,
+            run=Run(len(req.token_ids or []), req.max_tokens, len(self.output)),
+            expected_output_tokens=submit.expected_output_tokens or req.max_tokens,
+            decision=decision,
+            block_size=submit.block_size,
+            block_hashes=submit.block_hashes,
+            priority=req.priority,
+            program_id=req.program_id,
+            deadline=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
+        )
+
+
+class EarlyProgress:
+    """Progress of runs the service does not know yet: a router's report of a direct dispatch
+    and the worker's progress travel separately, and the progress may come first."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[RequestProgress]] = {}
+
+    def hold(self, progress: RequestProgress, now: float) -> bool:
+        """Keep ``progress`` for its report; False when it is too old to expect one."""
+        if now - progress.ts >= EARLY_PROGRESS_S:
+            return False
+        self._held.setdefault(progress.request_id, []).append(progress)
+        if len(self._held) > MAX_EARLY:
+            self._held.pop(next(iter(self._held)))
+        return True
+
+    def take(self, request_id: str) -> list[RequestProgress]:
+        return self._held.pop(request_id, [])
+
+    def forget_old(self, now: float) -> None:
+        """Progress whose direct dispatch never came (a request that ended otherwise)."""
+        for rid in [r for r, ps in self._held.items() if now - ps[0].ts > EARLY_PROGRESS_S]:
+            del self._held[rid]

@@ -1,0 +1,59 @@
+"""The scheduler service's per-request books: what the core sees of a request that failed on
+some workers, and progress that arrives before the router's report of a direct dispatch."""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import context as otel_context
+
+from thunderagent import schemas as s
+from thunderagent.scheduler.pending import EARLY_PROGRESS_S, EarlyProgress, Pending
+
+
+def _pending() -> Pending:
+    request = s.GenerateRequest(request_id="r1", model="m", token_ids=list(range(40)),
+                                max_tokens=8)  # fmt: skip
+    decision = s.RouteDecision(
+        request_id="r1",
+        model="m",
+        worker_id="w0",
+        overlap_blocks=2,
+        prompt_blocks=2,
+        candidates=[
+            s.Candidate(worker_id="w0", score=1.0, overlap_blocks=2),
+            s.Candidate(worker_id="w1", score=0.5),
+        ],
+        policy="thunder",
+        decided_at=100.0,
+    )
+    submit = s.ScheduleRequest(request=request, reply_subject="_INBOX.x", decision=decision)
+    return Pending(submit, otel_context.get_current())
+
+
+def test_a_request_resumed_elsewhere_keeps_its_output_and_loses_the_failed_candidate() -> None:
+    pending = _pending()
+    first = pending.sched_request()
+    assert [c for c, _ in first.candidates] == ["w0", "w1"]
+    assert first.generated_tokens == 0 and first.arrival == 100.0
+    pending.excluded.add("w0")
+    pending.output = [7, 7, 7]
+    again = pending.sched_request()
+    assert [c for c, _ in again.candidates] == ["w1"]
+    assert again.generated_tokens == 3
+
+
+def _progress(rid: str, ts: float) -> s.RequestProgress:
+    return s.RequestProgress(request_id=rid, worker_id="w0", phase="started", ts=ts)
+
+
+def test_early_progress_waits_for_its_report_but_not_forever() -> None:
+    now = time.time()
+    early = EarlyProgress()
+    assert early.hold(_progress("a", now), now)
+    assert not early.hold(_progress("b", now - EARLY_PROGRESS_S - 1), now), "too old to wait"
+    assert [p.request_id for p in early.take("a")] == ["a"]
+    assert early.take("a") == [] and early.take("b") == []
+    early.hold(_progress("c", now), now)
+    early.forget_old(now + EARLY_PROGRESS_S + 1)
+    assert early.take("c") == []
