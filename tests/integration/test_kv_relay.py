@@ -33,6 +33,11 @@ async def test_batches_waiting_on_an_ack_share_the_next_message(nats_server):
     relay = KvRelay(bus, "w0", BLOCK)
     await relay.start()  # publishes AllCleared: the fresh epoch starts empty
     heard = []
+
+    def broken(_notice) -> None:
+        raise ValueError("a listener's bug")
+
+    relay.listeners.append(broken)  # fails on every notice: the relay and the others go on
     relay.listeners.append(heard.append)  # the token tap's place: every notice, in order
     seen: list[KvEventBatch] = []
 

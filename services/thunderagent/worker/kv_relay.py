@@ -91,7 +91,10 @@ class KvRelay:
 
     async def handle(self, notice: Notice) -> None:
         for listener in self.listeners:
-            listener(notice)
+            try:
+                listener(notice)
+            except Exception:  # another reader's failure must not stop the index's feed
+                log.exception("%s: a KV-event listener failed", self.worker_id)
         if isinstance(notice, Received):
             events = self.mirror.apply(list(notice.batch.events))
             if events:

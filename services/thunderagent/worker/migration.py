@@ -65,7 +65,10 @@ class TokenTap:
             if isinstance(ev, kv_wire.BlockStored):
                 if len(ev.token_ids) != len(ev.block_hashes) * size:
                     continue
-                packed = array("I", ev.token_ids).tobytes()
+                try:
+                    packed = array("I", ev.token_ids).tobytes()
+                except OverflowError:  # a token id outside uint32: no engine vocabulary has it
+                    continue
                 width = size * 4
                 for i, h in enumerate(ev.block_hashes):
                     self.blocks[h] = packed[i * width : (i + 1) * width]

@@ -45,6 +45,8 @@ def test_token_tap_follows_stores_removals_and_clears() -> None:
     assert 1 not in tap.blocks and tap.tokens([5, 6]) == list(range(20, 28))
     tap.apply([stored([7], None, [1, 2, 3])])  # a malformed store is skipped
     assert 7 not in tap.blocks
+    tap.apply([stored([8], None, [1, 2, 3, -1])])  # so is one whose tokens cannot be packed
+    assert 8 not in tap.blocks
     tap.apply([kv_wire.AllBlocksCleared()])
     assert tap.blocks == {}
 
