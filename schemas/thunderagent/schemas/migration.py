@@ -20,6 +20,8 @@ from typing import Literal
 
 from msgspec import Struct, field
 
+from thunderagent.schemas.generate import TokenId
+
 
 class MigrationMode(enum.StrEnum):
     REPLICATE = "replicate"
@@ -121,7 +123,7 @@ class KvExportOffer(Struct, frozen=True, kw_only=True):
     """Blocks pinned and offered, from the root (0: the prefix is not here)."""
     block_size: int = 0
     """Tokens per block."""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[TokenId] = field(default_factory=list)
     """The prefix's token ids (``blocks * block_size``), for the target's cache keys and for a
     warm-up prefill when the blocks cannot be copied."""
     transport: str = "warmup"

@@ -6,7 +6,7 @@ from typing import Final, Literal
 
 from msgspec import Struct, field
 
-from thunderagent.schemas.generate import ErrorCode, GenerateRequest, Usage
+from thunderagent.schemas.generate import ErrorCode, GenerateRequest, TokenId, Usage
 from thunderagent.schemas.ids import PositiveInt, ReplySubject, RouterId, RouterIdOrNone
 
 
@@ -176,7 +176,7 @@ class Preempted(Struct, frozen=True, kw_only=True):
     """The aborted request."""
     found: bool
     """False when the request was no longer running (it finished or failed first)."""
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[TokenId] = field(default_factory=list)
     """Every output token the client has received, including earlier runs."""
 
 
@@ -202,7 +202,7 @@ class RunFailed(Struct, frozen=True, kw_only=True):
     """The request."""
     worker_id: str
     """The worker whose engine failed it."""
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[TokenId] = field(default_factory=list)
     """Every output token the client has received (earlier runs included)."""
     reason: str = ""
     """What the engine said."""
@@ -221,7 +221,7 @@ class KvTransfer(Struct, frozen=True, kw_only=True):
 
     request_id: str
     """The request being disaggregated."""
-    token_ids: list[int]
+    token_ids: list[TokenId]
     """The prompt (and first token) whose full blocks the decode engine imports."""
     source_worker: str
     """Prefill worker the KV comes from."""

@@ -18,7 +18,11 @@ from thunderagent.schemas import (
     FinalReply,
     GenerateRequest,
     KvEventBatch,
+    KvExportOffer,
+    KvTransfer,
     LoadReport,
+    Preempted,
+    RunFailed,
     TokenChunk,
     Usage,
     WorkerRegistration,
@@ -105,6 +109,23 @@ def test_kv_events_take_unsigned_64_bit_hashes_only(event):
     batch = {"worker_id": "w", "seq": 0, "ts": 0.0, "events": [event]}
     with pytest.raises(msgspec.ValidationError, match="unsigned 64-bit"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KvEventBatch)
+
+
+@pytest.mark.parametrize(
+    ("message", "payload"),
+    [
+        (KvTransfer, {"request_id": "r", "token_ids": [1, 2**32], "source_worker": "w"}),
+        (RunFailed, {"request_id": "r", "worker_id": "w", "output_token_ids": [-1]}),
+        (Preempted, {"request_id": "r", "found": True, "output_token_ids": [2**40]}),
+        (KvExportOffer, {"migration_id": "m", "worker_id": "w", "blocks": 1, "token_ids": [-2]}),
+    ],
+    ids=lambda x: x.__name__ if isinstance(x, type) else "",
+)
+def test_token_ids_an_engine_will_see_fit_uint32(message, payload):
+    """Token ids that reach an engine (a continuation, a KV import, a warm-up) are refused at
+    decode when no vocabulary could hold them: a fuzzed one once crashed an adapter's tap."""
+    with pytest.raises(msgspec.ValidationError, match="token_ids"):
+        msgspec.json.decode(msgspec.json.encode(payload), type=message)
 
 
 @given(st.text(min_size=1, max_size=40))
