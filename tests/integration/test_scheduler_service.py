@@ -85,6 +85,28 @@ async def test_deadline_in_the_past_is_answered_at_once(nats_server):
     assert info.value.error.code == ErrorCode.DEADLINE
 
 
+async def test_a_hand_off_that_raises_is_answered_and_forgotten(nats_server):
+    """A bug in carrying out a decision reaches the client as an error: nothing waits forever
+    and the scheduler's books do not keep the request."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await routable(nats_server.url, 1)
+        sched = stack.services["scheduler"].runtime
+
+        async def broken(*_args, **_kwargs):
+            raise RuntimeError("a bug in the hand-off")
+
+        sched.handoff.dispatch = broken
+        # a program step goes through the scheduler's queue, not the router's credit
+        req = GenerateRequest(model=MODEL, token_ids=[5] * 20, max_tokens=4, program_id="p-bug")
+        with pytest.raises(RequestFailed) as info:
+            await client.generate(req)
+        await client.close()
+    assert info.value.error.code == ErrorCode.INTERNAL
+    assert not sched.pending and sum(sched.waiting.values()) == 0
+    assert sched.core.stats()["running"] == 0
+
+
 async def test_program_steps_and_release(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=2, policy="thunder", profile="tiny")

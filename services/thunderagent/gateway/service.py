@@ -35,7 +35,7 @@ from thunderagent.gateway.protocol import (
 from thunderagent.gateway.responses import StreamEncoder, completion_body, sse_error
 from thunderagent.gateway.routes import ModelRoutes
 from thunderagent.schemas import ErrorCode, ErrorReply, FinalReply, TokenChunk
-from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.telemetry import extract_context
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Gateway:
         self.url = ""
         self.started = asyncio.Event()
         self._runner: web.AppRunner | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet("gateway")
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -136,13 +136,10 @@ class Gateway:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=2)
+        await self._tasks.wait(2)
 
     def spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     # --- request plumbing --------------------------------------------------------------------
 

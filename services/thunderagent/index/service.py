@@ -21,7 +21,7 @@ from thunderagent.fleet import WorkerRegistry
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.schemas import Ack, KvEventBatch, ResyncRequest, subjects
-from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.shell.index_follower import IndexFollower
 from thunderagent.telemetry.setup import meter
 
@@ -52,7 +52,7 @@ class IndexService:
         )
         self._last_resync: dict[str, float] = {}
         self.resyncs_requested = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet("index")
         m = meter("thunderagent.index")
         self.resyncs = m.create_counter("thunderagent_index_resyncs", description="Resync requests")
         m.create_observable_gauge(
@@ -69,9 +69,7 @@ class IndexService:
     async def on_outcome(self, batch: KvEventBatch, outcome: FeedOutcome) -> None:
         if outcome is FeedOutcome.GAP:
             # not awaited: the stream consumer must not stall while the adapter answers
-            task = asyncio.create_task(self.request_resync(batch.worker_id, "sequence gap"))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self.request_resync(batch.worker_id, "sequence gap"))
 
     async def request_resync(self, worker_id: str, reason: str) -> None:
         now = time.monotonic()

@@ -45,7 +45,7 @@ from thunderagent.schemas import (
     is_valid_worker_id,
     subjects,
 )
-from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.shell.index_follower import IndexFollower
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class MigrationService:
         self.reports: list[MigrationReport] = []
         """Final reports, newest last (bounded): tests and the health of the service."""
         self.last_gbps = 0.0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet("migration")
         self.metrics = MigrationMetrics(self._gauges)
 
     # ---- observations --------------------------------------------------------------------
@@ -197,9 +197,7 @@ class MigrationService:
         for action in actions:
             log.info("%s %s: %s", move_kind(action), action.action_id, action.reason)
             self.metrics.decisions.add(1, {"mode": move_kind(action), "origin": "planner"})
-            task = asyncio.create_task(self.execute(action), name=action.action_id)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self.execute(action), name=action.action_id)
         return actions
 
     def _gauges(self) -> dict[str, float]:
@@ -236,8 +234,7 @@ class MigrationService:
                 tg.create_task(self.plan_loop(ctx.stop))
         finally:
             await self.follower.stop()
-            for task in list(self._tasks):
-                task.cancel()
+            self._tasks.cancel()
 
 
 def move_kind(action: Action) -> str:

@@ -45,7 +45,7 @@ from thunderagent.schemas import (
     ScheduleRequest,
     subjects,
 )
-from thunderagent.shell import FleetWatcher, ServiceContext
+from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class SchedulerService:
         self.handoff = Handoff(bus, config.handoff_timeout_s)
         self._early = EarlyProgress()
         self.wake = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet("scheduler")
         self._depth = meter("thunderagent.scheduler").create_observable_gauge(
             "thunderagent_worker_queue_depth",
             [self._observe_depths],
@@ -343,8 +343,7 @@ class SchedulerService:
             finally:
                 timer.cancel()
         await self._answer_waiting_on_stop()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=self.config.handoff_timeout_s * 2)
+        await self._tasks.wait(self.config.handoff_timeout_s * 2)
 
     async def _answer_waiting_on_stop(self) -> None:
         """Going down: every request still waiting here gets an error its client can act on
@@ -358,9 +357,7 @@ class SchedulerService:
             log.info("stopping: answered %d waiting requests", len(waiting))
 
     def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def _carry_out(self, action) -> None:
         pending = self.pending.get(action.request_id)
@@ -379,6 +376,13 @@ class SchedulerService:
             elif isinstance(action, Reject):
                 self._forget(pending)
                 await self.handoff.fail(pending, ErrorCode.DEADLINE, action.reason)
+        except Exception:  # a bug: the client hears of it rather than waiting forever
+            log.exception("request %s: %s failed", pending.request_id, type(action).__name__)
+            if self.pending.get(pending.request_id) is pending:
+                self._forget(pending)
+                if self.core.cancel(pending.request_id, self.clock()):
+                    self._leaves_queue(pending)
+                await self.handoff.fail(pending, ErrorCode.INTERNAL, "the scheduler failed it")
         finally:
             otel_context.detach(token)
 
