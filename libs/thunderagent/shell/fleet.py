@@ -77,7 +77,7 @@ class FleetWatcher:
     async def _apply(self, entry: BucketEntry) -> None:
         if entry.value is None:
             if self.registry.remove(entry.key):
-                self.on_change(entry.key, "removed")
+                self._tell(entry.key, "removed")
             return
         try:
             reg = _reg_decoder.decode(entry.value)
@@ -86,13 +86,19 @@ class FleetWatcher:
             await self.bus.reject(where, f"invalid WorkerRegistration under {entry.key!r}: {err}")
             return
         if self.registry.register(reg, self.clock()):
-            self.on_change(reg.worker_id, "registered")
+            self._tell(reg.worker_id, "registered")
+
+    def _tell(self, worker_id: str, what: str) -> None:
+        try:
+            self.on_change(worker_id, what)
+        except Exception:  # the service's bug: the watch and the expiry loop must go on
+            log.exception("worker %s %s: the service's fleet callback failed", worker_id, what)
 
     async def _expire_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             for worker_id in self.registry.expire(self.clock()):
                 log.info("worker %s: lease lapsed", worker_id)
-                self.on_change(worker_id, "expired")
+                self._tell(worker_id, "expired")
             try:
                 await asyncio.wait_for(stop.wait(), self.expire_every_s)
             except TimeoutError:
