@@ -8,7 +8,7 @@ import base64
 import msgspec
 import pytest
 
-from thunderagent.bus import Bus, NoResponders, RequestTimeout, connect
+from thunderagent.bus import Bus, BusError, NoResponders, RequestTimeout, connect
 from thunderagent.schemas import REPLY_DECODER, Ack, ErrorCode, ErrorReply, ResyncRequest, subjects
 
 pytestmark = pytest.mark.integration
@@ -91,6 +91,14 @@ async def test_connect_retries_until_the_server_appears(tmp_path):
         await nc.close()
     finally:
         server.stop()
+
+
+async def test_publishing_on_a_closed_connection_raises_the_bus_error(nats_server):
+    nc = await connect(nats_server.url, name="closed")
+    bus = Bus(nc, service="closed")
+    await nc.close()
+    with pytest.raises(BusError, match="not published"):
+        await bus.publish(subjects.ROUTE_DECISIONS, Ack(accepted=True))
 
 
 async def test_connect_gives_up_with_a_clear_error():

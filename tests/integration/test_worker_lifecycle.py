@@ -134,3 +134,34 @@ async def test_a_repeated_hand_off_is_idempotent(nats_server):
         await asyncio.sleep(0.3)  # a second run would stream more by now
         assert finals == 1 and got.empty() and len(tokens) == 40
         await nc.close()
+
+
+async def test_an_engine_load_that_is_not_a_load_makes_it_unhealthy_not_the_adapter_die(
+    nats_server,
+):
+    """``/get_load`` answering garbage counts as a failed poll: the adapter marks the engine
+    unhealthy (leaves the fleet) and lives; a good answer brings it back."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", with_scheduler=False)
+        svc = stack.services["worker-w0"]
+        adapter = svc.runtime
+        real = adapter.engine.get_json
+
+        async def garbage(path: str):
+            if path == "/get_load":
+                return {"num_reqs": "lots", "num_waiting_reqs": {"a": 1}}
+            return await real(path)
+
+        adapter.engine.get_json = garbage
+        for _ in range(200):
+            if not adapter.engine_healthy.is_set():
+                break
+            await asyncio.sleep(0.02)
+        assert not adapter.engine_healthy.is_set(), "garbage loads make the engine unhealthy"
+        assert not svc.task.done(), "the adapter must outlive its engine's bad answers"
+        adapter.engine.get_json = real
+        for _ in range(200):
+            if adapter.engine_healthy.is_set():
+                break
+            await asyncio.sleep(0.02)
+        assert adapter.engine_healthy.is_set() and not svc.task.done()

@@ -23,11 +23,18 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from thunderagent.bus.errors import DECODE_ERRORS, BadReply, PayloadTooLarge, check_subject
+from thunderagent.bus.errors import (
+    DECODE_ERRORS,
+    BadReply,
+    BusError,
+    PayloadTooLarge,
+    check_subject,
+)
 from thunderagent.bus.fastpath import subscribe_fast
 from thunderagent.bus.jetstream import JetStreamMixin
 from thunderagent.bus.replies import Replies
@@ -120,7 +127,10 @@ class Bus(JetStreamMixin):
         payload = self._checked(subject, message)
         # None, not {}: nats-py sends an empty dict as a header block (HPUB) all the same
         headers = inject_headers(headers) or None
-        await self.nc.publish(subject, payload, reply=reply, headers=headers)
+        try:
+            await self.nc.publish(subject, payload, reply=reply, headers=headers)
+        except NatsError as err:  # closed, draining, buffer full: one error type for callers
+            raise BusError(subject, f"not published ({err!r})") from err
 
     async def request(
         self,

@@ -18,7 +18,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from thunderagent.bus import Bucket, Bus, Delivery
+from thunderagent.bus import Bucket, Bus, BusError, Delivery
 from thunderagent.fleet import AcceptedRuns, load_report
 from thunderagent.schemas import (
     AbortRequest,
@@ -249,14 +249,19 @@ class WorkerAdapter:
         while not stop.is_set():
             try:
                 report = await self.read_load()
-                await self.bus.publish(subject, report)
-                failures = 0
-                self._set_healthy(True)
-            except (TimeoutError, OSError, EngineError) as err:
+            # an answer that is not a load (ValueError, TypeError) is as unhealthy as none
+            except (TimeoutError, OSError, EngineError, ValueError, TypeError) as err:
                 failures += 1
                 log.warning("load poll failed (%d in a row): %s", failures, err)
                 if failures >= UNHEALTHY_AFTER:
                     self._set_healthy(False)
+            else:
+                failures = 0
+                self._set_healthy(True)
+                try:
+                    await self.bus.publish(subject, report)
+                except BusError as err:  # NATS away: the next poll reports again
+                    log.warning("load report not published: %s", err)
             await _sleep_or_stop(stop, self.config.load_interval_s)
 
     async def _hand_back_runs(self, reason: str) -> None:
