@@ -369,7 +369,10 @@ class RouterService:
             now = time.monotonic()
             if now >= next_hello:
                 next_hello = now + HELLO_S
-                await self.ctx.bus.publish(subjects.ROUTER_PRESENCE, hello)
+                try:
+                    await self.ctx.bus.publish(subjects.ROUTER_PRESENCE, hello)
+                except BusError as err:  # NATS away: say hello again next time
+                    log.warning("router presence not published: %s", err)
             if now - self.router.last_grant_at > GRANT_TTL_S:
                 self.router.wallet.drop()  # no word from a scheduler: queue everything
             try:
