@@ -165,3 +165,40 @@ async def test_an_engine_load_that_is_not_a_load_makes_it_unhealthy_not_the_adap
                 break
             await asyncio.sleep(0.02)
         assert adapter.engine_healthy.is_set() and not svc.task.done()
+
+
+async def test_a_run_that_raises_unforeseen_still_answers_its_client(nats_server):
+    """Whatever breaks inside a run (here the engine client raising what no handler names),
+    the client hears an error instead of waiting out its timeout, and the run leaves the
+    adapter's books."""
+    from thunderagent.bus import Bus, connect
+    from thunderagent.schemas import Ack, ErrorCode, ErrorReply, WorkerGenerate, subjects
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", with_scheduler=False)
+        svc = stack.services["worker-w0"]
+        adapter = svc.runtime
+
+        async def broken_stream(*_args, **_kwargs):
+            raise AttributeError("a shape nobody foresaw")
+            yield  # an async generator, as the engine client's is
+
+        adapter.engine.generate = broken_stream
+        nc = await connect(nats_server.url, name="unforeseen-test")
+        bus = Bus(nc, service="unforeseen-test")
+        got: asyncio.Queue = asyncio.Queue()
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=got.put)
+        request = GenerateRequest(model=MODEL, request_id="u1", token_ids=[5] * 16, max_tokens=4)
+        ack = await bus.request(subjects.worker_generate("w0"), WorkerGenerate(
+            request=request, reply_subject=inbox), Ack, timeout=5)  # fmt: skip
+        assert ack.accepted
+        msg = await asyncio.wait_for(got.get(), 10)
+        reply = msgspec.json.decode(msg.data, type=ErrorReply)
+        assert reply.code == ErrorCode.ENGINE_ERROR and "foresaw" in reply.message
+        for _ in range(100):
+            if not adapter.running:
+                break
+            await asyncio.sleep(0.02)
+        assert not adapter.running and not svc.task.done()
+        await nc.close()

@@ -160,6 +160,8 @@ class _Deltas:
         ids = chunk.get("output_ids") or []
         text = chunk.get("text") or ""
         meta = chunk.get("meta_info") or {}
+        if not (isinstance(ids, list) and isinstance(text, str) and isinstance(meta, dict)):
+            raise EngineError(502, f"stream line is not a generate chunk: {data[:200]!r}")
         cumulative = len(ids) == meta.get("completion_tokens", -1) and len(ids) >= self.seen_ids
         new_ids = ids[self.seen_ids :] if cumulative else ids
         self.seen_ids = len(ids) if cumulative else self.seen_ids + len(ids)

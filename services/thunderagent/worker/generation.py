@@ -15,6 +15,7 @@ fails, the rest runs on the prefill worker instead (no ``transferred``): slower,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,6 +137,14 @@ class Generation:
                 else (f"it ran past the worker's limit of {self.max_request_s:g} s")
             )
             await self._fail_with(ErrorCode.DEADLINE, f"request stopped: {why}")
+            return None
+        except Exception as err:  # a bug or an engine answer nobody foresaw: nobody waits on
+            log.exception("request %s: run failed", self.request_id)  # it forever
+            with contextlib.suppress(Exception):  # the engine may still be generating it
+                await self.engine.abort(self.engine_rid)
+            if self.final is not None:
+                return self.final
+            await self._fail(err)
             return None
 
     async def _run(self) -> FinalReply | None:
