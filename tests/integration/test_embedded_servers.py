@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from thunderagent.embedded import NatsServer
+from thunderagent.embedded import NatsServer, nats_gomaxprocs
 
 pytestmark = pytest.mark.integration
 
@@ -35,5 +35,6 @@ def test_the_nats_server_runs_on_the_threads_it_is_given(
     server = NatsServer(tmp_path / "nats", go_procs=go_procs).start()
     try:
         assert _gomaxprocs(server) == expected
+        assert nats_gomaxprocs(go_procs) == (expected or "default"), "what reports record"
     finally:
         server.stop()

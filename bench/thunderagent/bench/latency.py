@@ -34,6 +34,7 @@ from thunderagent import stats
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
+from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.router.service import RouterConfig, embedded_router
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
@@ -144,6 +145,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict:
         "requests": len(stacked),
         "rounds": args.rounds,
         "client_loop": "uvloop",
+        "nats_gomaxprocs": nats_gomaxprocs(),
         "load_average": os.getloadavg(),
         "workers": args.workers,
         "prompt_tokens": args.prompt_tokens,

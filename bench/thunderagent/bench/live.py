@@ -42,7 +42,7 @@ import aiohttp
 
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
-from thunderagent.embedded import free_port
+from thunderagent.embedded import free_port, nats_gomaxprocs
 from thunderagent.replay.traces import TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
 from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
@@ -446,6 +446,7 @@ def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
         "policy": args.policy,
         "via": args.via,
         "client": {"tcp_nodelay": True, "connections": args.client_connections},
+        "nats_gomaxprocs": nats_gomaxprocs(),
         "systems": systems,
     }
     ratios = {

@@ -35,6 +35,7 @@ from thunderagent.bench import loadgen, perf, procs, pyspy
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
+from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
         "engine": "instant",
         "code_version": code_version(),
+        "nats_gomaxprocs": nats_gomaxprocs(),
         "cpus": os.cpu_count(),
         "load_average_before": load_average(),
     }

@@ -30,6 +30,7 @@ import uvloop
 from thunderagent.bench import live, loadgen, profile
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
+from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
         "engine": "instant",
         "code_version": profile.code_version(),
+        "nats_gomaxprocs": nats_gomaxprocs(),
         "cpus": os.cpu_count(),
         "load_average_before": profile.load_average(),
     }

@@ -18,6 +18,7 @@ from thunderagent.embedded.servers import (
     TlsFiles,
     find_nats_server,
     find_redis_server,
+    nats_gomaxprocs,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "find_nats_server",
     "find_redis_server",
     "free_port",
+    "nats_gomaxprocs",
     "preferred_port",
     "role_permissions",
     "spawn",

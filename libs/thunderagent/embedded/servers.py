@@ -89,6 +89,14 @@ class TlsFiles:
         return self.ca or self.cert
 
 
+def nats_gomaxprocs(go_procs: int | None = 1) -> str:
+    """``GOMAXPROCS`` a ``NatsServer(go_procs=...)`` starts with, for reports: the environment's
+    when set, else ``go_procs``, else "default" (Go's: one per CPU)."""
+    if "GOMAXPROCS" in os.environ:
+        return os.environ["GOMAXPROCS"]
+    return "default" if go_procs is None else str(go_procs)
+
+
 @dataclass
 class NatsServer(LoopbackServer):
     """A nats-server with JetStream, storing under ``data_dir``; with ``users``, only they may
