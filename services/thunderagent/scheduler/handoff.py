@@ -41,46 +41,53 @@ class Handoff:
         order while they refuse; (the worker that took it or None, why the others did not).
         ``pending.worker_id`` follows each try, ``pending.output`` what a stray run streamed."""
         submit = pending.submit
-        rid = submit.request.request_id
         order = [worker_id] + [
             c.worker_id
             for c in submit.decision.candidates
             if c.worker_id != worker_id and c.worker_id not in pending.excluded
         ]
-        overlap = {c.worker_id: c.overlap_blocks for c in submit.decision.candidates}
-        request = continuation(submit.request, pending.output)
         reasons: list[str] = []
         with child_span(_tracer, "scheduler dispatch") as span:
-            span.set_attribute("thunderagent.request_id", rid)
+            span.set_attribute("thunderagent.request_id", submit.request.request_id)
             for attempt, wid in enumerate(order):
                 pending.worker_id = wid
                 await self._tell_router(submit, wid)
-                work = WorkerGenerate(
-                    request=request,
-                    reply_subject=submit.reply_subject,
-                    predicted_cached_tokens=overlap.get(wid, 0) * submit.block_size,
-                    attempt=attempt,
-                    output_offset=len(pending.output),
-                    decode_worker=decode_worker if wid == worker_id else "",
-                )
-                try:
-                    ack = await self.bus.request(
-                        subjects.worker_generate(wid), work, Ack, timeout=self.timeout_s
-                    )
-                except BusError as err:
-                    reasons.append(f"{wid}: {err}")
-                    # no ack is not "no": the worker may be running it. Stop it there before
-                    # the next worker starts it; what it streamed already, the next continues.
-                    stray = await self.abort(wid, rid, "hand-off timed out: another worker")
-                    if stray is not None and stray.found and stray.output_token_ids:
-                        pending.output = list(stray.output_token_ids)
-                        request = continuation(submit.request, pending.output)
-                    continue
-                if ack.accepted:
+                why = await self._offer(pending, wid, attempt, decode_worker, worker_id)
+                if why is None:
                     span.set_attribute("thunderagent.worker_id", wid)
                     return wid, reasons
-                reasons.append(f"{wid}: refused ({ack.reason})")
+                reasons.append(why)
         return None, reasons
+
+    async def _offer(
+        self, pending: Pending, wid: str, attempt: int, decode_worker: str, chosen: str
+    ) -> str | None:
+        """Offer the run (what the client has not had yet) to ``wid``: None when it took it,
+        else why not. Only the policy's ``chosen`` worker gets the PD decode worker."""
+        submit = pending.submit
+        rid = submit.request.request_id
+        overlap = next((c.overlap_blocks for c in submit.decision.candidates
+                        if c.worker_id == wid), 0)  # fmt: skip
+        work = WorkerGenerate(
+            request=continuation(submit.request, pending.output),
+            reply_subject=submit.reply_subject,
+            predicted_cached_tokens=overlap * submit.block_size,
+            attempt=attempt,
+            output_offset=len(pending.output),
+            decode_worker=decode_worker if wid == chosen else "",
+        )
+        try:
+            ack = await self.bus.request(
+                subjects.worker_generate(wid), work, Ack, timeout=self.timeout_s
+            )
+        except BusError as err:
+            # no ack is not "no": the worker may be running it. Stop it there before the next
+            # worker starts it; what it streamed already, the next continues.
+            stray = await self.abort(wid, rid, "hand-off timed out: another worker")
+            if stray is not None and stray.found and stray.output_token_ids:
+                pending.output = list(stray.output_token_ids)
+            return f"{wid}: {err}"
+        return None if ack.accepted else f"{wid}: refused ({ack.reason})"
 
     async def _tell_router(self, submit: ScheduleRequest, worker_id: str) -> None:
         if submit.router_id:
