@@ -101,20 +101,26 @@ async def test_restarted_engine_is_resynced(nats_server, redis_server):
         await client.close()
 
 
+async def _sender_with_inbox(url: str, name: str):
+    """A connection that hands runs to adapters itself, and the inbox their answers reach."""
+    from thunderagent.bus import Bus, connect
+
+    nc = await connect(url, name=name)
+    got: asyncio.Queue = asyncio.Queue()
+    inbox = nc.new_inbox()
+    await nc.subscribe(inbox, cb=got.put)
+    return nc, Bus(nc, service=name), inbox, got
+
+
 async def test_a_repeated_hand_off_is_idempotent(nats_server):
     """A sender whose ack came late asks again: the same hand-off (same reply subject) is
     acked without a second run; the same id for another client is refused."""
-    from thunderagent.bus import Bus, connect
     from thunderagent.schemas import Ack, FinalReply, TokenChunk, WorkerGenerate, subjects
 
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=1, profile="tiny", block_size=16, speedup=5.0,
                                with_scheduler=False)  # fmt: skip
-        nc = await connect(nats_server.url, name="handoff-test")
-        bus = Bus(nc, service="handoff-test")
-        got: asyncio.Queue = asyncio.Queue()
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=got.put)
+        nc, bus, inbox, got = await _sender_with_inbox(nats_server.url, "handoff-test")
         request = GenerateRequest(model=MODEL, request_id="h1", token_ids=[5] * 16, max_tokens=40)
         work = WorkerGenerate(request=request, reply_subject=inbox)
         first = await bus.request(subjects.worker_generate("w0"), work, Ack, timeout=5)
@@ -171,7 +177,6 @@ async def test_a_run_that_raises_unforeseen_still_answers_its_client(nats_server
     """Whatever breaks inside a run (here the engine client raising what no handler names),
     the client hears an error instead of waiting out its timeout, and the run leaves the
     adapter's books."""
-    from thunderagent.bus import Bus, connect
     from thunderagent.schemas import Ack, ErrorCode, ErrorReply, WorkerGenerate, subjects
 
     async with inproc_stack(nats_server.url) as stack:
@@ -184,11 +189,7 @@ async def test_a_run_that_raises_unforeseen_still_answers_its_client(nats_server
             yield  # an async generator, as the engine client's is
 
         adapter.engine.generate = broken_stream
-        nc = await connect(nats_server.url, name="unforeseen-test")
-        bus = Bus(nc, service="unforeseen-test")
-        got: asyncio.Queue = asyncio.Queue()
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=got.put)
+        nc, bus, inbox, got = await _sender_with_inbox(nats_server.url, "unforeseen-test")
         request = GenerateRequest(model=MODEL, request_id="u1", token_ids=[5] * 16, max_tokens=4)
         ack = await bus.request(subjects.worker_generate("w0"), WorkerGenerate(
             request=request, reply_subject=inbox), Ack, timeout=5)  # fmt: skip
