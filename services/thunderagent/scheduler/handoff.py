@@ -30,6 +30,8 @@ _tracer = trace.get_tracer("thunderagent.scheduler")
 
 
 class Handoff:
+    """Bound to one bus; the ack timeout applies to every hand-off and abort."""
+
     def __init__(self, bus: Bus, timeout_s: float) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
