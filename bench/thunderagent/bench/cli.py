@@ -17,6 +17,7 @@ BENCHES = {
         "thunderagent.bench.replay",
         "trace replay through every routing policy, virtual time",
     ),
+    "route": ("thunderagent.bench.route", "CPU µs of one routing decision in the router core"),
     "tune": ("thunderagent.bench.tune", "choose a thunder default on generated workloads"),
     "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
     "gateway": (

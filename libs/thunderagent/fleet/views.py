@@ -35,11 +35,16 @@ def load_report(
     )
 
 
-def worker_view(state: WorkerState) -> WorkerView:
-    """What a routing policy sees of a worker."""
+def worker_view(state: WorkerState, cached_blocks: int = -1) -> WorkerView:
+    """What a routing policy sees of a worker; ``cached_blocks``: what the router's prefix
+    index holds for it (-1: unknown)."""
     load = state.load
     if load is None:
-        return WorkerView(worker_id=state.worker_id, pending=state.assigned_since_report)
+        return WorkerView(
+            worker_id=state.worker_id,
+            pending=state.assigned_since_report,
+            cached_blocks=cached_blocks,
+        )
     return WorkerView(
         worker_id=state.worker_id,
         running=load.running,
@@ -52,6 +57,7 @@ def worker_view(state: WorkerState) -> WorkerView:
         pending_prefill_tokens=state.assigned_prefill_since_report,
         pending_kv_tokens=state.assigned_kv_since_report,
         prefill_tokens=load.prefill_backlog_tokens,
+        cached_blocks=cached_blocks,
     )
 
 

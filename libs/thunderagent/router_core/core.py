@@ -193,7 +193,9 @@ class RouterCore:
             priority=priority,
             now=now,
         )
-        ranked = self.policy.rank(query, [worker_view(s) for s in states], self.rng)
+        held = self.feeder.gpu_index.block_counts()
+        views = [worker_view(s, held.get(s.worker_id, 0)) for s in states]
+        ranked = self.policy.rank(query, views, self.rng)
         best = ranked[0].worker_id
         overlap = query.overlaps.get(best, 0)
         decision = RouteDecision(

@@ -43,9 +43,11 @@ class RouteQuery:
         return len(self.block_hashes)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class WorkerView:
-    """A worker's load as the router last heard it (plus what it sent since)."""
+    """A worker's load as the router last heard it (plus what it sent since). Policies only
+    read it. Not frozen: a frozen dataclass sets each field through ``object.__setattr__``,
+    and building the views took 15 µs of a 50 µs decision for 8 workers (7 µs unfrozen)."""
 
     worker_id: str
     running: int = 0
@@ -65,6 +67,11 @@ class WorkerView:
     prefill_tokens: int = -1
     """Prompt tokens waiting for prefill on the worker, as it last reported (-1: not reported,
     as with stock SGLang; policies then estimate it from ``queued``)."""
+    cached_blocks: int = -1
+    """Blocks the prefix index holds for the worker on its GPU: how full its cache is, the
+    evictable prefixes included, from the engine's own KV events (-1: unknown). SGLang's
+    ``/get_load`` counts only running requests' KV, so this is the one engine-independent
+    figure for it."""
 
     @property
     def outstanding(self) -> int:

@@ -111,3 +111,19 @@ def test_expected_output_follows_finished_runs_unless_the_client_says() -> None:
     assert c.expected_output(max_tokens=4096) == 200
     assert c.expected_output(max_tokens=50) == 50  # never past the budget
     assert c.expected_output(max_tokens=4096, hint=7) == 7
+
+
+def test_the_policy_sees_how_full_each_cache_is_from_the_index() -> None:
+    """w0 holds the prompt's first block in a cache the index shows full; w1's is empty. The
+    block it saves wins the request for w0 until the blocks it would evict count."""
+    filler = HASHER.hash_tokens(PROMPT[:BS] + list(range(5000, 5000 + 11 * BS)))
+    for weight, expected in ((0.0, "w0"), (0.5, "w1")):
+        c = core(policy_params={"evict_weight": weight})
+        for w in ("w0", "w1"):
+            c.report(LoadReport(worker_id=w, ts=0.5, running=0, queued=0, kv_used_blocks=0,
+                                kv_total_blocks=12, prefill_backlog_tokens=0), 0.5)  # fmt: skip
+        c.apply_kv(KvEventBatch(worker_id="w0", seq=0, ts=0.5, events=[
+            BlocksStored(hashes=filler.primary, check_hashes=filler.check)]), 0.5)  # fmt: skip
+        routed = route(c, "a", PROMPT)
+        assert routed.query.overlaps == {"w0": 1}
+        assert routed.decision.worker_id == expected, weight

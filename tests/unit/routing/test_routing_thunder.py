@@ -180,6 +180,31 @@ def test_free_kv_breaks_cost_ties() -> None:
         assert ids(unit().rank(query, workers, random.Random(seed))) == ["b", "a"]
 
 
+def test_new_blocks_that_evict_cached_ones_cost_evict_weight_each() -> None:
+    """A full cache holding a shared first block loses the request to an empty cache once the
+    prefix it would push out is worth more than the block it saves; free room evicts nothing."""
+    query = q(4, overlaps={"full": 1})  # 30 new tokens on "full", 40 on "empty"
+    workers = [
+        WorkerView("full", kv_total_blocks=100, cached_blocks=100),
+        WorkerView("empty", kv_total_blocks=100, cached_blocks=0),
+    ]
+    assert ids(unit().rank(query, workers, random.Random(0))) == ["full", "empty"]
+    ranked = unit(evict_weight=0.5).rank(query, workers, random.Random(0))
+    assert [(c.worker_id, c.score) for c in ranked] == [("empty", -40.0), ("full", -45.0)]
+    # 98 of 100 blocks held, 1 more on its way (10 uncached tokens sent since the report): 10
+    # tokens free, so 20 of the 30 new ones evict
+    half = WorkerView("full", kv_total_blocks=100, cached_blocks=98, pending_prefill_tokens=10)
+    ranked = unit(evict_weight=0.5).rank(query, [half, workers[1]], random.Random(0))
+    assert {c.worker_id: c.score for c in ranked} == {"empty": -40.0, "full": -40.0}
+    # the engine's used blocks count when they say more (its running requests' private ones)
+    used = WorkerView("full", kv_total_blocks=100, cached_blocks=0, kv_used_blocks=100)
+    ranked = unit(evict_weight=0.5).rank(query, [used, workers[1]], random.Random(0))
+    assert {c.worker_id: c.score for c in ranked} == {"empty": -40.0, "full": -45.0}
+    unknown = WorkerView("full", kv_total_blocks=100)  # cached_blocks -1: no index figure
+    ranked = unit(evict_weight=0.5).rank(query, [unknown, workers[1]], random.Random(0))
+    assert ids(ranked) == ["full", "empty"]
+
+
 def test_no_hit_ranks_every_worker_by_cost() -> None:
     p = unit(decode_s_per_seq=1.0)
     workers = [WorkerView(f"w{i}", running=(i * 5) % 6) for i in range(6)]
@@ -310,6 +335,7 @@ def test_online_tuner_is_bounded() -> None:
         ({"pressure_threshold": 1.0}, "pressure_threshold"),
         ({"overflow_weight": -1.0}, "overflow_weight"),
         ({"recompute_gain": -0.5}, "recompute_gain"),
+        ({"evict_weight": -0.1}, "evict_weight"),
         ({"mean_alpha": 2.0}, "mean_alpha"),
     ],
 )

@@ -1,0 +1,23 @@
+"""``bench route``: the decision it times is a real one over an index that holds every worker."""
+
+import json
+
+from thunderagent.bench import route
+
+
+def test_every_worker_is_indexed_and_a_decision_ranks_them_all() -> None:
+    core = route.build_core("thunder", workers=3, indexed=50)
+    assert core.feeder.gpu_index.block_counts() == {"w0": 50, "w1": 50, "w2": 50}
+    hashes = core.hash_tokens(list(range(4 * route.BLOCK_SIZE)), route.BLOCK_SIZE)
+    routed = core.route(
+        request_id="r", model="m", hashes=hashes, prompt_tokens=4 * route.BLOCK_SIZE,
+        block_size=route.BLOCK_SIZE, expected_output_tokens=16, now=1.0,
+    )  # fmt: skip
+    assert routed is not None and len(routed.decision.candidates) == 3
+    assert routed.query.overlaps == {}, "the timed prompt matches no worker's blocks"
+
+
+def test_main_prints_the_time_per_decision(capsys) -> None:
+    route.main(["--workers", "2", "--indexed", "20", "--decisions", "10"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["workers"] == 2 and report["us_per_decision"] > 0
