@@ -136,8 +136,8 @@ class Thunder(PolicyHooks):
     prefill: the chance an evicted prefix is asked for again. New blocks that land in free
     cache evict nothing. Without it, a worker whose cache is full still wins every new
     conversation over an empty one by the few blocks of a shared system prompt, so at low
-    load some workers never fill their caches while the others evict (4 workers, 64-token
-    blocks, the live benchmark's load: one worker got no request at all). Chosen on generated
+    load some workers never fill their caches while the others evict (a replay shaped like the
+    live benchmark, 4 workers: one got no request at all). Chosen on generated
     workloads: the long bursty one (``bench gen --kind bursty --duration 3000``) on 4
     workers, where caches fill, at 0.5 / 1 / 2x: hit ratio 0.715 / 0.730 / 0.741 with 0 ->
     0.737 / 0.744 / 0.746, TTFT p50 96 / 252 / 495 -> 78 / 190 / 429 ms, p99 within 2 % (0.5
