@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from thunderagent.fleet import WorkerRegistry, worker_view
+from thunderagent.fleet import WorkerRegistry, WorkerState, worker_view
 from thunderagent.hashing import BlockHasher, BlockHashes
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes
 from thunderagent.router_core.verification import Dispatch, Verdict, Verifier
-from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback
+from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.routing.cost import RunningMean
 from thunderagent.scheduling.credits import may_dispatch_directly
 from thunderagent.schemas import KvEventBatch, LoadReport, RouteDecision, WorkerRegistration
@@ -193,9 +193,7 @@ class RouterCore:
             priority=priority,
             now=now,
         )
-        held = self.feeder.gpu_index.block_counts()
-        views = [worker_view(s, held.get(s.worker_id, 0)) for s in states]
-        ranked = self.policy.rank(query, views, self.rng)
+        ranked = self.policy.rank(query, self._views(states), self.rng)
         best = ranked[0].worker_id
         overlap = query.overlaps.get(best, 0)
         decision = RouteDecision(
@@ -211,10 +209,19 @@ class RouterCore:
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
         )
         routed = Routed(decision, query, hashes, model, confirmed)
-        self._routed[request_id] = routed
+        self._remember(routed)
+        return routed
+
+    def _views(self, states: Sequence[WorkerState]) -> list[WorkerView]:
+        """What the policy sees of each worker, with how many blocks the index holds there."""
+        held = self.feeder.gpu_index.block_counts()
+        return [worker_view(s, held.get(s.worker_id, 0)) for s in states]
+
+    def _remember(self, routed: Routed) -> None:
+        """Keep the answer until its dispatch notice; the oldest go past ``verify_capacity``."""
+        self._routed[routed.decision.request_id] = routed
         if len(self._routed) > self.params.verify_capacity:
             self._routed.popitem(last=False)
-        return routed
 
     def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict, dict]:
         """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
