@@ -153,7 +153,6 @@ COVERED = {
     "sched_run_failed": "thunderagent.sched.run_failed.",
     "PROGRAM_RELEASE": "thunderagent.programs.release",
     "PROGRESS_WILDCARD": "thunderagent.progress.", "progress": "thunderagent.progress.",
-    "PROGRESS_ENDED_WILDCARD": "thunderagent.progress.",
     "worker_progress": "thunderagent.progress.",
     "router_dispatched": "thunderagent.router.", "worker_generate": "thunderagent.worker.w0.gen",
     "worker_abort": "thunderagent.worker.w0.abort",

@@ -60,8 +60,11 @@ def prompt(prefix: int, blocks: int, tail: int) -> list[int]:
 
 def script(seed: int = 3) -> list[tuple]:
     """The input sequence: ("load", report) | ("kv", batch) | ("request", request_id, tokens,
-    pick) where ``pick`` chooses which candidate the scheduler dispatches to."""
+    pick, run) where ``pick`` chooses which candidate the scheduler dispatches to and ``run``
+    how far its run got before the next step: "finished", "started" (first token out, the run
+    still going) or "queued" (no first token yet)."""
     rng = random.Random(seed)
+    runs = random.Random(seed + 1)
     hasher = BlockHasher(BS)
     steps: list[tuple] = []
     seqs = dict.fromkeys(WORKERS, -1)
@@ -87,7 +90,8 @@ def script(seed: int = 3) -> list[tuple]:
         prefix = rng.choice([1, 1, 2, 3, 4])
         tokens = prompt(prefix, rng.randint(4, 10), rng.randint(1, 15))
         pick = 0 if rng.random() < 0.6 else 1  # sometimes the scheduler spills to the second
-        steps.append(("request", f"r{i}", tokens, pick))
+        run = runs.choice(["finished", "finished", "started", "queued"])
+        steps.append(("request", f"r{i}", tokens, pick, run))
         if i % 5 == 4:
             w = rng.choice(WORKERS)
             steps.append(load(w, rng.randint(0, 6), rng.randint(0, 3), rng.randint(0, 5000)))
@@ -110,7 +114,7 @@ def core_decisions(params: RouterParams, steps: list[tuple]) -> list[list[Candid
         elif step[0] == "kv":
             core.apply_kv(step[1], now)
         else:
-            _, rid, tokens, pick = step
+            _, rid, tokens, pick, run = step
             hashes = core.hash_tokens(tokens, BS)
             routed = core.route(
                 request_id=rid, model=MODEL, hashes=hashes, prompt_tokens=len(tokens),
@@ -121,8 +125,11 @@ def core_decisions(params: RouterParams, steps: list[tuple]) -> list[list[Candid
             out.append(ranked)
             worker = ranked[min(pick, len(ranked) - 1)].worker_id
             core.on_dispatched(rid, worker, now)
-            cached = routed.query.overlaps.get(worker, 0) * BS
-            core.on_finished(rid, worker, now, cached_tokens=cached, completion_tokens=4)
+            if run == "started":
+                core.on_started(rid, worker, now)
+            elif run == "finished":
+                cached = routed.query.overlaps.get(worker, 0) * BS
+                core.on_finished(rid, worker, now, cached_tokens=cached, completion_tokens=4)
     return out
 
 
@@ -186,7 +193,7 @@ async def live_decisions(
                     "a KV batch",
                 )
             else:
-                _, rid, tokens, pick = step
+                _, rid, tokens, pick, run = step
                 request = GenerateRequest(model=MODEL, request_id=rid, token_ids=tokens,
                                           max_tokens=4)  # fmt: skip
                 await bus.publish(subjects.requests(MODEL), request, reply=nc.new_inbox())
@@ -197,6 +204,16 @@ async def live_decisions(
                 notice = Dispatched(request_id=rid, worker_id=worker)
                 await bus.publish(subjects.router_dispatched(submit.router_id), notice)
                 await wait_for(lambda r=rid: r in router.core.verifier._dispatched, "dispatch")
+                if run == "started":
+                    start = RequestProgress(request_id=rid, worker_id=worker, phase="started",
+                                            ts=time.time())  # fmt: skip
+                    batch = ProgressBatch(worker_id=worker, events=[start])
+                    await bus.publish(subjects.progress(worker, ended=False), batch)
+                    state = router.core.fleet.get(worker)
+                    await wait_for(lambda s=state, r=rid: s.assigned[r][0] == 0, "a start")
+                    continue
+                if run == "queued":
+                    continue
                 overlap = next(c.overlap_blocks for c in ranked if c.worker_id == worker)
                 usage = Usage(prompt_tokens=len(tokens), cached_tokens=overlap * BS,
                               completion_tokens=4)  # fmt: skip
@@ -221,6 +238,7 @@ async def test_service_and_core_make_the_same_decisions(nats_server):
         assert [c.score for c in live] == pytest.approx([c.score for c in pure])
     # the script made the overlay and the verifier follow a second-choice dispatch at least once
     assert any(s[0] == "request" and s[3] == 1 for s in steps)
+    assert {s[4] for s in steps if s[0] == "request"} == {"finished", "started", "queued"}
     assert any(c.overlap_blocks for ranked in got for c in ranked), "some requests hit"
 
 

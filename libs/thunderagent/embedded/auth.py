@@ -114,7 +114,7 @@ def role_permissions(role: str) -> Permissions:
             s.REQUESTS_WILDCARD,
             s.WORKER_LOAD_WILDCARD,
             s.KV_EVENTS_WILDCARD,
-            s.PROGRESS_ENDED_WILDCARD,
+            s.PROGRESS_WILDCARD,
             s.router_dispatched("*"),
             s.router_credits("*"),
             *common_sub,

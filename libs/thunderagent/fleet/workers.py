@@ -24,8 +24,8 @@ class WorkerState:
     assigned_kv_since_report: int = 0
     """Their prompt tokens, cached or not: the KV they will hold there."""
     assigned: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """request id -> (prefill, KV tokens) of each of them, so one that ends before the next
-    report stops counting as queued work."""
+    """request id -> (prefill, KV tokens) of each of them, so one that starts or ends before the
+    next report stops counting as queued work."""
 
     @property
     def worker_id(self) -> str:
@@ -36,6 +36,14 @@ class WorkerState:
         self.assigned_since_report += 1
         self.assigned_prefill_since_report += prefill_tokens
         self.assigned_kv_since_report += kv_tokens
+
+    def started(self, request_id: str) -> None:
+        """The request's first token is out: the engine has prefilled its prompt, so it is no
+        longer queued prefill here, though its KV stays until the next report covers it."""
+        got = self.assigned.get(request_id)
+        if got is not None and got[0]:
+            self.assigned[request_id] = (0, got[1])
+            self.assigned_prefill_since_report -= got[0]
 
     def unassign(self, request_id: str) -> None:
         """The request ended before a report covered it (a short one, a fast engine)."""

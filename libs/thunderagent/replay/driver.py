@@ -11,7 +11,8 @@ The replay runs the code that serves, fed what the services are fed:
 * routing is ``RouterCore`` (``thunderagent.router_core``), the object the router service runs:
   hashing, the event-fed index with its in-flight overlay and GPU/host tiers, the policy, lazy
   verification and the tuner's feedback, with ``on_dispatched`` called for the worker the
-  scheduler actually chose;
+  scheduler actually chose, ``on_started`` at each run's first token and ``on_finished`` at its
+  end, as the adapters' progress events tell the router service;
 * load reports are built every ``load_interval`` virtual seconds the way the worker adapter
   builds them: the engine's ``/get_load`` answer (``thunderagent.sglang.load``) plus the runs
   accepted and not yet started (``thunderagent.fleet.AcceptedRuns``), translated into the
@@ -480,6 +481,7 @@ class Replay(SchedulerActions):
             if math.isnan(rec.first_token):
                 rec.first_token = t
             if self.links.phase(run_id) != "decode":  # each run starts once (continuations too)
+                self.router.on_started(run_id, worker_id, t)
                 self.scheduler.on_started(run_id, worker_id, t)
         for fin in outcome.finished:
             rec = records.get(fin.request_id)

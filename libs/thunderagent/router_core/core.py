@@ -272,6 +272,18 @@ class RouterCore:
         )
         return True
 
+    def on_started(self, request_id: str, worker_id: str, now: float) -> None:
+        """The run on ``worker_id`` gave its first token: its prompt is no longer queued prefill
+        there. Reports come every fraction of a second; a prompt prefilled in a few ms would
+        otherwise keep a cache holder looking busy until the next one (and keep its prefix from
+        the requests that want it)."""
+        if request_id in self._routed:  # the start overtook the news of its dispatch
+            self.on_dispatched(request_id, worker_id, now)
+        state = self.fleet.get(worker_id)
+        if state is not None:
+            state.started(request_id)
+        self.policy.on_started(request_id, worker_id, now)
+
     def on_finished(
         self,
         request_id: str,

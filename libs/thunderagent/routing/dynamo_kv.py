@@ -8,7 +8,8 @@ active-sequence tracker, in blocks; lowest cost wins.
 
 The tracker is this policy's own: ``on_dispatched`` books the prompt's blocks (deduplicated by
 hash against blocks already active there, ``router_assume_kv_reuse``) and its uncached tokens as
-active prefill; ``on_finished`` frees both. See README.md for the sources and approximations.
+active prefill; ``on_started`` (first token) frees the prefill, ``on_finished`` the rest. See
+README.md for the sources and approximations.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class DynamoKv(PolicyHooks):
     _counts: dict[str, int] = field(init=False, repr=False)
     """worker -> active blocks when ``assume_kv_reuse`` is off (no hashes to share)."""
     _order: dict[str, OrderedDict[str, int]] = field(init=False, repr=False)
-    """worker -> request id -> booked prefill tokens, in dispatch order."""
+    """worker -> request id -> its uncached prompt tokens, 0 once its first token is out."""
 
     def __post_init__(self) -> None:
         if self.overlap_score_weight is not None:
@@ -119,24 +120,16 @@ class DynamoKv(PolicyHooks):
             return len(block_hashes)
         return sum(1 for h in block_hashes if h not in active)
 
-    def active_prefill_tokens(self, w: WorkerView) -> int:
-        """Booked prompt tokens still before their first token. Dynamo releases them at the first
-        token; without that signal, a worker's in-flight bookings count only as far as its load
-        report says prefill is still pending: its backlog (or its queue, when it reports no
-        backlog) plus what was routed there since, the most recent bookings first (FIFO)."""
-        booked = list(self._order.get(w.worker_id, {}).values())
-        if not booked:
-            return 0
-        if w.prefill_tokens >= 0:
-            recent = booked[len(booked) - w.pending :] if w.pending else []
-            return min(sum(booked), w.prefill_tokens + sum(recent))
-        waiting = w.queued + w.pending
-        return sum(booked[len(booked) - waiting :]) if waiting else 0
+    def active_prefill_tokens(self, worker_id: str) -> int:
+        """Booked prompt tokens still before their first token (Dynamo releases them there,
+        ``mark_prefill_completed``)."""
+        booked = self._order.get(worker_id)
+        return sum(booked.values()) if booked else 0
 
     def costs(self, query: RouteQuery, workers: Sequence[WorkerView]) -> dict[str, float]:
         bs = query.block_size
         prefill = {
-            w.worker_id: self.active_prefill_tokens(w) if self.track_prefill_tokens else 0
+            w.worker_id: self.active_prefill_tokens(w.worker_id) if self.track_prefill_tokens else 0
             for w in workers
         }
         floor = min(prefill.values())
@@ -190,6 +183,14 @@ class DynamoKv(PolicyHooks):
             self._active.setdefault(worker_id, Counter()).update(hashes)
         else:
             self._counts[worker_id] = self._counts.get(worker_id, 0) + booking.block_count
+
+    def on_started(self, request_id: str, worker_id: str, now: float) -> None:
+        """First token: the prompt no longer counts as active prefill; its blocks stay active
+        until the end (``mark_prefill_completed``). Unknown ids are ignored."""
+        booking = self._bookings.get(request_id)
+        if booking is not None and booking.worker_id == worker_id:
+            booking.prefill_tokens = 0
+            self._order[worker_id][request_id] = 0
 
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
         """Free the request's blocks and prefill (Dynamo's ``free``); unknown ids are ignored."""

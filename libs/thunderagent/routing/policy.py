@@ -99,6 +99,10 @@ class RoutingPolicy(Protocol):
         the first candidate): stateful policies book it there."""
         ...
 
+    def on_started(self, request_id: str, worker_id: str, now: float) -> None:
+        """The request's run on ``worker_id`` gave its first token: its prompt is prefilled."""
+        ...
+
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
         """The request left ``worker_id`` (completed, failed, aborted or preempted)."""
         ...
@@ -113,6 +117,9 @@ class PolicyHooks:
     """No-op hooks for policies that learn nothing from them (subclass and override)."""
 
     def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
+        pass
+
+    def on_started(self, request_id: str, worker_id: str, now: float) -> None:
         pass
 
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None:

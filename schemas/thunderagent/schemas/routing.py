@@ -252,13 +252,14 @@ RUN_END_PHASES: Final = frozenset({"finished", "failed", "aborted"})
 
 
 class ProgressBatch(Struct, frozen=True, kw_only=True):
-    """Adapter -> scheduler and routers, on ``subjects.progress(worker_id, ended=...)``: run
-    events of one adapter, in the order they happened (a run whose first token is also its last
+    """Adapter -> scheduler and routers, on ``subjects.progress(worker_id, ended=...)``: run events
+    of one adapter, in the order they happened (a run whose first token is also its last
     sends its start and its end together). A batch holding a run's end goes on the ``ended``
-    subject, which routers read too; starts and PD hand-offs alone go on ``running``, which only
-    the scheduler reads. Every event names ``worker_id`` (a PD ``transferred`` event names the
-    decode worker and has ``from_worker`` = ``worker_id``); a batch that speaks for another
-    worker, or for none, or arrives on the wrong subject, is dead-lettered."""
+    subject, starts and PD hand-offs alone on ``running``; the scheduler and routers read
+    both (a router drops a prompt from its queued-prefill estimate at the start). Every
+    event names ``worker_id`` (a PD ``transferred`` event names the decode worker and has
+    ``from_worker`` = ``worker_id``); a batch that speaks for another worker, or for none,
+    or arrives on the wrong subject, is dead-lettered."""
 
     worker_id: str
     """The adapter that sent it (the subject's worker)."""

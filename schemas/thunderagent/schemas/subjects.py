@@ -22,10 +22,8 @@ ROUTER_QUEUE: Final = "router"
 SCHED_SUBMIT_WILDCARD: Final = f"{PREFIX}.sched.submit.*"
 SCHEDULER_QUEUE: Final = "scheduler"
 
-# adapters -> scheduler (every batch) and routers (the batches that end runs): runs' lives,
-# two subjects per adapter (``progress``).
+# adapters -> scheduler and routers: runs' lives, two subjects per adapter (``progress``).
 PROGRESS_WILDCARD: Final = f"{PREFIX}.progress.*.*"
-PROGRESS_ENDED_WILDCARD: Final = f"{PREFIX}.progress.*.ended"
 
 # adapters -> scheduler: a run its engine failed, to be resumed elsewhere (request/reply).
 SCHED_RUN_FAILED_WILDCARD: Final = f"{PREFIX}.sched.run_failed.*"
@@ -109,8 +107,8 @@ def sched_run_failed(model: str) -> str:
 
 
 def progress(worker_id: str, *, ended: bool) -> str:
-    """One adapter's ``ProgressBatch``es: ``ended`` for a batch that ends a run (what routers
-    read), else ``running`` (starts and PD hand-offs, for the scheduler alone)."""
+    """One adapter's ``ProgressBatch``es: ``ended`` for a batch that ends a run, else
+    ``running`` (starts and PD hand-offs), so an observer that counts only ends reads less."""
     return f"{PREFIX}.progress.{worker_id}.{'ended' if ended else 'running'}"
 
 

@@ -240,8 +240,10 @@ class Router:
             return
         now = time.time()
         for progress in batch.events:
-            if progress.phase in RUN_END_PHASES:  # starts and hand-offs book nothing here
+            if progress.phase in RUN_END_PHASES:
                 self._on_run_end(progress, now)
+            elif progress.phase == "started":  # PD hand-offs book nothing here
+                self.core.on_started(progress.request_id, progress.worker_id, now)
 
     def _on_run_end(self, progress: RequestProgress, now: float) -> None:
         usage = progress.usage
@@ -389,7 +391,7 @@ class RouterService:
         await bus.subscribe(
             subjects.router_credits(router.config.router_id), CreditGrant, router.on_credits
         )
-        await bus.subscribe(subjects.PROGRESS_ENDED_WILDCARD, ProgressBatch, router.on_progress)
+        await bus.subscribe(subjects.PROGRESS_WILDCARD, ProgressBatch, router.on_progress)
         # Concurrent: a request waits for the scheduler's ack without holding up the next one;
         # the decision itself runs without an await, so the core stays consistent.
         if self.serve_requests:

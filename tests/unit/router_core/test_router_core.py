@@ -17,7 +17,7 @@ HASHER = BlockHasher(BS)
 
 
 def core(**params) -> RouterCore:
-    c = RouterCore(RouterParams(policy="thunder", seed=1, **params))
+    c = RouterCore(RouterParams(**{"policy": "thunder", "seed": 1, **params}))
     for w in ("w0", "w1"):
         reg = WorkerRegistration(
             worker_id=w, model="m", engine_url="", block_size=BS, kv_capacity_blocks=1000,
@@ -64,6 +64,39 @@ def test_a_run_that_ends_before_its_dispatch_notice_is_still_booked() -> None:
     again = route(c, "b", PROMPT)
     assert again.query.overlaps == {"w1": 8}
     assert again.decision.worker_id == "w1", "nothing queued there: its cache wins"
+
+
+def test_a_prompt_stops_counting_as_queued_prefill_at_its_first_token() -> None:
+    """w0 holds the prompt's 8 blocks but was just sent 4,000 uncached tokens: queued work that
+    outweighs the 128 tokens its cache saves. Once that run's first token is out, the engine
+    has prefilled it and the cache wins again, without waiting for w0's next load report."""
+    c = core()
+    hashes = HASHER.hash_tokens(PROMPT)
+    c.apply_kv(KvEventBatch(worker_id="w0", seq=0, ts=0.0, events=[
+        BlocksStored(hashes=hashes.primary, check_hashes=hashes.check)]), 0.5)  # fmt: skip
+    route(c, "big", list(range(10_000, 14_000)))
+    c.on_dispatched("big", "w0", 1.0)
+    assert route(c, "a", PROMPT).decision.worker_id == "w1"
+    c.on_started("big", "w0", 1.05)
+    w0 = c.fleet.get("w0")
+    assert (w0.assigned_prefill_since_report, w0.assigned_since_report) == (0, 1)
+    assert w0.assigned_kv_since_report == 4000, "its KV stays until a report covers it"
+    assert route(c, "b", PROMPT).decision.worker_id == "w0"
+    c.on_started("big", "w0", 1.06)  # a repeated start books nothing
+    c.on_started("ghost", "w0", 1.06)  # nor does one this replica did not route
+    assert w0.assigned_prefill_since_report == 0
+    c.on_finished("big", "w0", 2.0)
+    assert (w0.assigned_since_report, w0.assigned_kv_since_report) == (0, 0)
+
+
+def test_a_start_that_overtakes_the_dispatch_notice_books_the_run_first() -> None:
+    c = core(policy="dynamo_kv")
+    route(c, "a", PROMPT)
+    c.on_started("a", "w1", 1.1)
+    assert c.policy.active_blocks("w1") == 8 and c.policy.active_prefill_tokens("w1") == 0
+    assert c.fleet.get("w1").assigned_since_report == 1
+    assert c.fleet.get("w1").assigned_prefill_since_report == 0
+    assert not c.on_dispatched("a", "w1", 1.2), "the late notice books nothing twice"
 
 
 def test_a_false_hit_drops_the_blocks_the_engine_did_not_have() -> None:

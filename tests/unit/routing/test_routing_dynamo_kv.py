@@ -1,5 +1,6 @@
-"""dynamo_kv: Dynamo 1.6.1's default cost over its own slot tracker (book on dispatch, free on
-finish, blocks deduplicated by hash), hand-computed; ties and softmax sampling."""
+"""dynamo_kv: Dynamo 1.6.1's default cost over its own slot tracker (book on dispatch, prefill
+freed at the first token, the rest at the finish, blocks deduplicated by hash), hand-computed;
+ties and softmax sampling."""
 
 import math
 import random
@@ -48,13 +49,15 @@ def test_fresh_costs_hand_computed() -> None:
 def test_dispatch_books_blocks_deduplicated_by_hash() -> None:
     p = policy()
     p.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")
+    p.on_started("r1", "a", 0.5)
     assert p.active_blocks("a") == 4
     longer = q([0, 1, 2, 3, 4, 5], rid="r2")
-    # a: 4 active + 2 new = 6 decode blocks; b: 0 + 6. Prefill 24/4 = 6 on both (nothing
-    # reported as waiting on a, so r1's prefill counts as done).
+    # a: 4 active + 2 new = 6 decode blocks; b: 0 + 6. Prefill 24/4 = 6 on both (r1 has its
+    # first token, so its prefill is done).
     assert p.costs(longer, [WorkerView("a"), WorkerView("b")]) == {"a": 12.0, "b": 12.0}
     no_reuse = policy(assume_kv_reuse=False)
     no_reuse.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")
+    no_reuse.on_started("r1", "a", 0.5)
     assert no_reuse.costs(longer, [WorkerView("a")]) == {"a": 6.0 + 4 + 6}
 
 
@@ -74,32 +77,36 @@ def test_finish_frees_blocks_and_refcounts_shared_ones() -> None:
 
 
 @pytest.mark.parametrize(
-    ("view", "prefill"),
+    ("started", "prefill"),
     [
-        (WorkerView("a"), 0),  # nothing waiting: both first tokens assumed out
-        (WorkerView("a", pending=1), 8),  # r2 routed since the report
-        (WorkerView("a", queued=1, pending=1), 24),  # r1 waits too
-        (WorkerView("a", prefill_tokens=4, pending=1), 12),  # reported backlog 4 + r2's 8
-        (WorkerView("a", prefill_tokens=100), 24),  # never above what is booked
+        ((), 24),  # neither has its first token: r1's 16 + r2's 8 uncached tokens
+        (("r1",), 8),
+        (("r2",), 16),
+        (("r1", "r2"), 0),
+        (("unknown",), 24),  # a start this policy did not book changes nothing
     ],
 )
 def test_active_prefill_is_booked_tokens_still_before_first_token(
-    view: WorkerView, prefill: int
+    started: tuple[str, ...], prefill: int
 ) -> None:
     p = policy()
     p.on_dispatched(q([0, 1, 2, 3], rid="r1"), "a")  # 16 uncached tokens
     p.on_dispatched(q([0, 1, 7, 8], rid="r2", overlaps={"a": 2}), "a")  # 16 - 2 * 4 = 8
-    assert p.active_prefill_tokens(view) == prefill
-    # and it is what the prefill side charges: (prefill + 16 prompt) / 4 - 0 credit, decode 6+4
+    for rid in started:
+        p.on_started(rid, "a", 1.0)
+    p.on_started("r1", "b", 1.0)  # a start reported by another worker is not r1's run on a
+    assert p.active_prefill_tokens("a") == prefill
+    # what the prefill side charges: (prefill + 16 prompt) / 4 - 0 credit, decode 6 + 4; the
+    # blocks stay active after the first token
     other = [5, 6, 10, 11]
-    assert p.costs(q(other), [view]) == {"a": (prefill + 16) / BS + 6 + 4}
+    assert p.costs(q(other), [WorkerView("a")]) == {"a": (prefill + 16) / BS + 6 + 4}
 
 
 def test_credit_decay_and_active_request_weight() -> None:
     p = policy(overlap_score_credit_decay=1.0, decode_active_request_weight=2.0)
     p.on_dispatched(q([10, 11, 12, 13], rid="r1"), "a")  # 16 prefill tokens booked on a
     query = q([0, 1, 2, 3], overlaps={"a": 4, "b": 4})
-    views = [WorkerView("a", pending=1), WorkerView("b")]
+    views = [WorkerView("a"), WorkerView("b")]
     # a: excess prefill 16 tokens = 4 blocks over b, / 4 request blocks = 1 -> credit 4 / 2 = 2;
     # prefill (16 + 16) / 4 - 2 = 6; decode 4 active + 4 new; one request * 2 -> 16.
     # b: prefill 4 - 4 = 0; decode 4 -> 4.
@@ -135,6 +142,8 @@ def test_temperature_samples_softmax_of_normalized_costs() -> None:
     p = policy(temperature=0.5)
     p.on_dispatched(q([10, 11, 12, 13], rid="rb"), "b")
     p.on_dispatched(q(list(range(20, 28)), rid="rc"), "c")
+    p.on_started("rb", "b", 0.5)
+    p.on_started("rc", "c", 0.5)
     query = q([0, 1, 2, 3])
     assert p.costs(query, ABC) == {"a": 8.0, "b": 12.0, "c": 16.0}  # normalized 0, 0.5, 1
     weights = [math.exp(-x / 0.5) for x in (0.0, 0.5, 1.0)]
