@@ -26,10 +26,24 @@ class WorkerState:
     assigned: dict[str, tuple[int, int]] = field(default_factory=dict)
     """request id -> (prefill, KV tokens) of each of them, so one that starts or ends before the
     next report stops counting as queued work."""
+    carried: dict[str, int] = field(default_factory=dict)
+    """request id -> prefill tokens of requests this process sent before the last report that
+    had no first token when it came: the report's backlog counts them."""
+    started_since_report: int = 0
+    """Prefill tokens of carried requests that have started since: the report's backlog
+    overstates the queue by this much until the next report."""
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
+
+    @property
+    def prefill_backlog_tokens(self) -> int:
+        """The last report's backlog, less the carried requests that started since (-1:
+        unknown). Reports come a fraction of a second apart, while a prompt can be prefilled
+        in a few ms; without this a cache holder looks busy with work it has done."""
+        backlog = self.load.prefill_backlog_tokens if self.load is not None else -1
+        return backlog if backlog < 0 else max(0, backlog - self.started_since_report)
 
     def assign(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
         self.assigned[request_id] = (prefill_tokens, kv_tokens)
@@ -41,9 +55,12 @@ class WorkerState:
         """The request's first token is out: the engine has prefilled its prompt, so it is no
         longer queued prefill here, though its KV stays until the next report covers it."""
         got = self.assigned.get(request_id)
-        if got is not None and got[0]:
-            self.assigned[request_id] = (0, got[1])
-            self.assigned_prefill_since_report -= got[0]
+        if got is not None:
+            if got[0]:
+                self.assigned[request_id] = (0, got[1])
+                self.assigned_prefill_since_report -= got[0]
+            return
+        self.started_since_report += self.carried.pop(request_id, 0)
 
     def unassign(self, request_id: str) -> None:
         """The request ended before a report covered it (a short one, a fast engine)."""
@@ -52,6 +69,21 @@ class WorkerState:
             self.assigned_since_report -= 1
             self.assigned_prefill_since_report -= got[0]
             self.assigned_kv_since_report -= got[1]
+        self.started_since_report += self.carried.pop(request_id, 0)  # an end follows a start
+
+    def take_report(self, load: LoadReport, now: float) -> None:
+        """A report covers everything sent before it; what had not started is in its backlog."""
+        self.load = load
+        self.renewed_at = now
+        if load.prefill_backlog_tokens > 0:
+            self.carried.update((rid, got[0]) for rid, got in self.assigned.items() if got[0])
+        else:  # nothing queued there: whatever is carried has started, seen or not
+            self.carried.clear()
+        self.started_since_report = 0
+        self.assigned_since_report = 0
+        self.assigned_prefill_since_report = 0
+        self.assigned_kv_since_report = 0
+        self.assigned.clear()
 
 
 class WorkerRegistry:
@@ -82,12 +114,7 @@ class WorkerRegistry:
         state = self._workers.get(load.worker_id)
         if state is None:
             return False
-        state.load = load
-        state.renewed_at = now
-        state.assigned_since_report = 0
-        state.assigned_prefill_since_report = 0
-        state.assigned_kv_since_report = 0
-        state.assigned.clear()
+        state.take_report(load, now)
         return True
 
     def remove(self, worker_id: str) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
+
+from thunderagent.fleet.views import worker_view
 from thunderagent.hashing import BlockHasher
 from thunderagent.router_core import RouterCore, RouterParams
 from thunderagent.schemas import (
@@ -87,6 +90,36 @@ def test_a_prompt_stops_counting_as_queued_prefill_at_its_first_token() -> None:
     assert w0.assigned_prefill_since_report == 0
     c.on_finished("big", "w0", 2.0)
     assert (w0.assigned_since_report, w0.assigned_kv_since_report) == (0, 0)
+
+
+def test_a_reported_backlog_shrinks_as_the_runs_in_it_start() -> None:
+    """The report came while two prompts sent to w0 were still queued: its backlog counts them.
+    As each starts, w0's backlog drops by that prompt until the next report, which starts the
+    count again; a report of an empty queue forgets what was carried."""
+    c = core()
+    for rid, n in (("a", 3000), ("b", 1000)):
+        route(c, rid, list(range(n * 10, n * 11)))
+        c.on_dispatched(rid, "w0", 1.0)
+    report = LoadReport(worker_id="w0", ts=1.1, running=0, queued=2, kv_used_blocks=0,
+                        kv_total_blocks=1000, prefill_backlog_tokens=4000)  # fmt: skip
+    c.report(report, 1.1)
+    w0 = c.fleet.get("w0")
+    assert (w0.prefill_backlog_tokens, w0.assigned_prefill_since_report) == (4000, 0)
+    c.on_started("a", "w0", 1.2)
+    assert w0.prefill_backlog_tokens == 1000
+    c.on_started("a", "w0", 1.2)  # once only
+    c.on_finished("b", "w0", 1.3)  # an end without a start seen: its prefill is done too
+    assert w0.prefill_backlog_tokens == 0
+    assert worker_view(w0).prefill_tokens == 0, "what the policy sees"
+    c.report(msgspec.structs.replace(report, ts=1.4, prefill_backlog_tokens=4000), 1.4)
+    assert w0.prefill_backlog_tokens == 4000, "a new report says what is queued now"
+    route(c, "d", list(range(50_000, 50_500)))
+    c.on_dispatched("d", "w0", 1.45)
+    c.report(msgspec.structs.replace(report, ts=1.5, prefill_backlog_tokens=0), 1.5)
+    assert not w0.carried
+    c.on_started("d", "w0", 1.6)
+    c.report(msgspec.structs.replace(report, ts=1.7, prefill_backlog_tokens=-1), 1.7)
+    assert w0.prefill_backlog_tokens == -1, "an engine that reports no backlog stays unknown"
 
 
 def test_a_start_that_overtakes_the_dispatch_notice_books_the_run_first() -> None:
