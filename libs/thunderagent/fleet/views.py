@@ -56,7 +56,8 @@ def worker_view(state: WorkerState, cached_blocks: int = -1) -> WorkerView:
         pending=state.assigned_since_report,
         pending_prefill_tokens=state.assigned_prefill_since_report,
         pending_kv_tokens=state.assigned_kv_since_report,
-        prefill_tokens=state.prefill_backlog_tokens,
+        prefill_tokens=load.prefill_backlog_tokens,
+        prefill_started_tokens=state.started_since_report,
         cached_blocks=cached_blocks,
     )
 

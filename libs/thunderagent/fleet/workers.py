@@ -31,19 +31,13 @@ class WorkerState:
     had no first token when it came: the report's backlog counts them."""
     started_since_report: int = 0
     """Prefill tokens of carried requests that have started since: the report's backlog
-    overstates the queue by this much until the next report."""
+    overstates the queue by this much until the next report. Reports come a fraction of a
+    second apart, while a prompt can be prefilled in a few ms; without this a cache holder
+    looks busy with work it has done."""
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
-
-    @property
-    def prefill_backlog_tokens(self) -> int:
-        """The last report's backlog, less the carried requests that started since (-1:
-        unknown). Reports come a fraction of a second apart, while a prompt can be prefilled
-        in a few ms; without this a cache holder looks busy with work it has done."""
-        backlog = self.load.prefill_backlog_tokens if self.load is not None else -1
-        return backlog if backlog < 0 else max(0, backlog - self.started_since_report)
 
     def assign(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
         self.assigned[request_id] = (prefill_tokens, kv_tokens)

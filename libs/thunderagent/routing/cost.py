@@ -200,11 +200,13 @@ def cached_blocks(query: RouteQuery, worker_id: str) -> tuple[int, int]:
 
 def queued_prefill_tokens(w: WorkerView, mean_uncached_tokens: float) -> float:
     """Prefill work ahead of a new request on ``w``: the backlog the worker reports (the
-    engine's, or the adapter's count of accepted prompts without a first token) plus what was
-    routed since; without a report, its queue length times the mean uncached prompt."""
+    engine's, or the adapter's count of accepted prompts without a first token), less the
+    prompts in it that have started since, plus what was routed since; without a report, its
+    queue length times the mean uncached prompt."""
     if w.prefill_tokens >= 0:
         since = w.pending_prefill_tokens
-        return w.prefill_tokens + (since if since >= 0 else w.pending * mean_uncached_tokens)
+        reported = max(0, w.prefill_tokens - w.prefill_started_tokens)
+        return reported + (since if since >= 0 else w.pending * mean_uncached_tokens)
     return (w.queued + w.pending) * mean_uncached_tokens
 
 

@@ -67,6 +67,9 @@ class WorkerView:
     prefill_tokens: int = -1
     """Prompt tokens waiting for prefill on the worker, as it last reported (-1: not reported,
     as with stock SGLang; policies then estimate it from ``queued``)."""
+    prefill_started_tokens: int = 0
+    """Of ``prefill_tokens``, the prompts whose first token the router has seen since that
+    report: work the worker has done, though the report still counts it."""
     cached_blocks: int = -1
     """Blocks the prefix index holds for the worker on its GPU: how full its cache is, the
     evictable prefixes included, from the engine's own KV events (-1: unknown). SGLang's

@@ -7,6 +7,7 @@ import msgspec
 from thunderagent.fleet.views import worker_view
 from thunderagent.hashing import BlockHasher
 from thunderagent.router_core import RouterCore, RouterParams
+from thunderagent.routing.cost import queued_prefill_tokens
 from thunderagent.schemas import (
     BlocksRemoved,
     BlocksStored,
@@ -104,22 +105,27 @@ def test_a_reported_backlog_shrinks_as_the_runs_in_it_start() -> None:
                         kv_total_blocks=1000, prefill_backlog_tokens=4000)  # fmt: skip
     c.report(report, 1.1)
     w0 = c.fleet.get("w0")
-    assert (w0.prefill_backlog_tokens, w0.assigned_prefill_since_report) == (4000, 0)
+
+    def queued() -> float:  # what thunder's cost sees as queued ahead on w0
+        return queued_prefill_tokens(worker_view(w0), 0.0)
+
+    assert (queued(), w0.assigned_prefill_since_report) == (4000, 0)
     c.on_started("a", "w0", 1.2)
-    assert w0.prefill_backlog_tokens == 1000
+    assert queued() == 1000
+    assert worker_view(w0).prefill_tokens == 4000, "the report itself, for peers that poll"
     c.on_started("a", "w0", 1.2)  # once only
     c.on_finished("b", "w0", 1.3)  # an end without a start seen: its prefill is done too
-    assert w0.prefill_backlog_tokens == 0
-    assert worker_view(w0).prefill_tokens == 0, "what the policy sees"
+    assert queued() == 0
     c.report(msgspec.structs.replace(report, ts=1.4, prefill_backlog_tokens=4000), 1.4)
-    assert w0.prefill_backlog_tokens == 4000, "a new report says what is queued now"
+    assert queued() == 4000, "a new report says what is queued now"
     route(c, "d", list(range(50_000, 50_500)))
     c.on_dispatched("d", "w0", 1.45)
     c.report(msgspec.structs.replace(report, ts=1.5, prefill_backlog_tokens=0), 1.5)
     assert not w0.carried
     c.on_started("d", "w0", 1.6)
+    assert w0.started_since_report == 0
     c.report(msgspec.structs.replace(report, ts=1.7, prefill_backlog_tokens=-1), 1.7)
-    assert w0.prefill_backlog_tokens == -1, "an engine that reports no backlog stays unknown"
+    assert worker_view(w0).prefill_tokens == -1, "an engine that reports no backlog stays unknown"
 
 
 def test_a_start_that_overtakes_the_dispatch_notice_books_the_run_first() -> None:
