@@ -26,14 +26,19 @@ class WorkerState:
     assigned: dict[str, tuple[int, int]] = field(default_factory=dict)
     """request id -> (prefill, KV tokens) of each of them, so one that starts or ends before the
     next report stops counting as queued work."""
-    carried: dict[str, int] = field(default_factory=dict)
-    """request id -> prefill tokens of requests this process sent before the last report that
-    had no first token when it came: the report's backlog counts them."""
+    carried: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """request id -> (prefill, KV tokens) of requests this process sent before the last report
+    that had no first token when it came: the report's backlog counts them."""
     started_since_report: int = 0
     """Prefill tokens of carried requests that have started since: the report's backlog
     overstates the queue by this much until the next report. Reports come a fraction of a
     second apart, while a prompt can be prefilled in a few ms; without this a cache holder
     looks busy with work it has done."""
+    started_kv_since_report: int = 0
+    """Their context tokens while they run: KV they hold now, which the report (taken while
+    they waited) does not count."""
+    carried_running: dict[str, int] = field(default_factory=dict)
+    """request id -> KV tokens of those started since the report and still running."""
 
     @property
     def worker_id(self) -> str:
@@ -54,7 +59,14 @@ class WorkerState:
                 self.assigned[request_id] = (0, got[1])
                 self.assigned_prefill_since_report -= got[0]
             return
-        self.started_since_report += self.carried.pop(request_id, 0)
+        self._carried_started(request_id)
+
+    def _carried_started(self, request_id: str) -> None:
+        got = self.carried.pop(request_id, None)
+        if got is not None:
+            self.started_since_report += got[0]
+            self.started_kv_since_report += got[1]
+            self.carried_running[request_id] = got[1]
 
     def unassign(self, request_id: str) -> None:
         """The request ended before a report covered it (a short one, a fast engine)."""
@@ -63,17 +75,19 @@ class WorkerState:
             self.assigned_since_report -= 1
             self.assigned_prefill_since_report -= got[0]
             self.assigned_kv_since_report -= got[1]
-        self.started_since_report += self.carried.pop(request_id, 0)  # an end follows a start
+        self._carried_started(request_id)  # an end follows a start
+        self.started_kv_since_report -= self.carried_running.pop(request_id, 0)
 
     def take_report(self, load: LoadReport, now: float) -> None:
         """A report covers everything sent before it; what had not started is in its backlog."""
         self.load = load
         self.renewed_at = now
         if load.prefill_backlog_tokens > 0:
-            self.carried.update((rid, got[0]) for rid, got in self.assigned.items() if got[0])
+            self.carried.update((rid, got) for rid, got in self.assigned.items() if got[0])
         else:  # nothing queued there: whatever is carried has started, seen or not
             self.carried.clear()
-        self.started_since_report = 0
+        self.started_since_report = self.started_kv_since_report = 0
+        self.carried_running.clear()
         self.assigned_since_report = 0
         self.assigned_prefill_since_report = 0
         self.assigned_kv_since_report = 0

@@ -94,9 +94,10 @@ def test_a_prompt_stops_counting_as_queued_prefill_at_its_first_token() -> None:
 
 
 def test_a_reported_backlog_shrinks_as_the_runs_in_it_start() -> None:
-    """The report came while two prompts sent to w0 were still queued: its backlog counts them.
-    As each starts, w0's backlog drops by that prompt until the next report, which starts the
-    count again; a report of an empty queue forgets what was carried."""
+    """The report came while two prompts sent to w0 were still queued: its backlog counts them
+    and its running requests' KV does not. As each starts, w0's backlog drops by that prompt
+    and its KV counts as held, until it ends or the next report, which starts the count again;
+    a report of an empty queue forgets what was carried."""
     c = core()
     for rid, n in (("a", 3000), ("b", 1000)):
         route(c, rid, list(range(n * 10, n * 11)))
@@ -110,12 +111,16 @@ def test_a_reported_backlog_shrinks_as_the_runs_in_it_start() -> None:
         return queued_prefill_tokens(worker_view(w0), 0.0)
 
     assert (queued(), w0.assigned_prefill_since_report) == (4000, 0)
+    assert worker_view(w0).pending_kv_tokens == 0
     c.on_started("a", "w0", 1.2)
     assert queued() == 1000
+    assert worker_view(w0).pending_kv_tokens == 3000, "a's KV is held now"
     assert worker_view(w0).prefill_tokens == 4000, "the report itself, for peers that poll"
     c.on_started("a", "w0", 1.2)  # once only
     c.on_finished("b", "w0", 1.3)  # an end without a start seen: its prefill is done too
-    assert queued() == 0
+    assert (queued(), worker_view(w0).pending_kv_tokens) == (0, 3000)
+    c.on_finished("a", "w0", 1.35)
+    assert worker_view(w0).pending_kv_tokens == 0, "a ended: its KV is no one's now"
     c.report(msgspec.structs.replace(report, ts=1.4, prefill_backlog_tokens=4000), 1.4)
     assert queued() == 4000, "a new report says what is queued now"
     route(c, "d", list(range(50_000, 50_500)))
