@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
+CARRIED_LIMIT = 4096
+"""Requests carried over reports per worker at most: a start this process never hears of (a
+lost message, a run that ended on another worker) would otherwise stay carried while the
+worker keeps a backlog; past the limit the carry starts afresh, which only makes the queue look
+longer."""
+
 
 @dataclass(slots=True)
 class WorkerState:
@@ -82,7 +88,7 @@ class WorkerState:
         """A report covers everything sent before it; what had not started is in its backlog."""
         self.load = load
         self.renewed_at = now
-        if load.prefill_backlog_tokens > 0:
+        if load.prefill_backlog_tokens > 0 and len(self.carried) < CARRIED_LIMIT:
             self.carried.update((rid, got) for rid, got in self.assigned.items() if got[0])
         else:  # nothing queued there: whatever is carried has started, seen or not
             self.carried.clear()

@@ -59,8 +59,9 @@ class WorkerView:
     pending: int = 0
     """Requests routed here since the last load report (not yet visible in it)."""
     pending_kv_tokens: int = -1
-    """Context tokens (prompt, cached or not) of those requests: the KV they will hold there
-    (-1: unknown)."""
+    """Context tokens (prompt, cached or not) of those requests, and of requests routed before
+    the report that have started since: the KV they hold or will hold there beyond what the
+    report counts (-1: unknown)."""
     pending_prefill_tokens: int = -1
     """Prompt tokens of those requests the router expects the worker to prefill (their
     predicted cache hits taken off; -1: unknown, policies then estimate from ``pending``)."""

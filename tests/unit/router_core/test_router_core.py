@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from thunderagent.fleet.views import worker_view
+from thunderagent.fleet.workers import CARRIED_LIMIT
 from thunderagent.hashing import BlockHasher
 from thunderagent.router_core import RouterCore, RouterParams
 from thunderagent.routing.cost import queued_prefill_tokens
@@ -131,6 +132,20 @@ def test_a_reported_backlog_shrinks_as_the_runs_in_it_start() -> None:
     assert w0.started_since_report == 0
     c.report(msgspec.structs.replace(report, ts=1.7, prefill_backlog_tokens=-1), 1.7)
     assert worker_view(w0).prefill_tokens == -1, "an engine that reports no backlog stays unknown"
+
+
+def test_what_is_carried_over_reports_is_bounded() -> None:
+    """Starts this router never hears of must not pile up while the worker stays busy."""
+    w0 = core().fleet.get("w0")
+    report = LoadReport(worker_id="w0", ts=1.0, running=0, queued=1, kv_used_blocks=0,
+                        kv_total_blocks=1000, prefill_backlog_tokens=100)  # fmt: skip
+    for i in range(CARRIED_LIMIT):
+        w0.assign(f"r{i}", 100, 100)
+        w0.take_report(report, 1.0)
+    assert len(w0.carried) == CARRIED_LIMIT
+    w0.assign("last", 100, 100)
+    w0.take_report(report, 1.1)
+    assert not w0.carried, "past the limit the carry starts afresh"
 
 
 def test_a_start_that_overtakes_the_dispatch_notice_books_the_run_first() -> None:
