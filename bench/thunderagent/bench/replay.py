@@ -149,6 +149,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workers < 1 or args.load_interval <= 0:
         p.error("--workers must be >= 1 and --load-interval > 0")
     args.params = _params(args.param)
+    idle = sorted(set(args.params) - set(args.policy_list))
+    if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
+        hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
+        p.error(f"--param names {idle}, which this run does not replay ({args.policies}){hint}")
     args.sched_params = _sched_overrides(args.sched_param, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     return args

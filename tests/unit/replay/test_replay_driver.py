@@ -217,6 +217,23 @@ def test_cli_sched_params_reach_the_scheduler_and_bad_ones_are_refused(tmp_path:
             main([*common, "--sched-param", bad])
 
 
+def test_cli_params_for_a_policy_the_run_does_not_replay_are_refused(capsys) -> None:
+    """``--param scheduler.grouping=false`` used to be dropped without a word."""
+    from thunderagent.bench.replay import parse_args
+
+    base = ["--trace", "t.jsonl", "--policies", "thunder"]
+    assert parse_args([*base, "--param", "thunder.evict_weight=0"]).params == {
+        "thunder": {"evict_weight": 0}
+    }
+    for bad, said in (
+        ("scheduler.grouping=false", "--sched-param"),
+        ("dynamo_kv.x=1", "dynamo_kv"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--param", bad])
+        assert said in capsys.readouterr().err
+
+
 def test_a_trace_arriving_at_once_has_no_work_ceiling(tmp_path: Path) -> None:
     from thunderagent.bench.replay import main
 
