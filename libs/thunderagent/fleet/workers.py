@@ -65,33 +65,35 @@ class WorkerState:
                 self.assigned[request_id] = (0, got[1])
                 self.assigned_prefill_since_report -= got[0]
             return
-        self._carried_started(request_id)
-
-    def _carried_started(self, request_id: str) -> None:
         got = self.carried.pop(request_id, None)
-        if got is not None:
+        if got is not None:  # sent before the report: in its backlog, now running
             self.started_since_report += got[0]
             self.started_kv_since_report += got[1]
             self.carried_running[request_id] = got[1]
 
     def unassign(self, request_id: str) -> None:
-        """The request ended before a report covered it (a short one, a fast engine)."""
+        """The request's run ended before a report covered it: sent since the report (a short
+        one, a fast engine), or carried over it."""
         got = self.assigned.pop(request_id, None)
         if got is not None:
             self.assigned_since_report -= 1
             self.assigned_prefill_since_report -= got[0]
             self.assigned_kv_since_report -= got[1]
-        self._carried_started(request_id)  # an end follows a start
+        got = self.carried.pop(request_id, None)
+        if got is not None:  # its start went unseen: its prefill is done all the same
+            self.started_since_report += got[0]
         self.started_kv_since_report -= self.carried_running.pop(request_id, 0)
 
     def take_report(self, load: LoadReport, now: float) -> None:
         """A report covers everything sent before it; what had not started is in its backlog."""
         self.load = load
         self.renewed_at = now
-        if load.prefill_backlog_tokens > 0 and len(self.carried) < CARRIED_LIMIT:
-            self.carried.update((rid, got) for rid, got in self.assigned.items() if got[0])
-        else:  # nothing queued there: whatever is carried has started, seen or not
+        if load.prefill_backlog_tokens <= 0:  # nothing queued: all carried has started, seen or not
             self.carried.clear()
+        elif len(self.carried) >= CARRIED_LIMIT:  # starts never heard of: begin afresh
+            self.carried.clear()
+        else:
+            self.carried.update((rid, got) for rid, got in self.assigned.items() if got[0])
         self.started_since_report = self.started_kv_since_report = 0
         self.carried_running.clear()
         self.assigned_since_report = 0

@@ -44,8 +44,6 @@ class _Booking:
     blocks: tuple[int, ...]
     """Prompt block hashes booked as active (empty when ``assume_kv_reuse`` is off)."""
     block_count: int
-    prefill_tokens: int
-    """Uncached prompt tokens (prompt minus the chosen worker's GPU overlap)."""
     at: float
 
 
@@ -85,8 +83,9 @@ class DynamoKv(PolicyHooks):
     _active: dict[str, Counter[int]] = field(init=False, repr=False)
     _counts: dict[str, int] = field(init=False, repr=False)
     """worker -> active blocks when ``assume_kv_reuse`` is off (no hashes to share)."""
-    _order: dict[str, OrderedDict[str, int]] = field(init=False, repr=False)
-    """worker -> request id -> its uncached prompt tokens, 0 once its first token is out."""
+    _prefill: dict[str, dict[str, int]] = field(init=False, repr=False)
+    """worker -> booked request id -> its uncached prompt tokens (prompt minus the worker's GPU
+    overlap), 0 once its first token is out."""
 
     def __post_init__(self) -> None:
         if self.overlap_score_weight is not None:
@@ -105,7 +104,7 @@ class DynamoKv(PolicyHooks):
             require(_P, flag, value, isinstance(value, bool), "must be true or false")
         finite_positive(_P, "expiry_s", self.expiry_s)
         self._bookings = OrderedDict()
-        self._active, self._counts, self._order = {}, {}, {}
+        self._active, self._counts, self._prefill = {}, {}, {}
 
     # ---- the tracker's view ----------------------------------------------------------------
     def active_blocks(self, worker_id: str) -> int:
@@ -123,7 +122,7 @@ class DynamoKv(PolicyHooks):
     def active_prefill_tokens(self, worker_id: str) -> int:
         """Booked prompt tokens still before their first token (Dynamo releases them there,
         ``mark_prefill_completed``)."""
-        booked = self._order.get(worker_id)
+        booked = self._prefill.get(worker_id)
         return sum(booked.values()) if booked else 0
 
     def costs(self, query: RouteQuery, workers: Sequence[WorkerView]) -> dict[str, float]:
@@ -147,7 +146,7 @@ class DynamoKv(PolicyHooks):
             )
             raw = (prefill[wid] + query.prompt_tokens) / bs if self.track_prefill_tokens else 0.0
             decode = self.active_blocks(wid) + self.new_blocks(wid, query.block_hashes)
-            requests = len(self._order.get(wid, ()))
+            requests = len(self._prefill.get(wid, ()))
             out[wid] = (
                 self.prefill_load_scale * max(0.0, raw - credit)
                 + decode
@@ -174,11 +173,11 @@ class DynamoKv(PolicyHooks):
             worker_id=worker_id,
             blocks=hashes,
             block_count=query.prompt_blocks,
-            prefill_tokens=max(0, query.prompt_tokens - cached),
             at=query.now,
         )
         self._bookings[query.request_id] = booking
-        self._order.setdefault(worker_id, OrderedDict())[query.request_id] = booking.prefill_tokens
+        uncached = max(0, query.prompt_tokens - cached)
+        self._prefill.setdefault(worker_id, {})[query.request_id] = uncached
         if self.assume_kv_reuse:
             self._active.setdefault(worker_id, Counter()).update(hashes)
         else:
@@ -187,10 +186,9 @@ class DynamoKv(PolicyHooks):
     def on_started(self, request_id: str, worker_id: str, now: float) -> None:
         """First token: the prompt no longer counts as active prefill; its blocks stay active
         until the end (``mark_prefill_completed``). Unknown ids are ignored."""
-        booking = self._bookings.get(request_id)
-        if booking is not None and booking.worker_id == worker_id:
-            booking.prefill_tokens = 0
-            self._order[worker_id][request_id] = 0
+        booked = self._prefill.get(worker_id)
+        if booked is not None and request_id in booked:
+            booked[request_id] = 0
 
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
         """Free the request's blocks and prefill (Dynamo's ``free``); unknown ids are ignored."""
@@ -201,7 +199,7 @@ class DynamoKv(PolicyHooks):
         if booking is None:
             return
         wid = booking.worker_id
-        self._order[wid].pop(request_id, None)
+        self._prefill[wid].pop(request_id, None)
         if self.assume_kv_reuse:
             active = self._active[wid]
             active.subtract(booking.blocks)
