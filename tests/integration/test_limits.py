@@ -37,7 +37,14 @@ async def test_requests_past_the_models_limits_are_refused_at_once(nats_server):
             client, GenerateRequest(model=MODEL, token_ids=[5, 6], max_tokens=1_000_000_000)
         )
         assert runaway.error.code == ErrorCode.CONTEXT_LENGTH
-        assert "context length (131072 tokens)" in runaway.error.message
+        assert "limit (512 tokens" in runaway.error.message, "the tiny profile's KV pool"
+        # under the model's context (131,072) but over the pool: the engine could never take it
+        # (SGLang's max_req_input_len is bounded by the pool too), so it is refused here
+        past_pool = await expect_error(
+            client, GenerateRequest(model=MODEL, token_ids=[5] * 600, max_tokens=1)
+        )
+        assert past_pool.error.code == ErrorCode.CONTEXT_LENGTH
+        assert "prompt (600 tokens)" in past_pool.error.message
         long_text = await expect_error(client, GenerateRequest(model=MODEL, text="x" * 400_000))
         assert long_text.error.code == ErrorCode.CONTEXT_LENGTH
         assert "prompt (400000 tokens)" in long_text.error.message

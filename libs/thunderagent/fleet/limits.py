@@ -24,7 +24,8 @@ def check_limits(
         if len(token_ids) + max_tokens > context:
             return ErrorCode.CONTEXT_LENGTH, (
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"model's context length ({context} tokens)"
+                f"engines' limit ({context} tokens: the model's context length or the KV "
+                f"pool, whichever is smaller)"
             )
     if vocabs and token_ids:
         vocab = min(vocabs)

@@ -11,7 +11,9 @@ the bookkeeping of residency). What it adds to the tracker is what needs the sch
 * **rescue**: a step of a paused program whose previous prompt the engine has not evicted yet
   resumes the program where it is cached at once instead of parking
   (``program_rescue_share``);
-* resume where room appears, forced resume after ``program_park_max_s``, idle release.
+* resume where room appears, forced resume after ``program_park_max_s``, idle release;
+* a program no candidate could hold even with nothing else on it resumes at once: no
+  release can make room for it, so parking its step would only delay it by the bound.
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ class ProgramSteps:
             self.release_program(pid, now)
             return
         cands = self._eligible(self.entries[parked[0]].req)
+        if cands and not any(self.programs.could_fit(prog, totals.get(w, 0)) for w, _ in cands):
+            self._resume_on(prog, cands[0][0], now)  # waiting cannot make room for it
+            return
         looked = cands if changed is None else [c for c in cands if c[0] in changed]
         w = self.programs.place(prog, looked, totals)
         if w is None and cands and changed is None:

@@ -207,6 +207,11 @@ class ProgramTracker:
         shared = self._at(worker_id).shared
         return prog.tail + sum(h not in shared for h in prog.hashes) <= room
 
+    def could_fit(self, prog: Program, kv_total: int) -> bool:
+        """Whether ``prog`` fits under the resume mark of a worker holding nothing else: if
+        not, no pause or release there can ever make room for it."""
+        return kv_total <= 0 or prog.tail + len(prog.hashes) <= self.resume_watermark * kv_total
+
     def make_room(
         self, prog: Program, worker_id: str, kv_total: int, now: float, silent_for: float = 0.0
     ) -> list[str]:

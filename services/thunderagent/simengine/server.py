@@ -85,8 +85,13 @@ class SimEngineApp:
                 "page_size": self.info.block_size,
                 "max_running_requests": self.engine.max_running,
                 "max_total_num_tokens": self.engine.capacity_blocks * self.info.block_size,
-                "context_length": self.engine.context_length,
-                "max_req_input_len": self.engine.context_length - 1,
+                # as SGLang: the server argument (None unless overridden), and the longest
+                # prompt, which the KV pool bounds as well as the model's context
+                "context_length": None,
+                "max_req_input_len": min(
+                    self.engine.context_length, self.engine.capacity_blocks * self.info.block_size
+                )
+                - 1,
                 # not an SGLang field: the simulated model's vocabulary, so the adapter can
                 # check token ids (with SGLang it reads it from the model's tokenizer)
                 "vocab_size": self.engine.profile.model.vocab_size,

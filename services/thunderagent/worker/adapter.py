@@ -360,12 +360,14 @@ class WorkerAdapter:
 
 
 def _context_length(info: dict) -> int:
-    """SGLang reports ``context_length`` only when it was overridden; ``max_req_input_len``
-    (longest prompt) is one less than the model's context."""
-    if info.get("context_length"):
-        return int(info["context_length"])
+    """The longest prompt + output the engine takes (0: unknown). SGLang reports
+    ``context_length`` only when it was overridden; ``max_req_input_len`` (longest prompt) is
+    one less than the model's context or the KV pool, whichever is smaller."""
+    limits = [int(info.get("context_length") or 0)]
     longest_prompt = int(info.get("max_req_input_len") or 0)
-    return longest_prompt + 1 if longest_prompt else 0
+    limits.append(longest_prompt + 1 if longest_prompt else 0)
+    known = [n for n in limits if n > 0]
+    return min(known) if known else 0
 
 
 def _vocab_size(tokenizer_spec: str) -> int:

@@ -163,3 +163,16 @@ def test_a_prompt_programs_share_counts_once_toward_the_watermark() -> None:
     s.poll(1.0)
     assert s.programs.resident("w0") == 20 + 40 * 2  # the tool prompt once; own + output block
     assert s.stats()["program_pauses"] == 0
+
+
+def test_a_program_no_worker_can_hold_does_not_wait_for_room() -> None:
+    """A program bigger than a worker's resume room even on an empty worker (a long prompt on
+    a small pool) gets paused like any other, but its next step must not park: no release
+    can ever make room for it, so waiting only delays it by ``program_park_max_s``."""
+    s = sched(total=100)  # resume under 75 blocks
+    assert run(s, step("X-0", "X", 110 * BS_TOKENS), 0.0) == [Dispatch("X-0", "w0")]
+    s.on_finished("X-0", "w0", 1.0)
+    s.poll(1.0)
+    assert s.programs.programs["X"].phase == PAUSED, "111 blocks on a 95-block watermark"
+    assert run(s, step("X-1", "X", 160, [("w0", 0), ("w1", 0)]), 2.0) == [Dispatch("X-1", "w0")]
+    assert s.waiting() == 0 and "X" not in s.programs.pending
