@@ -44,6 +44,11 @@ class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="t
     """Where the blocks live."""
 
     def __post_init__(self) -> None:
+        if len(self.hashes) != len(self.check_hashes):
+            raise ValueError(
+                f"one check hash per block: {len(self.hashes)} hashes but "
+                f"{len(self.check_hashes)} check_hashes"
+            )
         _check_hashes(
             self.hashes, self.check_hashes, [] if self.parent_hash is None else [self.parent_hash]
         )

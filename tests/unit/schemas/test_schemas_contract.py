@@ -111,6 +111,16 @@ def test_kv_events_take_unsigned_64_bit_hashes_only(event):
         msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KvEventBatch)
 
 
+@pytest.mark.parametrize(("primary", "check"), [([], [1, 2]), ([1, 2], [1]), ([1], [])])
+def test_a_stored_event_needs_one_check_hash_per_block(primary, check):
+    """Found by the subject fuzz (seed 6): 0 hashes with 2 check hashes decoded, and every
+    index fed from the stream raised on it; it is now refused at decode, with the counts."""
+    event = {"type": "stored", "hashes": primary, "check_hashes": check}
+    batch = {"worker_id": "w", "seq": 0, "ts": 0.0, "events": [event]}
+    with pytest.raises(msgspec.ValidationError, match="one check hash per block"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KvEventBatch)
+
+
 @pytest.mark.parametrize(
     ("message", "payload"),
     [
