@@ -362,12 +362,14 @@ class WorkerAdapter:
 def _context_length(info: dict) -> int:
     """The longest prompt + output the engine takes (0: unknown). SGLang reports
     ``context_length`` only when it was overridden; ``max_req_input_len`` (longest prompt) is
-    one less than the model's context or the KV pool, whichever is smaller."""
-    limits = [int(info.get("context_length") or 0)]
-    longest_prompt = int(info.get("max_req_input_len") or 0)
-    limits.append(longest_prompt + 1 if longest_prompt else 0)
-    known = [n for n in limits if n > 0]
-    return min(known) if known else 0
+    one less than the model's context (or the KV pool, whichever is smaller); no request can
+    outgrow the pool, ``max_total_num_tokens``."""
+    context = int(info.get("context_length") or 0)
+    if not context:
+        longest_prompt = int(info.get("max_req_input_len") or 0)
+        context = longest_prompt + 1 if longest_prompt else 0
+    pool = int(info.get("max_total_num_tokens") or 0)
+    return pool if pool and (not context or pool < context) else context
 
 
 def _vocab_size(tokenizer_spec: str) -> int:
