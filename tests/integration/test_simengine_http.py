@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -140,3 +142,42 @@ async def _sleep(s: float) -> None:
     import asyncio
 
     await asyncio.sleep(s)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"input_ids": list(range(10, 50)), "stream": True,
+                       "sampling_params": {"max_new_tokens": 400}}),
+        ("/v1/completions", {"model": "m", "prompt": "hello there", "stream": True,
+                             "max_tokens": 400}),
+    ],
+)  # fmt: skip
+async def test_a_client_gone_mid_stream_aborts_the_run_quietly(nats_server, caplog, path, body):
+    """Found by the subject fuzz (seed 15): a caller that closed its stream (the adapter, on
+    an abort) made the engine's HTTP server log an error writing to the closed socket, and the
+    run went on until the generator was collected. SGLang aborts such a request."""
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False)
+        if path.startswith("/v1"):
+            body = {**body, "model": (await _served_model(url))}
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(url + path, json=body)
+            await r.content.readline()  # the stream has started
+            r.close()  # and the caller goes away
+            running = -1
+            for _ in range(100):
+                load = await (await s.get(url + "/get_load")).json()
+                running = load[0]["num_reqs"] + load[0]["num_waiting_reqs"]
+                if running == 0:
+                    break
+                await asyncio.sleep(0.02)
+    assert running == 0, "the run was aborted when its caller left"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+async def _served_model(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        models = await (await s.get(url + "/v1/models")).json()
+    return models["data"][0]["id"]

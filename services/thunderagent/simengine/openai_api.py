@@ -6,7 +6,9 @@ as SGLang reports it. Streaming sends ``data: {chunk}`` lines and ``data: [DONE]
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from aiohttp import web
 
 from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
 from thunderagent.tokenizer import ByteTokenizer, render_chat
+
+log = logging.getLogger(__name__)
 
 _ROLES = {"system", "user", "assistant", "tool"}
 
@@ -90,29 +94,24 @@ class OpenAIRoutes:
         kind = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            ev = first
-            while ev is not None:
-                if ev.token_ids:
-                    text = self.tokenizer.decode(ev.token_ids)
-                    chunk = self._choice(
-                        kind + (".chunk" if chat else ""),
-                        rid,
-                        created,
-                        text,
-                        None,
-                        chat,
-                        delta=True,
-                    )
-                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                last = ev
-                ev = await anext(events, None)
-            final = self._choice(
-                kind + (".chunk" if chat else ""), rid, created, "", "length", chat, delta=True
-            )
-            final["usage"] = _usage(last)
-            await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
-            await resp.write_eof()
+            kind += ".chunk" if chat else ""
+            try:  # aclosing: a client gone mid-stream aborts the run now, as SGLang does
+                async with contextlib.aclosing(events):
+                    await resp.prepare(request)
+                    ev = first
+                    while ev is not None:
+                        if ev.token_ids:
+                            text = self.tokenizer.decode(ev.token_ids)
+                            chunk = self._choice(kind, rid, created, text, None, chat, delta=True)
+                            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        last = ev
+                        ev = await anext(events, None)
+                final = self._choice(kind, rid, created, "", "length", chat, delta=True)
+                final["usage"] = _usage(last)
+                await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+                await resp.write_eof()
+            except ConnectionResetError:
+                log.info("request %s: the client went away mid-stream; aborted", rid)
             return resp
         out: list[int] = list(first.token_ids)
         last = first

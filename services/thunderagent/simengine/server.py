@@ -9,6 +9,7 @@ own router talk to it exactly as they talk to SGLang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -239,19 +240,23 @@ class SimEngineApp:
         self, request: web.Request, req: GenerateInput, first, events, started: float
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         out_ids: list[int] = []
         first_at = None
         ev = first
-        while ev is not None:
-            out_ids.extend(ev.token_ids)
-            if first_at is None and ev.token_ids:
-                first_at = time.monotonic()
-            payload = json.dumps(self._chunk(req, out_ids, ev, started, first_at))
-            await resp.write(f"data: {payload}\n\n".encode())
-            ev = await anext(events, None)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:  # aclosing: a client gone mid-stream aborts the run now, as SGLang does
+            async with contextlib.aclosing(events):
+                await resp.prepare(request)
+                while ev is not None:
+                    out_ids.extend(ev.token_ids)
+                    if first_at is None and ev.token_ids:
+                        first_at = time.monotonic()
+                    payload = json.dumps(self._chunk(req, out_ids, ev, started, first_at))
+                    await resp.write(f"data: {payload}\n\n".encode())
+                    ev = await anext(events, None)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("request %s: the client went away mid-stream; aborted", req.rid)
         return resp
 
     async def _whole(self, req: GenerateInput, first, events, started: float) -> web.Response:
