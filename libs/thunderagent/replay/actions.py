@@ -105,7 +105,7 @@ class SchedulerActions:
         if refused is not None:  # it can never fit this engine's KV pool
             self.links.forget(rec.request_id)
             self.router.on_finished(rec.request_id, self.ids[w], t)
-            self.scheduler.on_finished(rec.request_id, self.ids[w], t)
+            self.scheduler.on_failed(rec.request_id, self.ids[w], t)
             self._reject(rec, "prompt + output exceed the engine's KV pool", t)
             return
         self.accepted[w].accept(rec.request_id, request.prompt_len - predicted)

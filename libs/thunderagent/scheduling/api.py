@@ -110,6 +110,12 @@ class Scheduler(Protocol):
 
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None: ...
 
+    def on_failed(self, request_id: str, worker_id: str, now: float) -> None:
+        """The run ended on ``worker_id`` without serving its step (the worker refused it, or
+        its engine failed it for good): what it held is freed, as at ``on_finished``, and
+        nothing is known to be cached there for it."""
+        ...
+
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         """PD only: the request's KV has landed on its decode worker ``worker_id``."""
         ...
@@ -162,6 +168,9 @@ class _Base:
 
     def on_finished(self, request_id: str, worker_id: str, now: float) -> None:
         self.inflight.pop(request_id, None)
+
+    def on_failed(self, request_id: str, worker_id: str, now: float) -> None:
+        self.on_finished(request_id, worker_id, now)
 
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         pass

@@ -184,6 +184,13 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             self._dirty.add(run.worker_id)
         self._end_run(request_id, now)
 
+    def on_failed(self, request_id: str, worker_id: str, now: float) -> None:
+        run = self.running.get(request_id)
+        if run is not None and self.params.programs and run.req.program_id is not None:
+            # the step never ran: what the program holds, and where, is not known any more
+            self.release_program(run.req.program_id, now)
+        self._end_run(request_id, now)
+
     def rooms(self) -> dict[str, int]:
         """Room to lend as credits: none while anything waits here (a direct dispatch must
         never pass a waiting request) and none under PD (transfers are capped here); else

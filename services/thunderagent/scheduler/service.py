@@ -285,7 +285,10 @@ class SchedulerService:
             self.core.on_transfer_done(rid, progress.worker_id, now)
         elif pending is not None and pending.worker_id == progress.worker_id:
             self._forget(pending)  # ends of runs this scheduler no longer tracks are stale
-            self.core.on_finished(rid, progress.worker_id, now)
+            if progress.phase == "failed":  # the engine failed it for good: the step never ran
+                self.core.on_failed(rid, progress.worker_id, now)
+            else:
+                self.core.on_finished(rid, progress.worker_id, now)
 
     async def on_cancel(self, cancel: CancelRequest, _: Delivery) -> None:
         pending = self.pending.get(cancel.request_id)
@@ -391,7 +394,7 @@ class SchedulerService:
         if took == worker_id:
             return
         # the policy's choice failed: account where it went
-        self.core.on_finished(pending.request_id, worker_id, self.clock())
+        self.core.on_failed(pending.request_id, worker_id, self.clock())
         if took is None:
             self._forget(pending)
             why = "no worker accepted the request: " + "; ".join(reasons)

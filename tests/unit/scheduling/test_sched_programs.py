@@ -176,3 +176,25 @@ def test_a_program_no_worker_can_hold_does_not_wait_for_room() -> None:
     assert s.programs.programs["X"].phase == PAUSED, "111 blocks on a 95-block watermark"
     assert run(s, step("X-1", "X", 160, [("w0", 0), ("w1", 0)]), 2.0) == [Dispatch("X-1", "w0")]
     assert s.waiting() == 0 and "X" not in s.programs.pending
+
+
+def test_a_step_that_failed_leaves_no_residency_behind() -> None:
+    """A step whose run failed for good (refused, or its engine failed it) never ran: the
+    tracker must not count its prompt as the program's KV on that worker (as a finished step
+    would), or programs there get paused for KV nobody holds."""
+    s = sched(total=100)
+    assert run(s, step("X-0", "X", 60 * BS_TOKENS), 0.0) == [Dispatch("X-0", "w0")]
+    assert s.programs.resident("w0") == 60  # its prompt, while the step runs
+    s.on_failed("X-0", "w0", 1.0)
+    assert s.programs.resident("w0") == 0 and "X" not in s.programs.programs
+    assert s.running == {}
+    assert run(s, step("X-1", "X", 160), 2.0) == [Dispatch("X-1", "w0")]
+
+
+def test_a_finished_step_keeps_its_residency() -> None:
+    """The contrast: the same step finishing leaves the program acting with its KV there."""
+    s = sched(total=100)
+    run(s, step("X-0", "X", 60 * BS_TOKENS), 0.0)
+    s.on_finished("X-0", "w0", 1.0)
+    assert s.programs.programs["X"].phase == ACTING
+    assert s.programs.resident("w0") == 61  # its prompt and its output

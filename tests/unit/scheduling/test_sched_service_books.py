@@ -57,3 +57,32 @@ def test_early_progress_waits_for_its_report_but_not_forever() -> None:
     early.hold(_progress("c", now), now)
     early.forget_old(now + EARLY_PROGRESS_S + 1)
     assert early.take("c") == []
+
+
+class _Ends:
+    """A core that records how each run ended."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[str, str]] = []
+
+    def on_finished(self, rid: str, worker_id: str, now: float) -> None:
+        self.ends.append(("finished", rid))
+
+    def on_failed(self, rid: str, worker_id: str, now: float) -> None:
+        self.ends.append(("failed", rid))
+
+
+def test_a_run_the_engine_failed_for_good_reaches_the_core_as_failed() -> None:
+    """A ``failed`` end (the request's error went to its client) is not a served step: the
+    core hears ``on_failed``, so a program's books do not count the prompt as held there."""
+    from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
+
+    svc = SchedulerService(SchedulerConfig(), bus=None, clock=lambda: 5.0)  # type: ignore[arg-type]
+    ends = _Ends()
+    svc.core = ends  # type: ignore[assignment]
+    for rid, phase in (("r1", "failed"), ("r2", "finished"), ("r3", "aborted")):
+        pending = _pending()
+        pending.worker_id = "w0"
+        svc.pending[rid] = pending
+        svc._on_run_event(s.RequestProgress(request_id=rid, worker_id="w0", phase=phase, ts=5.0))
+    assert ends.ends == [("failed", "r1"), ("finished", "r2"), ("finished", "r3")]
