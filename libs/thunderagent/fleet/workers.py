@@ -40,15 +40,18 @@ class WorkerState:
     overstates the queue by this much until the next report. Reports come a fraction of a
     second apart, while a prompt can be prefilled in a few ms; without this a cache holder
     looks busy with work it has done."""
-    started_kv_since_report: int = 0
-    """Their context tokens while they run: KV they hold now, which the report (taken while
-    they waited) does not count."""
     carried_running: dict[str, int] = field(default_factory=dict)
     """request id -> KV tokens of those started since the report and still running."""
 
     @property
     def worker_id(self) -> str:
         return self.registration.worker_id
+
+    @property
+    def started_kv_since_report(self) -> int:
+        """Context tokens of carried requests running now: KV they hold, which the report
+        (taken while they waited) does not count. Few run at once: summed when asked."""
+        return sum(self.carried_running.values()) if self.carried_running else 0
 
     def assign(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
         self.assigned[request_id] = (prefill_tokens, kv_tokens)
@@ -68,7 +71,6 @@ class WorkerState:
         got = self.carried.pop(request_id, None)
         if got is not None:  # sent before the report: in its backlog, now running
             self.started_since_report += got[0]
-            self.started_kv_since_report += got[1]
             self.carried_running[request_id] = got[1]
 
     def unassign(self, request_id: str) -> None:
@@ -82,7 +84,7 @@ class WorkerState:
         got = self.carried.pop(request_id, None)
         if got is not None:  # its start went unseen: its prefill is done all the same
             self.started_since_report += got[0]
-        self.started_kv_since_report -= self.carried_running.pop(request_id, 0)
+        self.carried_running.pop(request_id, None)
 
     def take_report(self, load: LoadReport, now: float) -> None:
         """A report covers everything sent before it; what had not started is in its backlog."""
@@ -94,7 +96,7 @@ class WorkerState:
             self.carried.clear()
         else:
             self.carried.update((rid, got) for rid, got in self.assigned.items() if got[0])
-        self.started_since_report = self.started_kv_since_report = 0
+        self.started_since_report = 0
         self.carried_running.clear()
         self.assigned_since_report = 0
         self.assigned_prefill_since_report = 0
