@@ -93,26 +93,8 @@ class OpenAIRoutes:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             kind += ".chunk" if chat else ""
-            try:  # aclosing: a client gone mid-stream aborts the run now, as SGLang does
-                async with contextlib.aclosing(events):
-                    await resp.prepare(request)
-                    ev = first
-                    while ev is not None:
-                        if ev.token_ids:
-                            text = self.tokenizer.decode(ev.token_ids)
-                            chunk = self._choice(kind, rid, created, text, None, chat, delta=True)
-                            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                        last = ev
-                        ev = await anext(events, None)
-                final = self._choice(kind, rid, created, "", "length", chat, delta=True)
-                final["usage"] = _usage(last)
-                await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
-                await resp.write_eof()
-            except ConnectionResetError:
-                log.info("request %s: the client went away mid-stream; aborted", rid)
-            return resp
+            return await self._stream(request, events, first, kind, rid, created, chat)
         out: list[int] = list(first.token_ids)
         last = first
         async for ev in events:
@@ -123,6 +105,29 @@ class OpenAIRoutes:
         )
         result["usage"] = _usage(last)
         return web.json_response(result)
+
+    async def _stream(
+        self, request: web.Request, events, first, kind: str, rid: str, created: int, chat: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:  # aclosing: a client gone mid-stream aborts the run now, as SGLang does
+            async with contextlib.aclosing(events):
+                await resp.prepare(request)
+                ev = last = first
+                while ev is not None:
+                    if ev.token_ids:
+                        text = self.tokenizer.decode(ev.token_ids)
+                        chunk = self._choice(kind, rid, created, text, None, chat, delta=True)
+                        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    last = ev
+                    ev = await anext(events, None)
+            final = self._choice(kind, rid, created, "", "length", chat, delta=True)
+            final["usage"] = _usage(last)
+            await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("request %s: the client went away mid-stream; aborted", rid)
+        return resp
 
     def _choice(
         self, kind: str, rid: str, created: int, text: str, finish, chat: bool, *, delta=False
