@@ -189,6 +189,7 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
     assert ceiling["none"]["speed"] <= ceiling["pooled"]["speed"] <= ceiling["ideal"]["speed"]
     assert ceiling["none"]["engine_s"] > ceiling["ideal"]["engine_s"] > 0
     assert "| thunder | 2 | 20 |" in report.read_text()
+    assert "every speed up to it meeting it |" in report.read_text()
     assert "Work ceiling" in report.read_text()
     assert "thunder" in capsys.readouterr().out
 
@@ -246,3 +247,26 @@ def test_a_trace_arriving_at_once_has_no_work_ceiling(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())  # strict JSON: no Infinity
     assert doc["work_ceiling"]["none"]["speed"] is None
     assert doc["work_ceiling"]["none"]["engine_s"] > 0
+
+
+def test_capacity_names_the_highest_speed_met_and_the_highest_met_throughout() -> None:
+    from thunderagent.bench.replay import capacity
+
+    def entry(policy: str, speed: float, met: bool) -> dict:
+        return {
+            "policy": policy,
+            "speed": speed,
+            "slo_met": met,
+            "goodput_rps": 1.0,
+            "ttft_p99_all_ms": 1.0,
+        }
+
+    lucky = [entry("a", s, m) for s, m in [(16, True), (18, False), (20, True), (22, False)]]
+    steady = [entry("b", s, m) for s, m in [(16, True), (18, True), (20, False), (22, False)]]
+    never = [entry("c", s, False) for s in (16, 18)]
+    late = [entry("d", s, m) for s, m in [(16, False), (18, True)]]
+    out = capacity(lucky + steady + never + late, ["a", "b", "c", "d"])
+    assert (out["a"]["max_speed_meeting_slo"], out["a"]["sustained_speed"]) == (20, 16)
+    assert (out["b"]["max_speed_meeting_slo"], out["b"]["sustained_speed"]) == (18, 18)
+    assert (out["c"]["max_speed_meeting_slo"], out["c"]["sustained_speed"]) == (None, None)
+    assert (out["d"]["max_speed_meeting_slo"], out["d"]["sustained_speed"]) == (18, None)
