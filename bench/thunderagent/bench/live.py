@@ -43,7 +43,7 @@ import aiohttp
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port, nats_gomaxprocs
-from thunderagent.replay.traces import TraceRequest, load_trace
+from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
 from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
@@ -399,7 +399,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
 
-    trace = load_trace(args.trace)
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as err:
+        raise SystemExit(f"bad trace: {err}") from None
     requests = build_requests(
         trace, args.rate, args.duration, args.tokens_per_block, args.max_output
     )

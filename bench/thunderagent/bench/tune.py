@@ -26,7 +26,7 @@ from pathlib import Path
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
-from thunderagent.replay import Replay, ReplayConfig, load_trace
+from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
 from thunderagent.replay.summary import summarize
 
 PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
@@ -116,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def workload(path: str, profile, cands: list[Candidate], speeds, peers) -> dict:
     """One trace: thunder with every candidate setting and every peer, at every speed."""
-    trace = load_trace(path, block_size=profile.engine.block_size)
+    try:
+        trace = load_trace(path, block_size=profile.engine.block_size)
+    except TraceError as err:
+        raise SystemExit(f"bad trace: {err}") from None
     timing = TimingModel(profile)
     slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
     runs: dict[str, list[dict]] = {}

@@ -20,10 +20,11 @@ Mooncake id, so no two requests ever share a block."""
 
 
 class TraceError(ValueError):
-    """A trace line could not be read; ``path`` and ``line`` (1-based) say where."""
+    """A trace line could not be read; ``path`` and ``line`` (1-based; 0: the file itself) say
+    where."""
 
     def __init__(self, path: Path | str, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
+        super().__init__(f"{path}:{line}: {reason}" if line else f"{path}: {reason}")
         self.path = str(path)
         self.line = line
         self.reason = reason
@@ -169,8 +170,13 @@ def _ordered(requests: list[TraceRequest]) -> list[TraceRequest]:
 def load_trace(
     path: Path | str, limit: int | None = None, block_size: int = 512
 ) -> list[TraceRequest]:
-    """By extension: ``.csv`` is Azure, anything else Mooncake JSONL."""
+    """By extension: ``.csv`` is Azure, anything else Mooncake JSONL. A file that cannot be
+    read (missing, a directory, not text) is a ``TraceError`` (line 0), like a bad line."""
     path = Path(path)
-    if path.suffix.lower() == ".csv":
-        return load_azure(path, limit, block_size)
-    return load_mooncake(path, limit)
+    try:
+        if path.suffix.lower() == ".csv":
+            return load_azure(path, limit, block_size)
+        return load_mooncake(path, limit)
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise TraceError(path, 0, f"cannot read the trace: {reason}") from None

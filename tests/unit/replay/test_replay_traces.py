@@ -103,3 +103,15 @@ def test_azure_wrong_header(tmp_path: Path) -> None:
     path.write_text("time,ctx,gen\n1,2,3\n")
     with pytest.raises(TraceError, match=r"a\.csv:1: expected header"):
         load_azure(path)
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing.csv", "folder.jsonl", "binary.jsonl"])
+def test_a_file_that_cannot_be_read_is_a_trace_error_naming_it(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    if name.startswith("folder"):
+        path.mkdir()
+    if name.startswith("binary"):
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == 0 and str(info.value).startswith(f"{path}: cannot read the trace")
