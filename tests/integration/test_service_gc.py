@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from thunderagent.embedded.ports import free_port
+
 PROBE = """
 import gc, urllib.request
 from thunderagent.telemetry.setup import setup_telemetry
@@ -51,3 +53,28 @@ def test_a_service_freezes_what_its_startup_built(nats_server) -> None:
     frozen, tracked = int(words[words.index("frozen") + 1]), int(words[words.index("tracked") + 1])
     assert frozen > 10_000  # the imports: a full collection no longer walks them
     assert tracked < frozen // 10
+
+
+UNREACHABLE = """
+import functools, sys
+from thunderagent.shell import runner
+
+runner.connect = functools.partial(runner.connect, deadline_s=1.0)  # the test's patience
+
+async def main(ctx):
+    print("served", flush=True)
+
+runner.run_service("probe", sys.argv[1], main)
+"""
+
+
+def test_a_service_that_cannot_reach_nats_exits_with_one_line_saying_so() -> None:
+    port = free_port()  # nothing listens there
+    done = subprocess.run(
+        [sys.executable, "-c", UNREACHABLE, f"nats://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "served" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"probe: cannot connect to NATS at nats://127.0.0.1:{port}: TimeoutError()"
+    assert "Traceback" not in done.stderr

@@ -74,7 +74,10 @@ async def _serve(name: str, nats_url: str, main: ServiceMain, telemetry: Telemet
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(nats_url, name=f"thunderagent-{name}")
+    try:
+        nc = await connect(nats_url, name=f"thunderagent-{name}")
+    except ConnectionError as err:  # the retries are spent: one line, not a traceback
+        raise SystemExit(f"{name}: {err}") from None
     bus = Bus(nc, service=name)
     log.info("%s connected to %s", name, nats_url)
     await _answer_health(bus, name)
