@@ -220,6 +220,7 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
 
 
 def _stack_commands(add) -> None:
+    from thunderagent.shell.argtypes import at_least
     from thunderagent.stack.up import add_stack_arguments
 
     p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
@@ -229,8 +230,10 @@ def _stack_commands(add) -> None:
         "demo", "start the embedded stack, run a short workload, print a summary, stop", _cmd_demo
     )
     add_stack_arguments(p)
-    p.add_argument("--requests", type=int, default=200, help="requests in the demo workload")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument(
+        "--requests", type=at_least(1), default=200, help="requests in the demo workload"
+    )
+    p.add_argument("--concurrency", type=at_least(1), default=16)
     p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
     p.add_argument(
         "--compare",
@@ -333,6 +336,9 @@ def _gateway_command(add) -> None:
 
 
 def _worker_commands(add) -> None:
+    from thunderagent.engine.profiles import PRESETS
+    from thunderagent.shell.argtypes import at_least, positive
+
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
     _metrics_arg(p)
@@ -354,16 +360,16 @@ def _worker_commands(add) -> None:
 
     p = add("simengine", "run a simulated SGLang engine (HTTP API + ZMQ KV events)", _cmd_simengine)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=at_least(0), default=30000)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument(
-        "--page-size", dest="block_size", type=int, default=16,
+        "--page-size", dest="block_size", type=at_least(1), default=16,
         help="tokens per KV block (SGLang's flag name)",
     )  # fmt: skip
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
     p.add_argument(
-        "--speedup", type=float, default=1.0, help="run the engine's clock this much faster"
+        "--speedup", type=positive, default=1.0, help="run the engine's clock this much faster"
     )
     p.add_argument(
         "--host-blocks",
@@ -383,11 +389,11 @@ def _worker_commands(add) -> None:
         "prefixes can be moved between engines (needs nixl; not an SGLang flag)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-pool-scale", type=int, default=1,
+        "--kv-pool-scale", type=at_least(1), default=1,
         help="divide the profile's KV bytes per block by this in the pool (small test pools)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-blocks", type=int, default=None,
+        "--kv-blocks", type=at_least(1), default=None,
         help="KV capacity in blocks instead of the profile's GPU-memory formula",
     )  # fmt: skip
     p.add_argument(

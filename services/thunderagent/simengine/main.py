@@ -51,9 +51,12 @@ async def _serve(config: SimEngineConfig) -> None:
         profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
     kv_pool = None
     if config.kv_pool:
-        from thunderagent.simengine.kv_pool import pool_for
+        from thunderagent.simengine.kv_pool import NixlUnavailable, pool_for
 
-        kv_pool = pool_for(profile, scale=config.kv_pool_scale)
+        try:
+            kv_pool = pool_for(profile, scale=config.kv_pool_scale)
+        except (ValueError, NixlUnavailable) as err:  # too big for this machine, or no nixl
+            raise SystemExit(f"simengine: {err}") from None
         log.info("KV pool: %d blocks x %d bytes, NIXL agent %s", kv_pool.slots,
                  kv_pool.slot_bytes, kv_pool.name)  # fmt: skip
     publisher = None

@@ -31,6 +31,9 @@ from thunderagent.embedded import (
     wait_for_port,
     write_credentials,
 )
+from thunderagent.engine.profiles import PRESETS
+from thunderagent.routing import POLICIES
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.readiness import wait_until_ready
 
 DEFAULT_MODEL = "sim/llama-3.1-8b"
@@ -53,20 +56,23 @@ def entry_point_settings(via: str, routers: int = 1) -> dict:
 
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=4, help="simulated workers to start")
+    p.add_argument("--workers", type=at_least(0), default=4, help="simulated workers to start")
     p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
     p.add_argument("--redis", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--profile", default="llama-3.1-8b-h100", help="simulated engine profile")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--policy", default="thunder", help="routing policy")
     p.add_argument(
-        "--routers", type=int, default=1,
+        "--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS),
+        help="simulated engine profile",
+    )  # fmt: skip
+    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
+    p.add_argument("--policy", default="thunder", choices=POLICIES.names(), help="routing policy")
+    p.add_argument(
+        "--routers", type=at_least(0), default=1,
         help="router replicas (0 with --gateway-embed-router: only the gateways route; NATS "
         "clients then find no router)",
     )  # fmt: skip
     p.add_argument(
-        "--speedup", type=float, default=1.0, help="simulated engines run this much faster"
+        "--speedup", type=positive, default=1.0, help="simulated engines run this much faster"
     )
     p.add_argument("--run-dir", default=None, help="logs and data (default: a new temp folder)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics per service")
@@ -78,11 +84,11 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="NATS over TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="the --tls-cert's private key (PEM)")
     p.add_argument(
-        "--gateways", type=int, default=1,
+        "--gateways", type=at_least(0), default=1,
         help="OpenAI-compatible HTTP gateway processes sharing one port (0: none)",
     )  # fmt: skip
     p.add_argument(
-        "--gateway-port", type=int, default=8000, help="the gateways' HTTP port when free"
+        "--gateway-port", type=at_least(0), default=8000, help="the gateways' HTTP port when free"
     )
     p.add_argument(
         "--gateway-embed-router", action="store_true",
@@ -94,9 +100,9 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated engines keep real KV bytes in host memory registered with NIXL, so the "
         "migration service can move prefixes between them (needs nixl)",
     )  # fmt: skip
-    p.add_argument("--kv-pool-scale", type=int, default=1,
+    p.add_argument("--kv-pool-scale", type=at_least(1), default=1,
                    help="divide the KV bytes per block by this in the pools")  # fmt: skip
-    p.add_argument("--kv-blocks", type=int, default=None,
+    p.add_argument("--kv-blocks", type=at_least(1), default=None,
                    help="KV capacity per engine in blocks (default: the profile's)")  # fmt: skip
     p.add_argument(
         "--engine", choices=["timed", "instant"], default="timed",

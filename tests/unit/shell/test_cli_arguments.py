@@ -1,0 +1,58 @@
+"""Flags out of range are refused when the command line is parsed, naming the flag, before any
+server or engine starts (a block size of 0 used to divide by zero inside the engine; a negative
+worker count started none; an unknown profile or policy was a traceback from a child)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from thunderagent.cli.main import build_parser
+from thunderagent.shell.argtypes import at_least, positive
+
+
+def test_at_least_and_positive() -> None:
+    assert at_least(0)("0") == 0 and at_least(1)("7") == 7
+    assert positive("0.5") == 0.5
+    for parse, text, words in [
+        (at_least(1), "0", "at least 1"),
+        (at_least(0), "-1", "at least 0"),
+        (at_least(0), "1.5", "an integer"),
+        (positive, "0", "positive"),
+        (positive, "-2", "positive"),
+        (positive, "nan", "positive"),
+        (positive, "inf", "positive"),
+        (positive, "x", "a number"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(text)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["up", "--workers", "-1"], "--workers"),
+        (["up", "--block-size", "0"], "--block-size"),
+        (["up", "--speedup", "0"], "--speedup"),
+        (["up", "--profile", "nosuch"], "--profile"),
+        (["up", "--policy", "nosuch"], "--policy"),
+        (["up", "--kv-blocks", "0"], "--kv-blocks"),
+        (["demo", "--requests", "0"], "--requests"),
+        (["simengine", "--page-size", "0"], "--page-size"),
+        (["simengine", "--profile", "nosuch"], "--profile"),
+        (["simengine", "--speedup", "-1"], "--speedup"),
+    ],
+)
+def test_out_of_range_flags_are_refused_at_parse_time(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_the_defaults_parse() -> None:
+    up = build_parser().parse_args(["up"])
+    assert (up.workers, up.block_size, up.speedup, up.policy) == (4, 16, 1.0, "thunder")
+    engine = build_parser().parse_args(["simengine"])
+    assert (engine.block_size, engine.speedup, engine.profile) == (16, 1.0, "llama-3.1-8b-h100")
