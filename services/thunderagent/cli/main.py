@@ -52,11 +52,40 @@ def _params(items: list[str]) -> dict:
     return out
 
 
+def _checked(command: str, build: Callable[[], object]) -> None:
+    """Build what the service will build from its flags (a policy, a scheduler, planner
+    parameters; pure) before it connects, so a bad ``--policy`` or ``--param`` is one line and
+    exit status 2 here, not a traceback after the service has started."""
+    try:
+        build()
+    except (ValueError, TypeError) as err:
+        print(f"thunderagent {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _param_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--param", action="append", default=[], metavar="FIELD=VALUE",
         help=f"override a {what} parameter (repeatable; VALUE is JSON or a string)",
     )  # fmt: skip
+
+
+def _policy(params) -> object:
+    from thunderagent.routing import POLICIES
+
+    return POLICIES.create(params.policy, **params.policy_params)
+
+
+def _scheduler(name: str, params: dict) -> object:
+    from thunderagent.scheduling import SCHEDULERS
+
+    return SCHEDULERS.create(name, **params)
+
+
+def _planner_params(params: dict) -> object:
+    from thunderagent.migration.params import MigrationParams
+
+    return MigrationParams.from_dict(params).validate()
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
@@ -65,6 +94,7 @@ def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.shell import run_service
 
     params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    _checked("router", lambda: _policy(params))
     config = RouterConfig(params=params, redis_url=args.redis)
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
@@ -75,6 +105,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
 
     models = tuple(m for m in args.models.split(",") if m) if args.models else ()
     config = SchedulerConfig(scheduler=args.policy, params=_params(args.param), models=models)
+    _checked("scheduler", lambda: _scheduler(config.scheduler, config.params))
     run_service(
         "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
@@ -131,6 +162,7 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
     from thunderagent.router_core import RouterParams
 
     params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    _checked("gateway", lambda: _policy(params))
     router = RouterConfig(params=params, redis_url=args.redis)
     run_service(
         "gateway", args.nats, lambda ctx: gateway_with_router(ctx, config, router),
@@ -178,6 +210,7 @@ def _cmd_migration(args: argparse.Namespace) -> None:
     from thunderagent.shell import run_service
 
     params = {"link_bytes_per_s": args.link_gbps * 1e9, **_params(args.param)}
+    _checked("migration", lambda: _planner_params(params))
     config = MigrationConfig(
         params=params, auto=not args.orders_only, redis_url=args.redis,
         timeouts=Timeouts(pull_s=args.pull_timeout_s, hold_s=args.pull_timeout_s + 30),
@@ -252,6 +285,8 @@ def _stack_commands(add) -> None:
 
 
 def _control_plane_commands(add) -> None:
+    from thunderagent.shell.argtypes import positive
+
     p = add("router", "run a router replica", _cmd_router)
     _nats_arg(p)
     _metrics_arg(p)
@@ -292,33 +327,35 @@ def _control_plane_commands(add) -> None:
         help="Redis URL of the index snapshot (env THUNDERAGENT_REDIS_URL; unset: full replay)",
     )  # fmt: skip
     p.add_argument(
-        "--link-gbps", type=float, default=25.0,
+        "--link-gbps", type=positive, default=25.0,
         help="worker-to-worker KV link in GB/s for the cost model (25 = a 200 Gb/s NIC)",
     )  # fmt: skip
-    p.add_argument("--pull-timeout-s", type=float, default=60.0,
+    p.add_argument("--pull-timeout-s", type=positive, default=60.0,
                    help="give a move up after this long")  # fmt: skip
     p.add_argument("--orders-only", action="store_true",
                    help="move only what is ordered or drained; plan no copies")  # fmt: skip
 
 
 def _gateway_command(add) -> None:
+    from thunderagent.shell.argtypes import at_least, positive
+
     p = add("gateway", "run the OpenAI-compatible HTTP gateway (any number of replicas)",
             _cmd_gateway)  # fmt: skip
     _nats_arg(p)
     _metrics_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--port", type=at_least(0), default=8000, help="HTTP port (0: any free port)")
     p.add_argument(
         "--reuse-port", action="store_true",
         help="SO_REUSEPORT: several gateway processes on one host share the port",
     )  # fmt: skip
     p.add_argument(
-        "--idle-timeout-s", type=float, default=120.0,
+        "--idle-timeout-s", type=positive, default=120.0,
         help="no reply for this long: cancel the request and answer 504",
     )  # fmt: skip
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger bodies get a 413")
+    p.add_argument("--max-body-mb", type=positive, default=8.0, help="larger bodies get a 413")
     p.add_argument(
-        "--default-max-tokens", type=int, default=256,
+        "--default-max-tokens", type=at_least(1), default=256,
         help="max_tokens of a chat request that gives none",
     )  # fmt: skip
     p.add_argument(

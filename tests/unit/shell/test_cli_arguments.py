@@ -56,3 +56,25 @@ def test_the_defaults_parse() -> None:
     assert (up.workers, up.block_size, up.speedup, up.policy) == (4, 16, 1.0, "thunder")
     engine = build_parser().parse_args(["simengine"])
     assert (engine.block_size, engine.speedup, engine.profile) == (16, 1.0, "llama-3.1-8b-h100")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["router", "--policy", "nosuch"], "unknown routing policy 'nosuch'"),
+        (["router", "--param", "recompute_gain=-1"], "recompute_gain=-1"),
+        (["gateway", "--embed-router", "--policy", "nosuch"], "unknown routing policy"),
+        (["scheduler", "--policy", "nosuch"], "unknown scheduler 'nosuch'"),
+        (["scheduler", "--param", "kv_watermark=2"], "kv_watermark=2"),
+        (["migration", "--param", "nosuch=1"], "migration param nosuch=1"),
+    ],
+)
+def test_a_bad_policy_or_param_stops_a_service_before_it_connects(argv, words, capsys) -> None:
+    from thunderagent.cli.main import main
+
+    with pytest.raises(SystemExit) as info:  # NATS at port 1: reaching it would time out
+        main([*argv, "--nats", "nats://127.0.0.1:1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"thunderagent {argv[0]}: error: ") and words in err
+    assert "Traceback" not in err
