@@ -24,6 +24,7 @@ from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import NatsServer
 from thunderagent.schemas import Ack
+from thunderagent.shell.argtypes import at_least
 
 SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
@@ -112,8 +113,8 @@ async def run(n: int, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--messages", type=int, default=20_000)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--messages", type=at_least(1), default=20_000)
+    p.add_argument("--rounds", type=at_least(1), default=2)
     p.add_argument("--tracing", action="store_true", help="an SDK tracer provider, no exporter")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)

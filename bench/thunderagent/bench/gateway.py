@@ -26,6 +26,7 @@ from thunderagent import stats
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import ChatMessage, GenerateRequest, TokenChunk
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 SYSTEM = "You are a terse assistant that answers in one line. " * 4
@@ -156,13 +157,15 @@ async def saturation(stack: Stack, args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests per path")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--load-requests", type=int, default=3000)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--speedup", type=float, default=1000.0)
+    parser.add_argument(
+        "--requests", type=at_least(1), default=300, help="sequential requests per path"
+    )
+    parser.add_argument("--warmup", type=at_least(0), default=20)
+    parser.add_argument("--max-tokens", type=at_least(1), default=8)
+    parser.add_argument("--concurrency", type=at_least(1), default=64)
+    parser.add_argument("--load-requests", type=at_least(1), default=3000)
+    parser.add_argument("--workers", type=at_least(1), default=2)
+    parser.add_argument("--speedup", type=positive, default=1000.0)
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, gateways=1)

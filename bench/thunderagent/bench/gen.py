@@ -22,8 +22,10 @@ from pathlib import Path
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import TimingModel, get_profile
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import load_trace
 from thunderagent.replay.metrics import cache_bounds, work_ceiling
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.workloads.mooncake import summary
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
@@ -57,10 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scale", type=float, default=1.0, help="size multiplier, same load")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per hash id")
-    p.add_argument("--workers", type=int, default=8, help="pooled hit ratio: workers")
-    p.add_argument("--profile", default="llama-3.1-8b-h100", help="pooled hit ratio: KV room")
+    p.add_argument("--scale", type=positive, default=1.0, help="size multiplier, same load")
+    p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per hash id")
+    p.add_argument("--workers", type=at_least(1), default=8, help="pooled hit ratio: workers")
+    p.add_argument(
+        "--profile",
+        default="llama-3.1-8b-h100",
+        choices=sorted(PRESETS),
+        help="pooled hit ratio: KV room",
+    )
     p.add_argument(
         "--param", action="append", default=[], help="FIELD=VALUE (JSON value), repeatable"
     )

@@ -66,6 +66,7 @@ from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
 from thunderagent.schemas import KvEventBatch
+from thunderagent.shell.argtypes import at_least
 
 __all__ = ["build_workload", "main"]
 
@@ -369,14 +370,18 @@ def _row(mode: str, target: str, measured: float, met: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--json", help="write the results as JSON to this file")
-    ap.add_argument("--events", type=int, default=250_000)
-    ap.add_argument("--queries", type=int, default=10_000)
-    ap.add_argument("--bulk", type=int, default=3_000, help="100-block events in the bulk run")
+    ap.add_argument("--events", type=at_least(1), default=250_000)
+    ap.add_argument("--queries", type=at_least(1), default=10_000)
+    ap.add_argument(
+        "--bulk", type=at_least(1), default=3_000, help="100-block events in the bulk run"
+    )
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="measured rounds per mode (median)")
+    ap.add_argument(
+        "--rounds", type=at_least(1), default=3, help="measured rounds per mode (median)"
+    )
     ap.add_argument("--modes", default="unpinned,pinned", help="unpinned, pinned or both")
     ap.add_argument("--no-dynamo", action="store_true", help="measure our index only")
-    ap.add_argument("--handoff-calls", type=int, default=HANDOFF_CALLS)
+    ap.add_argument("--handoff-calls", type=at_least(0), default=HANDOFF_CALLS)
     args = ap.parse_args(argv)
 
     load_before = os.getloadavg()

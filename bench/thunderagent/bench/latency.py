@@ -39,6 +39,7 @@ from thunderagent.router.service import RouterConfig, embedded_router
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
 from thunderagent.shell import ServiceContext
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import Stack, StackConfig
 from thunderagent.telemetry import Telemetry
 
@@ -164,12 +165,14 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--speedup", type=float, default=1000.0)
+    parser.add_argument("--requests", type=at_least(1), default=1000)
+    parser.add_argument("--workers", type=at_least(1), default=2)
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=64)
+    parser.add_argument("--speedup", type=positive, default=1000.0)
     parser.add_argument("--policy", default="thunder")
-    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two paths")
+    parser.add_argument(
+        "--rounds", type=at_least(1), default=10, help="alternations of the two paths"
+    )
     parser.add_argument(
         "--embed-router", action="store_true",
         help="also time a client with a router replica in its own process (no router hop)",

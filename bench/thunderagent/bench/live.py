@@ -43,8 +43,10 @@ import aiohttp
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port, nats_gomaxprocs
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -359,18 +361,20 @@ async def flush_all(engine_urls: list[str]) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True)
-    p.add_argument("--rate", type=float, default=50.0, help="requests per second")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--speedup", type=float, default=20.0, help="simulated engines' clock speed")
+    p.add_argument("--rate", type=positive, default=50.0, help="requests per second")
+    p.add_argument("--duration", type=positive, default=20.0, help="seconds of arrivals")
+    p.add_argument("--workers", type=at_least(1), default=4)
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
+    p.add_argument("--speedup", type=positive, default=20.0, help="simulated engines' clock speed")
     p.add_argument(
         "--tokens-per-block",
         type=int,
         default=64,
         help="tokens per trace block (512 in the trace; fewer keeps JSON small)",
     )
-    p.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
+    p.add_argument(
+        "--max-output", type=at_least(1), default=16, help="cap on output tokens per request"
+    )
     p.add_argument("--policy", default="thunder")
     p.add_argument(
         "--via",

@@ -31,6 +31,7 @@ from thunderagent.bench.throughput import parse_rates
 from thunderagent.bus import connect
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import subjects
+from thunderagent.shell.argtypes import at_least
 
 MODEL = "sim/llama-3.1-8b"
 PREFIX = subjects.PREFIX + "."
@@ -132,8 +133,8 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=parse_rates, default=[50.0, 400.0])
-    p.add_argument("--requests", type=int, default=1600, help="requests per rate")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--requests", type=at_least(1), default=1600, help="requests per rate")
+    p.add_argument("--workers", type=at_least(1), default=2)
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
     if args.requests < 1:

@@ -36,6 +36,7 @@ from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -244,10 +245,10 @@ async def run(stack: Stack, args: argparse.Namespace, receiver: SpanReceiver | N
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rate", type=float, default=200.0, help="requests per second (open loop)")
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--rate", type=positive, default=200.0, help="requests per second (open loop)")
+    p.add_argument("--requests", type=at_least(1), default=2000)
+    p.add_argument("--workers", type=at_least(1), default=2)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=64)
     p.add_argument(
         "--unique-tokens",
         type=int,
@@ -257,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-s", type=float, default=2.0)
     p.add_argument("--no-pyspy", dest="pyspy", action="store_false")
     p.add_argument("--no-perf", dest="perf", action="store_false", help="skip perf record")
-    p.add_argument("--pyspy-rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--pyspy-rate", type=at_least(1), default=200, help="py-spy samples per second")
     p.add_argument(
         "--trace-ratio",
         type=float,

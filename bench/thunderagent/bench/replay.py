@@ -31,6 +31,7 @@ from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import (
     SCHEDULERS,
     Replay,
@@ -43,6 +44,7 @@ from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
 from thunderagent.scheduling.params import ParamError, SchedParams
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stats import percentile
 
 
@@ -109,11 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="thunderagent bench replay", description=__doc__.split("\n")[0]
     )
     p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--workers", type=at_least(1), default=8)
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--policies", default="all", help="comma list of routing policies, or all")
     p.add_argument("--speed", type=_floats, default=[1.0], help="arrival-rate multiplier(s)")
-    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--report", type=Path, default=None, help="markdown report file")
@@ -124,13 +126,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "scheduler, every peer with direct dispatch)",
     )  # fmt: skip
     p.add_argument(
-        "--slo-ttft-p99-ms", type=float, default=None,
+        "--slo-ttft-p99-ms", type=positive, default=None,
         help="TTFT SLO for capacity and goodput (default: the trace's p99 no-cache prefill "
         "time + 3 s)",
     )  # fmt: skip
-    p.add_argument("--load-interval", type=float, default=0.1, help="virtual s between reports")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per trace block")
-    p.add_argument("--index-ttl", type=float, default=None, help="prefix index TTL s (off)")
+    p.add_argument("--load-interval", type=positive, default=0.1, help="virtual s between reports")
+    p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
+    p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
     p.add_argument(
         "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
     )

@@ -17,6 +17,7 @@ import time
 from thunderagent.bench.jsonfile import dumps
 from thunderagent.router_core import RouterCore, RouterParams
 from thunderagent.schemas import BlocksStored, KvEventBatch, LoadReport, WorkerRegistration
+from thunderagent.shell.argtypes import at_least
 
 BLOCK_SIZE = 16
 
@@ -65,11 +66,11 @@ def time_decisions(core: RouterCore, blocks: int, decisions: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--indexed", type=int, default=20000, help="blocks indexed per worker")
+    p.add_argument("--workers", type=at_least(1), default=8)
+    p.add_argument("--blocks", type=at_least(1), default=64)
+    p.add_argument("--indexed", type=at_least(1), default=20000, help="blocks indexed per worker")
     p.add_argument("--policy", default="thunder")
-    p.add_argument("--decisions", type=int, default=5000)
+    p.add_argument("--decisions", type=at_least(1), default=5000)
     args = p.parse_args(argv)
     core = build_core(args.policy, args.workers, args.indexed)
     seconds = time_decisions(core, args.blocks, args.decisions)

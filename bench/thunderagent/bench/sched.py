@@ -22,10 +22,12 @@ from pathlib import Path
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import code_version
 from thunderagent.engine import Profile, get_profile
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.engine.timing import TimingModel
 from thunderagent.replay import Record, ReplayConfig, ReplayResult
 from thunderagent.replay.summary import alone_ttft_s
 from thunderagent.replay.workload_driver import run_open, run_programs
+from thunderagent.shell.argtypes import at_least
 from thunderagent.stats import percentile
 from thunderagent.workloads import AgentParams, AgentWorkload, MixedParams, MixedWorkload
 
@@ -388,8 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="thunderagent bench sched", description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="small workloads (CI smoke run)")
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--workers", type=at_least(1), default=8)
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--link-gbps",
@@ -399,7 +401,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
     p.add_argument(
-        "--programs", type=int, default=None, help="agent programs (default: 256 per 8 workers)"
+        "--programs",
+        type=at_least(1),
+        default=None,
+        help="agent programs (default: 256 per 8 workers)",
     )
     args = p.parse_args(argv)
     args.scenarios = args.only.split(",")

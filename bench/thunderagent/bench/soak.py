@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 TENANTS = (None, "tenant-a", "tenant-b")
@@ -344,11 +345,11 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    p.add_argument("--rate", type=float, default=30.0, help="requests per second")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--duration", type=positive, default=600.0, help="seconds of load")
+    p.add_argument("--rate", type=positive, default=30.0, help="requests per second")
+    p.add_argument("--workers", type=at_least(1), default=2)
     p.add_argument("--sample-s", type=float, default=5.0)
-    p.add_argument("--speedup", type=float, default=20.0, help="simulated engines' clock")
+    p.add_argument("--speedup", type=positive, default=20.0, help="simulated engines' clock")
     p.add_argument("--max-rss-slope", type=float, default=1.0, help="MB/min after warm-up")
     p.add_argument("--max-rss-growth", type=float, default=4.0, help="MB after warm-up")
     p.add_argument("--max-fd-growth", type=int, default=2)

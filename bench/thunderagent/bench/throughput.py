@@ -31,6 +31,7 @@ from thunderagent.bench import live, loadgen, profile
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
@@ -221,14 +222,16 @@ def _parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_RATES),
         help="requests per second to step through, comma-separated",
     )
-    p.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals per rate")
+    p.add_argument("--duration", type=positive, default=3.0, help="seconds of arrivals per rate")
     p.add_argument(
         "--bound-ms",
         type=float,
         default=10.0,
         help="added p99 a rate must stay within to count as held",
     )
-    p.add_argument("--workers", type=int, default=2, help="instant engines (one adapter each)")
+    p.add_argument(
+        "--workers", type=at_least(1), default=2, help="instant engines (one adapter each)"
+    )
     p.add_argument(
         "--routers", type=int, default=1, help="router replicas (one queue group; scale-out)"
     )
@@ -239,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         help="our requests over NATS (ThunderClient), or over HTTP through the gateway (with "
         "the router inside it: gateway-embedded), as the HTTP routers get theirs",
     )
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=64)
     p.add_argument(
         "--unique-tokens",
         type=int,

@@ -27,6 +27,7 @@ from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.engine import get_profile
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import (
     GenerateRequest,
@@ -35,6 +36,7 @@ from thunderagent.schemas import (
     MigrationReport,
     subjects,
 )
+from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 
@@ -137,17 +139,17 @@ def summarize(args, tokens: list[int], reports: list[MigrationReport], final, or
 # fmt: off
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=512, help="prefix length in blocks")
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-pool-scale", type=int, default=1,
+    p.add_argument("--blocks", type=at_least(1), default=512, help="prefix length in blocks")
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--kv-pool-scale", type=at_least(1), default=1,
                    help="divide the profile's KV bytes per block by this")
     p.add_argument("--mode", default="migrate", choices=["migrate", "replicate"])
-    p.add_argument("--moves", type=int, default=1,
+    p.add_argument("--moves", type=at_least(1), default=1,
                    help="move the prefix back and forth this many times (the JSON's top level "
                    "is the first, cold move; `moves` lists all)")
-    p.add_argument("--speedup", type=float, default=100.0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--speedup", type=positive, default=100.0)
+    p.add_argument("--timeout-s", type=positive, default=120.0)
     p.add_argument("--settle-s", type=float, default=0.5,
                    help="wait after the moves before the follow-up request")
     p.add_argument("--quiet-s", type=float, default=1.0,

@@ -26,8 +26,10 @@ from pathlib import Path
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
 from thunderagent.replay.summary import summarize
+from thunderagent.shell.argtypes import at_least
 
 PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
 
@@ -108,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         "scheduler); repeat for a grid of every combination",
     )
     p.add_argument("--peers", default=",".join(PEERS))
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
+    p.add_argument("--block-size", type=at_least(1), default=512)
     p.add_argument("--json", type=Path, default=None)
     return p
 
