@@ -78,3 +78,24 @@ def test_a_bad_policy_or_param_stops_a_service_before_it_connects(argv, words, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"thunderagent {argv[0]}: error: ") and words in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["replay", "--trace", "t.jsonl", "--block-size", "0"], "--block-size"),
+        (["replay", "--trace", "t.jsonl", "--profile", "nosuch"], "--profile"),
+        (["route", "--workers", "0"], "--workers"),
+        (["index", "--events", "0"], "--events"),
+        (["sched", "--programs", "0"], "--programs"),
+        (["live", "--rate", "0"], "--rate"),
+        (["gen", "--kind", "bursty", "--out", "t.jsonl", "--scale", "0"], "--scale"),
+    ],
+)
+def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
+    from thunderagent.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
