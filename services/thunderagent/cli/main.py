@@ -253,7 +253,7 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
 
 
 def _stack_commands(add) -> None:
-    from thunderagent.shell.argtypes import at_least
+    from thunderagent.shell.argtypes import at_least, positive
     from thunderagent.stack.up import add_stack_arguments
 
     p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
@@ -278,10 +278,10 @@ def _stack_commands(add) -> None:
     _nats_arg(p)
     p.add_argument("prompt", help="prompt text ('-' reads standard input)")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--max-tokens", type=at_least(1), default=64)
+    p.add_argument("--priority", type=int, choices=range(10), default=0, help="0 most urgent .. 9")
     p.add_argument("--json", action="store_true", help="print the final reply as JSON")
-    p.add_argument("--timeout", type=float, default=60.0, help="idle timeout, seconds")
+    p.add_argument("--timeout", type=positive, default=60.0, help="idle timeout, seconds")
 
 
 def _control_plane_commands(add) -> None:

@@ -42,6 +42,10 @@ def test_at_least_and_positive() -> None:
         (["simengine", "--page-size", "0"], "--page-size"),
         (["simengine", "--profile", "nosuch"], "--profile"),
         (["simengine", "--speedup", "-1"], "--speedup"),
+        (["request", "hi", "--max-tokens", "0"], "--max-tokens"),
+        (["request", "hi", "--priority", "12"], "--priority"),
+        (["gateway", "--default-max-tokens", "0"], "--default-max-tokens"),
+        (["migration", "--link-gbps", "0"], "--link-gbps"),
     ],
 )
 def test_out_of_range_flags_are_refused_at_parse_time(argv, flag, capsys) -> None:
