@@ -2,11 +2,13 @@
 
 A plugin is registered once, with ``@REGISTRY.register("name")`` on its class or factory
 function; registering a name twice is a bug and raises. ``create(name, **params)`` builds a new
-instance; an unknown name raises a ``ValueError`` that lists the known ones.
+instance; an unknown name, or a parameter the factory does not take, raises a ``ValueError``
+that lists the known ones.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +39,13 @@ class Registry(Generic[T]):
         except KeyError:
             known = ", ".join(self.names())
             raise ValueError(f"unknown {self.kind} {name!r}; known: {known}") from None
+        accepted = _keywords(factory)
+        unknown = sorted(set(params) - accepted) if accepted is not None else []
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+                f"its parameters: {', '.join(sorted(accepted))}"  # type: ignore[arg-type]
+            )
         return factory(**params)
 
     def names(self) -> list[str]:
@@ -47,3 +56,14 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def _keywords(factory: Callable[..., Any]) -> set[str] | None:
+    """The keyword parameters ``factory`` takes; None when it takes any (``**params``)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}

@@ -44,6 +44,13 @@ def _direct(**params: Any) -> Scheduler:
 
 def _preset(name: str, knobs: dict[str, Any]) -> Callable[..., Scheduler]:
     def factory(**params: Any) -> Scheduler:
+        unknown = sorted(set(params) - set(SchedParams.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(sorted(SchedParams.__dataclass_fields__))
+            missing = ", ".join(map(repr, unknown))
+            raise ValueError(
+                f"scheduler {name!r} has no parameter {missing}; its parameters: {known}"
+            )
         return ThunderScheduler(SchedParams(**{**knobs, **params}), name=name)
 
     return factory
