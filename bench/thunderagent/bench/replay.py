@@ -99,6 +99,10 @@ def _params(items: list[str]) -> dict[str, dict]:
 def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
     """``FIELD=VALUE`` (VALUE as JSON, else a string) -> SchedParams overrides, checked now."""
     out = _params([f"scheduler.{item}" for item in items]).get("scheduler", {})
+    unknown = sorted(set(out) - set(SchedParams.__dataclass_fields__))
+    if unknown:
+        known = ", ".join(sorted(SchedParams.__dataclass_fields__))
+        p.error(f"--sched-param: no scheduler parameter {', '.join(unknown)}; known: {known}")
     try:
         SchedParams(**out).validate()
     except (ParamError, TypeError) as err:
@@ -156,6 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
         hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
         p.error(f"--param names {idle}, which this run does not replay ({args.policies}){hint}")
+    for policy, values in args.params.items():
+        try:  # built once now: a bad name or value is a usage error, not a traceback mid-sweep
+            POLICIES.create(policy, **values)
+        except (ValueError, TypeError) as err:
+            p.error(f"--param: {err}")
     args.sched_params = _sched_overrides(args.sched_param, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     return args

@@ -106,3 +106,21 @@ def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
         main(argv[1:])
     assert info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--param", "thunder.nosuch=1"], "routing policy 'thunder' has no parameter 'nosuch'"),
+        (["--param", "thunder.recompute_gain=-1"], "recompute_gain=-1"),
+        (["--sched-param", "nosuch=1"], "no scheduler parameter nosuch"),
+        (["--sched-param", "kv_watermark=2"], "kv_watermark=2"),
+    ],
+)
+def test_replay_checks_policy_and_scheduler_parameters_before_any_run(flags, words, capsys) -> None:
+    from thunderagent.bench.replay import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--trace", "t.jsonl", "--policies", "thunder", *flags])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
