@@ -29,6 +29,8 @@ from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
 from thunderagent.replay.summary import summarize
+from thunderagent.routing import POLICIES
+from thunderagent.scheduling import SCHEDULERS
 from thunderagent.shell.argtypes import at_least
 
 PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
@@ -154,6 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     params = [_values(text) for text in args.param]
     cands = candidates(params)
+    for name, route, sched in cands:  # built once now: a bad name is one line, before any run
+        try:
+            POLICIES.create("thunder", **route)
+            SCHEDULERS.create("thunder", **sched)
+        except (ValueError, TypeError) as err:
+            raise SystemExit(f"bench tune: --param ({name}): {err}") from None
     speeds = [float(s) for s in args.speeds.split(",")]
     peers = args.peers.split(",")
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
