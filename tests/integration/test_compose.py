@@ -317,7 +317,10 @@ def test_k8s_manifests_hold_together():
             continue
         for c in d["spec"]["template"]["spec"]["containers"]:
             if c["image"] == "thunderagent":
-                parse_cli(c["args"])
+                # Kubernetes expands $(VAR) from the container's env before the process starts
+                parse_cli(
+                    [a.replace("$(POD_NAME)", "worker-sim-7d9f8b6c4-x2k9z") for a in c["args"]]
+                )
 
 
 # --- live: the compose commands as local processes, per-role NATS credentials ---------------

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from thunderagent.schemas.ids import is_valid_worker_id
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -33,3 +36,34 @@ def positive(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def worker_id(text: str) -> str:
+    """A worker id: it names NATS subjects, so 1-64 of ``[A-Za-z0-9_-]``."""
+    if not is_valid_worker_id(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not 1-64 of [A-Za-z0-9_-] (it names subjects)"
+        )
+    return text
+
+
+def http_url(text: str) -> str:
+    """An engine's base URL: ``http(s)://host[:port][/prefix]``."""
+    url = urlsplit(text)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a base URL like http://127.0.0.1:30000")
+    return text.rstrip("/")
+
+
+def zmq_endpoint(text: str) -> str:
+    """A ZMQ endpoint the adapter connects to: ``tcp://host:port`` or ``ipc://path``."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or not rest or scheme not in ("tcp", "ipc"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a ZMQ endpoint like tcp://127.0.0.1:5557"
+        )
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r} needs a host and a port: tcp://HOST:PORT")
+    return text

@@ -374,22 +374,28 @@ def _gateway_command(add) -> None:
 
 def _worker_commands(add) -> None:
     from thunderagent.engine.profiles import PRESETS
-    from thunderagent.shell.argtypes import at_least, positive
+    from thunderagent.shell.argtypes import at_least, http_url, positive, worker_id, zmq_endpoint
 
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
     _metrics_arg(p)
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", type=worker_id, required=True)
     p.add_argument(
-        "--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000"
+        "--engine-url",
+        type=http_url,
+        required=True,
+        help="engine base URL, e.g. http://127.0.0.1:30000",
     )
     p.add_argument(
-        "--kv-events", default=None, help="engine ZMQ KV-event endpoint (tcp://host:port)"
+        "--kv-events",
+        type=zmq_endpoint,
+        default=None,
+        help="engine ZMQ KV-event endpoint (tcp://host:port)",
     )
     p.add_argument("--model", default=None, help="model name (default: what the engine reports)")
-    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--lease-s", type=positive, default=10.0)
     p.add_argument(
-        "--max-request-s", type=float, default=600.0,
+        "--max-request-s", type=positive, default=600.0,
         help="abort a run at the engine after this long (frees its slot; the client is told)",
     )  # fmt: skip
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])

@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from thunderagent.cli.main import build_parser
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, http_url, positive, zmq_endpoint
 
 
 def test_at_least_and_positive() -> None:
@@ -43,6 +43,16 @@ def test_at_least_and_positive() -> None:
         (["simengine", "--profile", "nosuch"], "--profile"),
         (["simengine", "--speedup", "-1"], "--speedup"),
         (["request", "hi", "--max-tokens", "0"], "--max-tokens"),
+        (["worker", "--worker-id", "w.0", "--engine-url", "http://e:1"], "--worker-id"),
+        (["worker", "--worker-id", "w0", "--engine-url", "localhost:30000"], "--engine-url"),
+        (
+            ["worker", "--worker-id", "w0", "--engine-url", "http://e:1", "--lease-s", "0"],
+            "--lease-s",
+        ),
+        (
+            ["worker", "--worker-id", "w0", "--engine-url", "http://e:1", "--kv-events", "e:5557"],
+            "--kv-events",
+        ),
         (["request", "hi", "--priority", "12"], "--priority"),
         (["gateway", "--default-max-tokens", "0"], "--default-max-tokens"),
         (["migration", "--link-gbps", "0"], "--link-gbps"),
@@ -53,6 +63,18 @@ def test_out_of_range_flags_are_refused_at_parse_time(argv, flag, capsys) -> Non
         build_parser().parse_args(argv)
     assert info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_worker_flags_in_the_forms_compose_and_kubernetes_use_parse() -> None:
+    args = build_parser().parse_args(
+        ["worker", "--worker-id", "worker-sim-7d9f8-abcde", "--engine-url", "http://engine-0:30000/",
+         "--kv-events", "tcp://engine-0:5557"]
+    )  # fmt: skip
+    assert (args.worker_id, args.engine_url, args.kv_events) == (
+        "worker-sim-7d9f8-abcde", "http://engine-0:30000", "tcp://engine-0:5557",
+    )  # fmt: skip
+    assert zmq_endpoint("ipc:///tmp/kv.sock") == "ipc:///tmp/kv.sock"
+    assert http_url("https://gpu-3.internal/sglang") == "https://gpu-3.internal/sglang"
 
 
 def test_the_defaults_parse() -> None:
