@@ -43,7 +43,6 @@ from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
-from thunderagent.scheduling.params import ParamError, SchedParams
 from thunderagent.shell.argtypes import at_least, positive
 from thunderagent.stats import percentile
 
@@ -99,13 +98,9 @@ def _params(items: list[str]) -> dict[str, dict]:
 def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
     """``FIELD=VALUE`` (VALUE as JSON, else a string) -> SchedParams overrides, checked now."""
     out = _params([f"scheduler.{item}" for item in items]).get("scheduler", {})
-    unknown = sorted(set(out) - set(SchedParams.__dataclass_fields__))
-    if unknown:
-        known = ", ".join(sorted(SchedParams.__dataclass_fields__))
-        p.error(f"--sched-param: no scheduler parameter {', '.join(unknown)}; known: {known}")
-    try:
-        SchedParams(**out).validate()
-    except (ParamError, TypeError) as err:
+    try:  # the registry names an unknown parameter; the params validate the values
+        SCHEDULERS.create("thunder", **out)
+    except (ValueError, TypeError) as err:
         p.error(f"--sched-param: {err}")
     return out
 
@@ -147,21 +142,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     migration_cli.add_arguments(p)
-    args = p.parse_args(argv)
+    return _checked(p.parse_args(argv), p)
+
+
+def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
+    """What no flag's type can check alone: policies, and every override built once now (a bad
+    name or value is a usage error, not a traceback mid-sweep)."""
     names = POLICIES.names()
     args.policy_list = names if args.policies == "all" else args.policies.split(",")
     unknown = [x for x in args.policy_list if x not in names]
     if unknown:
         p.error(f"unknown policies {unknown}; known: {names}")
-    if args.workers < 1 or args.load_interval <= 0:
-        p.error("--workers must be >= 1 and --load-interval > 0")
     args.params = _params(args.param)
     idle = sorted(set(args.params) - set(args.policy_list))
     if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
         hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
         p.error(f"--param names {idle}, which this run does not replay ({args.policies}){hint}")
     for policy, values in args.params.items():
-        try:  # built once now: a bad name or value is a usage error, not a traceback mid-sweep
+        try:
             POLICIES.create(policy, **values)
         except (ValueError, TypeError) as err:
             p.error(f"--param: {err}")

@@ -135,7 +135,7 @@ def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
     [
         (["--param", "thunder.nosuch=1"], "routing policy 'thunder' has no parameter 'nosuch'"),
         (["--param", "thunder.recompute_gain=-1"], "recompute_gain=-1"),
-        (["--sched-param", "nosuch=1"], "no scheduler parameter nosuch"),
+        (["--sched-param", "nosuch=1"], "scheduler 'thunder' has no parameter 'nosuch'"),
         (["--sched-param", "kv_watermark=2"], "kv_watermark=2"),
     ],
 )
