@@ -285,8 +285,6 @@ def _stack_commands(add) -> None:
 
 
 def _control_plane_commands(add) -> None:
-    from thunderagent.shell.argtypes import positive
-
     p = add("router", "run a router replica", _cmd_router)
     _nats_arg(p)
     _metrics_arg(p)
@@ -316,6 +314,10 @@ def _control_plane_commands(add) -> None:
     _nats_arg(p)
     _metrics_arg(p)
     p.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL for snapshots")
+
+
+def _migration_command(add) -> None:
+    from thunderagent.shell.argtypes import positive
 
     p = add("migration", "run the migration service (hot prefixes copied and moved)",
             _cmd_migration)  # fmt: skip
@@ -372,9 +374,8 @@ def _gateway_command(add) -> None:
     )  # fmt: skip
 
 
-def _worker_commands(add) -> None:
-    from thunderagent.engine.profiles import PRESETS
-    from thunderagent.shell.argtypes import at_least, http_url, positive, worker_id, zmq_endpoint
+def _worker_command(add) -> None:
+    from thunderagent.shell.argtypes import http_url, positive, worker_id, zmq_endpoint
 
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
@@ -400,6 +401,11 @@ def _worker_commands(add) -> None:
     )  # fmt: skip
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     p.add_argument("--tokenizer", default="thunderagent/bytes")
+
+
+def _simengine_command(add) -> None:
+    from thunderagent.engine.profiles import PRESETS
+    from thunderagent.shell.argtypes import at_least, positive
 
     p = add("simengine", "run a simulated SGLang engine (HTTP API + ZMQ KV events)", _cmd_simengine)
     p.add_argument("--host", default="127.0.0.1")
@@ -463,8 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _stack_commands(add)
     _control_plane_commands(add)
+    _migration_command(add)
     _gateway_command(add)
-    _worker_commands(add)
+    _worker_command(add)
+    _simengine_command(add)
     p = add("schemas", "write every message's JSON Schema and docs/messages.md", _cmd_schemas)
     p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
 
