@@ -1,10 +1,11 @@
 """Admission: does a worker have room for one more request?
 
 Room = running requests under the cap and KV held by running requests under
-``kv_watermark`` of the pool. Load reports lag behind dispatches, so the estimate adds what
-this scheduler sent (and saw finish) since the last report; KV adds the expected output of its
-running requests and the prompts the engine has not started; the running count never goes below
-what it knows it has running there itself. A
+``kv_watermark`` of the pool; for a request with nothing cached on the worker, also the
+uncached prompts sent there and not started under ``cold_prefill_queue_tokens``. Load reports
+lag behind dispatches, so the estimate adds what this scheduler sent (and saw finish) since the
+last report; KV adds the expected output of its running requests and the prompts the engine has
+not started; the running count never goes below what it knows it has running there itself. A
 worker with nothing running always admits one request, however large, so a big prompt cannot
 wait forever.
 """
@@ -33,6 +34,8 @@ class WorkerLoad:
     pending_blocks: int = 0
     """Blocks (prompt + expected output) of requests the engine has not started yet."""
     prompt_since_report: int = 0
+    pending_prefill: int = 0
+    """Uncached prompt tokens of requests sent here that the engine has not started."""
     started_runs: int = 0
     started_output_tokens: int = 0
     """Expected output of the started runs here; with ``started_at_sum``, what is still to be
@@ -43,12 +46,15 @@ class WorkerLoad:
 
 class Headroom(NamedTuple):
     """One worker's admission state: no slot left (``full``), any request fits (``open``:
-    nothing running, or no KV total reported), else KV in use against the watermark."""
+    nothing running, or no KV total reported), else KV in use against the watermark; and
+    whether its prompts not started have reached ``cold_prefill_queue_tokens`` (a request with
+    nothing cached there then waits: the dispatch pass decides, since it knows the hit)."""
 
     full: bool
     open: bool
     kv_blocks: int
     kv_limit: float
+    prefill_full: bool = False
 
     def fits(self, need_blocks: int) -> bool:
         if self.full:
@@ -124,21 +130,23 @@ class Admission:
         """What ``has_room`` decides from, for any ``need_blocks``: valid until the next
         change to this worker's books (a charge, a discharge, a report, the clock)."""
         running = self.running(worker_id)
-        if running >= self.cap(worker_id):
-            return Headroom(True, False, 0, 0.0)
         load = self.load(worker_id)
+        pf = self._prefill_full(load)
+        if running >= self.cap(worker_id):
+            return Headroom(True, False, 0, 0.0, pf)
         total = load.room.kv_total_blocks if load.room is not None else 0
         if running == 0 or total <= 0:
-            return Headroom(False, True, 0, 0.0)
-        return Headroom(False, False, self.kv_blocks(worker_id), self.params.kv_watermark * total)
+            return Headroom(False, True, 0, 0.0, pf)
+        limit = self.params.kv_watermark * total
+        return Headroom(False, False, self.kv_blocks(worker_id), limit, pf)
 
     def room(self, worker_id: str, need_blocks: int) -> int:
         """How many more requests of ``need_blocks`` each ``has_room`` would admit now."""
         running = self.running(worker_id)
         slots = self.cap(worker_id) - running
-        if slots <= 0:
-            return 0
         load = self.load(worker_id)
+        if slots <= 0 or self._prefill_full(load):
+            return 0
         total = load.room.kv_total_blocks if load.room is not None else 0
         if total <= 0 or need_blocks <= 0:
             return slots
@@ -147,10 +155,17 @@ class Admission:
             fit = max(fit, 1)  # an idle worker always takes one, however large
         return max(0, min(slots, fit))
 
-    def charge(self, worker_id: str, blocks: int, output_blocks: int = 0) -> None:
+    def _prefill_full(self, load: WorkerLoad) -> bool:
+        bound = self.params.cold_prefill_queue_tokens
+        return bound > 0 and load.pending_prefill >= bound
+
+    def charge(
+        self, worker_id: str, blocks: int, output_blocks: int = 0, prefill_tokens: int = 0
+    ) -> None:
         """A request of ``blocks`` new KV blocks (``output_blocks`` of them its expected
-        output) was sent to ``worker_id``."""
+        output) and ``prefill_tokens`` uncached prompt tokens was sent to ``worker_id``."""
         load = self.load(worker_id)
+        load.pending_prefill += prefill_tokens
         load.sent_since_report += 1
         load.prompt_since_report += blocks - output_blocks
         load.own_running += 1
@@ -158,13 +173,20 @@ class Admission:
         load.pending_blocks += blocks
 
     def started(
-        self, worker_id: str, blocks: int, output_tokens: int, now: float, block_size: int
+        self,
+        worker_id: str,
+        blocks: int,
+        output_tokens: int,
+        now: float,
+        block_size: int,
+        prefill_tokens: int = 0,
     ) -> None:
         """The engine started a request charged here: its report shows the prompt from now,
         and its output as it is generated."""
         load = self.workers.get(worker_id)
         if load is None:
             return
+        load.pending_prefill = max(load.pending_prefill - prefill_tokens, 0)
         load.pending_blocks = max(load.pending_blocks - blocks, 0)
         load.started_runs += 1
         load.started_output_tokens += output_tokens
@@ -178,11 +200,14 @@ class Admission:
         *,
         started_at: float | None = None,
         output_tokens: int = 0,
+        prefill_tokens: int = 0,
     ) -> None:
         """A run charged here ended (``started_at``: when the engine started it, if it did)."""
         load = self.workers.get(worker_id)
         if load is None:
             return
+        if started_at is None:
+            load.pending_prefill = max(load.pending_prefill - prefill_tokens, 0)
         load.done_since_report += 1
         load.own_running = max(load.own_running - 1, 0)
         load.own_blocks = max(load.own_blocks - blocks, 0)

@@ -33,6 +33,7 @@ from typing import Any
 
 from thunderagent.scheduling.admission import Headroom, kv_need, output_blocks
 from thunderagent.scheduling.api import Action, Dispatch, Preempt, SchedRequest
+from thunderagent.scheduling.ordering import uncached_prompt_tokens
 from thunderagent.scheduling.pd import pick_decode_worker
 from thunderagent.scheduling.preemption import Running
 from thunderagent.scheduling.programs import PAUSED
@@ -168,6 +169,13 @@ class DispatchPass:
             heapq.heappush(self.queues[w], (entry.key, entry.seq, entry.req.request_id))
             blocked.add(w)
 
+    def _cold_held(self, req: SchedRequest, w: str) -> bool:
+        """``req`` has nothing cached on ``w``, whose queue of prompts not started is at the
+        bound (``cold_prefill_queue_tokens``): it waits here."""
+        if not self._room(w).prefill_full:
+            return False
+        return not self.groups.first_uncached(w, req.block_hashes, self._cached(req, w))
+
     def _has_room(self, w: str, need: int) -> bool:
         """``admission.has_room`` with each worker's state read once per dispatch pass: past
         capacity a pass tries every spilled request on every open worker, and only a commit
@@ -226,8 +234,9 @@ class DispatchPass:
                 entry.state = HELD
                 return False
         need = kv_need(req, cached)
-        if not self._has_room(w, need):
-            return False
+        room = self._room(w)
+        if not room.fits(need) or (room.prefill_full and not cached):
+            return False  # no room; or cold, and it waits in this queue, not the engine's
         decode = None
         if p.pd_mode == "disaggregated":
             decode = self._decode_worker(w, need)
@@ -245,7 +254,7 @@ class DispatchPass:
         del self.entries[rid]
         self._rooms.clear()
         out = output_blocks(req)
-        self.admission.charge(w, need, out)
+        self.admission.charge(w, need, out, uncached_prompt_tokens(req, cached))
         self._note_need(need)
         if decode is not None:
             self.admission.charge(decode, need, out)
@@ -284,8 +293,8 @@ class DispatchPass:
         if not self.params.preemption:
             return False
         on_w = self.runs_on.get(w)
-        if not on_w:
-            return False
+        if not on_w or self._cold_held(entry.req, w):
+            return False  # ending a run does not shorten the queue of prompts not started
         allowed = self.preemptor.allowed_at(w)
         if allowed > now:  # rate-limited (``pick``'s first test): retry once it is not
             self._retry_at = min(self._retry_at or allowed, allowed)

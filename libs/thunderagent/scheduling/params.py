@@ -39,6 +39,23 @@ class SchedParams:
     virtual time) 0.9 against 1.0 gave TTFT p99 1,687 / 798 ms, 3,966 / 850 ms and
     12,797 / 7,033 ms on the hot-spot trace at 8x / 10x / 12x, and 3,860 / 3,316 ms and
     11,251 / 9,210 ms on the bursty trace at 10x / 12x; below those loads they are identical."""
+    cold_prefill_queue_tokens: int = 32768
+    """A request with nothing of its prompt cached on a worker is not sent there while the
+    prompts sent there and not started yet (no first token) hold this many uncached tokens: it
+    waits here instead (0: no bound). SGLang's engine serves its waiting requests first come,
+    first served; waiting here, they go in this queue's order (priority + SRPT), so in a burst
+    the short prompts pass the long ones, and a request that spills may go to whichever worker
+    starts its queue first. A request with a prefix cached on the worker is never held by it
+    (its hit is what it waits for). 32,768 tokens is four of SGLang's default 8,192-token
+    prefill chunks, about a second of prefill for the 8B model on an H100: the engine's queue
+    does not run dry between first tokens. Chosen on generated bursty traffic without shared
+    prefixes (``bench gen --kind bursty`` with no system prompt, one request per document,
+    1,500-token documents; thunder as deployed, seeds 0-2, TTFT p99 summed over 1-12x, s):
+    off 35.60, 8,192 33.61, 16,384 33.72, 24,576 33.98, 32,768 33.63, 65,536 34.52; capacity
+    at every bound 16 / 8 / 12x against 16 / 4 / 8x off (65,536: 20x on seed 0). Its order is
+    what helps: with ``order`` fcfs the bound changes nothing there. Traffic with shared
+    prefixes (the bursty, hot-spot and agent workloads) rarely has a cold request; holding
+    requests with a hit as well (any bound) lost capacity there (bursty seed 0: 12x -> 6x)."""
     spill_after_s: float = 0.5
     """A request whose first candidate gave it no room this long may go to the next one: long
     enough that a short decode frees a slot first, short against a re-prefill elsewhere."""

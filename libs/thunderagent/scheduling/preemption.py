@@ -42,13 +42,18 @@ class Running:
     started_at: float | None = None
     decode_worker: str | None = None
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens it prefills where it runs (its cached prefix there excluded)."""
+        return uncached_prompt_tokens(self.req, self.cached_blocks)
+
     def left(self, now: float, p: SchedParams) -> tuple[int, float]:
         """Output tokens still to decode (below zero past the expected length) and seconds to
         the last token: what is left to prefill, if it has not started, then to decode. One
         call: ``pick`` asks it of every run on a full worker at every poll."""
         out = remaining_output_tokens(self.req)
         if self.started_at is None:
-            prefill = uncached_prompt_tokens(self.req, self.cached_blocks) / p.prefill_tokens_per_s
+            prefill = self.prefill_tokens / p.prefill_tokens_per_s
             return out, max(prefill - (now - self.dispatched_at), 0.0) + out / p.decode_tokens_per_s
         tokens = out - int((now - self.started_at) * p.decode_tokens_per_s)
         return tokens, max(tokens, 0) / p.decode_tokens_per_s

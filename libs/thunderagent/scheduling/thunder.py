@@ -26,7 +26,12 @@ from thunderagent.scheduling.admission import Admission, Headroom, kv_need, outp
 from thunderagent.scheduling.api import Action, Reject, SchedRequest, WorkerRoom
 from thunderagent.scheduling.dispatch import HELD, QUEUED, SPILL, WINDOW, DispatchPass
 from thunderagent.scheduling.grouping import PrefixGroups
-from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
+from thunderagent.scheduling.ordering import (
+    order_key,
+    remaining_output_tokens,
+    service_s,
+    uncached_prompt_tokens,
+)
 from thunderagent.scheduling.params import SchedParams
 from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate
 from thunderagent.scheduling.preemption import Preemptor, Running
@@ -168,11 +173,14 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         if run is None or run.started_at is not None:
             return
         run.started_at = now
+        prefill = run.prefill_tokens
         if run.decode_worker is not None:  # the prefill worker is done with it
-            self.admission.discharge(run.worker_id, run.kv_blocks)
+            self.admission.discharge(run.worker_id, run.kv_blocks, prefill_tokens=prefill)
         else:
             out = remaining_output_tokens(run.req)
-            self.admission.started(run.worker_id, run.kv_blocks, out, now, run.req.block_size)
+            self.admission.started(
+                run.worker_id, run.kv_blocks, out, now, run.req.block_size, prefill
+            )
 
     def on_transfer_done(self, request_id: str, worker_id: str, now: float) -> None:
         self.gate.done(request_id)
@@ -210,7 +218,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self.counters["direct"] += 1
         cached = self._cached(request, worker_id)
         need, out = kv_need(request, cached), output_blocks(request)
-        self.admission.charge(worker_id, need, out)
+        self.admission.charge(worker_id, need, out, uncached_prompt_tokens(request, cached))
         self._add_run(Running(request, worker_id, cached, need, now))
         self.groups.lead(rid, worker_id, request.block_hashes, cached)
         self._note_need(need)
@@ -372,11 +380,16 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
                 del self.runs_on[run.worker_id]
             out = remaining_output_tokens(run.req)
             self.admission.discharge(
-                run.worker_id, run.kv_blocks, started_at=run.started_at, output_tokens=out
+                run.worker_id,
+                run.kv_blocks,
+                started_at=run.started_at,
+                output_tokens=out,
+                prefill_tokens=run.prefill_tokens,
             )
         else:  # the decode side is charged as pending until the end (no start is reported there)
             if run.started_at is None:
-                self.admission.discharge(run.worker_id, run.kv_blocks)
+                prefill = run.prefill_tokens
+                self.admission.discharge(run.worker_id, run.kv_blocks, prefill_tokens=prefill)
             self.admission.discharge(run.decode_worker, run.kv_blocks)
         self.gate.done(rid)
         for held in self.groups.on_leader_done(rid):
