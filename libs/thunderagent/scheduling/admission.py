@@ -141,7 +141,9 @@ class Admission:
         return Headroom(False, False, self.kv_blocks(worker_id), limit, pf)
 
     def room(self, worker_id: str, need_blocks: int) -> int:
-        """How many more requests of ``need_blocks`` each ``has_room`` would admit now."""
+        """How many more requests of ``need_blocks`` each ``has_room`` would admit now; none
+        once the cold prefill queue bound is reached (this counts credit for routers, which
+        would spend it whatever a request's hit)."""
         running = self.running(worker_id)
         slots = self.cap(worker_id) - running
         load = self.load(worker_id)
