@@ -33,7 +33,6 @@ from typing import Any
 
 from thunderagent.scheduling.admission import Headroom, kv_need, output_blocks
 from thunderagent.scheduling.api import Action, Dispatch, Preempt, SchedRequest
-from thunderagent.scheduling.ordering import uncached_prompt_tokens
 from thunderagent.scheduling.pd import pick_decode_worker
 from thunderagent.scheduling.preemption import Running
 from thunderagent.scheduling.programs import PAUSED
@@ -170,11 +169,13 @@ class DispatchPass:
             blocked.add(w)
 
     def _cold_held(self, req: SchedRequest, w: str) -> bool:
-        """``req`` has nothing cached on ``w``, whose queue of prompts not started is at the
-        bound (``cold_prefill_queue_tokens``): it waits here."""
-        if not self._room(w).prefill_full:
+        """``req`` has nothing cached on ``w`` (nor being prefilled there by a leader), whose
+        queue of prompts not started is at the bound (``cold_prefill_queue_tokens``): it
+        waits here. ``_try_dispatch`` asks the same of the hit it has computed already."""
+        room = self._room(w)
+        if not room.prefill_full:  # the usual case: no hit to look up
             return False
-        return not self.groups.first_uncached(w, req.block_hashes, self._cached(req, w))
+        return _cold(room, self.groups.first_uncached(w, req.block_hashes, self._cached(req, w)))
 
     def _has_room(self, w: str, need: int) -> bool:
         """``admission.has_room`` with each worker's state read once per dispatch pass: past
@@ -235,7 +236,7 @@ class DispatchPass:
                 return False
         need = kv_need(req, cached)
         room = self._room(w)
-        if not room.fits(need) or (room.prefill_full and not cached):
+        if not room.fits(need) or _cold(room, cached):
             return False  # no room; or cold, and it waits in this queue, not the engine's
         decode = None
         if p.pd_mode == "disaggregated":
@@ -254,12 +255,13 @@ class DispatchPass:
         del self.entries[rid]
         self._rooms.clear()
         out = output_blocks(req)
-        self.admission.charge(w, need, out, uncached_prompt_tokens(req, cached))
+        run = Running(req, w, cached, need, now, decode_worker=decode)
+        self.admission.charge(w, need, out, run.prefill_tokens)
         self._note_need(need)
         if decode is not None:
             self.admission.charge(decode, need, out)
             self.gate.start(rid, decode)
-        self._add_run(Running(req, w, cached, need, now, decode_worker=decode))
+        self._add_run(run)
         self.groups.lead(rid, w, req.block_hashes, cached)
         if self.params.programs and req.program_id is not None:
             self.programs.on_dispatch(req, w, now)
@@ -309,3 +311,9 @@ class DispatchPass:
         self.counters["preempted"] += 1
         out.append(Preempt(rid, w, reason=f"for {entry.req.request_id}"))
         return True
+
+
+def _cold(room: Headroom, hit_blocks: int) -> bool:
+    """A request with ``hit_blocks`` cached on a worker in state ``room`` is held by the cold
+    prefill queue bound: nothing of it is cached there and the bound is reached."""
+    return room.prefill_full and not hit_blocks

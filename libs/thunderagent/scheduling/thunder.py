@@ -26,12 +26,7 @@ from thunderagent.scheduling.admission import Admission, Headroom, kv_need, outp
 from thunderagent.scheduling.api import Action, Reject, SchedRequest, WorkerRoom
 from thunderagent.scheduling.dispatch import HELD, QUEUED, SPILL, WINDOW, DispatchPass
 from thunderagent.scheduling.grouping import PrefixGroups
-from thunderagent.scheduling.ordering import (
-    order_key,
-    remaining_output_tokens,
-    service_s,
-    uncached_prompt_tokens,
-)
+from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
 from thunderagent.scheduling.params import SchedParams
 from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate
 from thunderagent.scheduling.preemption import Preemptor, Running
@@ -218,8 +213,9 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self.counters["direct"] += 1
         cached = self._cached(request, worker_id)
         need, out = kv_need(request, cached), output_blocks(request)
-        self.admission.charge(worker_id, need, out, uncached_prompt_tokens(request, cached))
-        self._add_run(Running(request, worker_id, cached, need, now))
+        run = Running(request, worker_id, cached, need, now)
+        self.admission.charge(worker_id, need, out, run.prefill_tokens)
+        self._add_run(run)
         self.groups.lead(rid, worker_id, request.block_hashes, cached)
         self._note_need(need)
         self.counters["dispatched"] += 1
