@@ -367,7 +367,7 @@ def _row(mode: str, target: str, measured: float, met: bool) -> dict:
     return {"mode": mode, "target": target, "measured": measured, "met": bool(met)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--json", help="write the results as JSON to this file")
     ap.add_argument("--events", type=at_least(1), default=250_000)
@@ -382,19 +382,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="unpinned,pinned", help="unpinned, pinned or both")
     ap.add_argument("--no-dynamo", action="store_true", help="measure our index only")
     ap.add_argument("--handoff-calls", type=at_least(0), default=HANDOFF_CALLS)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _sides(w: Workload, bulk: list, no_dynamo: bool) -> tuple[list, str | None]:
+    """Our index, and Dynamo's when it can be imported; why Dynamo is left out, if it is."""
+    sides: list = [Ours(w, bulk)]
+    if no_dynamo:
+        return sides, "--no-dynamo"
+    try:
+        sides.append(Dynamo(w, bulk))
+    except Exception as exc:  # ImportError, or a broken native extension
+        return sides, f"dynamo not importable: {exc!r} (pip install ai-dynamo-runtime==1.6.1)"
+    return sides, None
+
+
+def _workload_facts(
+    w: Workload, bulk: list, ours: Ours, args: argparse.Namespace, build_s: float
+) -> dict:
+    depths = [max(ours.answer(q).values(), default=0) for q in w.queries]
+    return {
+        "workers": WORKERS,
+        "events": len(w.events),
+        "blocks": w.blocks,
+        "unique_blocks": w.unique_blocks,
+        "blocks_per_event": w.blocks / len(w.events),
+        "queries": len(w.queries),
+        "query_blocks": QUERY_BLOCKS,
+        "mean_best_match_blocks": sum(depths) / len(depths),
+        "bulk_events": len(bulk),
+        "bulk_blocks_per_event": BULK_BLOCKS,
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "build_s": round(build_s, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     w = build_workload(args.events, args.queries, args.seed)
     bulk = build_bulk(args.bulk, args.seed)
-    sides: list = [Ours(w, bulk)]
-    dynamo_skip = "--no-dynamo" if args.no_dynamo else None
-    if not args.no_dynamo:
-        try:
-            sides.append(Dynamo(w, bulk))
-        except Exception as exc:  # ImportError, or a broken native extension
-            dynamo_skip = f"dynamo not importable: {exc!r} (pip install ai-dynamo-runtime==1.6.1)"
+    sides, dynamo_skip = _sides(w, bulk, args.no_dynamo)
     build_s = time.perf_counter() - t0
     gc.collect()
     gc.freeze()
@@ -410,7 +440,6 @@ def main(argv: list[str] | None = None) -> int:
             agreement = sum(sides[0].answer(q) != sides[1].answer(q) for q in w.queries)
     set_affinity(all_cpus)
     ours = sides[0]
-    depths = [max(ours.answer(q).values(), default=0) for q in w.queries]
     head = modes.get("unpinned") or next(iter(modes.values()))
     result = {
         "ingest_blocks_per_s": round(head["thunderagent"]["ingest_blocks_per_s"]),
@@ -422,21 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "dynamo": {"skipped": dynamo_skip}
         if dynamo_skip
         else {"version": DYNAMO_VERSION, "answers_differ": agreement},
-        "workload": {
-            "workers": WORKERS,
-            "events": len(w.events),
-            "blocks": w.blocks,
-            "unique_blocks": w.unique_blocks,
-            "blocks_per_event": w.blocks / len(w.events),
-            "queries": len(w.queries),
-            "query_blocks": QUERY_BLOCKS,
-            "mean_best_match_blocks": sum(depths) / len(depths),
-            "bulk_events": len(bulk),
-            "bulk_blocks_per_event": BULK_BLOCKS,
-            "seed": args.seed,
-            "rounds": args.rounds,
-            "build_s": round(build_s, 2),
-        },
+        "workload": _workload_facts(w, bulk, ours, args, build_s),
         "hashing": bench_hashing(args.seed),
         "machine": {
             "python": sys.version.split()[0],
