@@ -5,7 +5,9 @@ started (a block size of 0 divided by zero in the engine; a negative worker coun
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from thunderagent.schemas.ids import is_valid_worker_id
@@ -67,3 +69,40 @@ def zmq_endpoint(text: str) -> str:
         if not colon or not host or not port.isdigit():
             raise argparse.ArgumentTypeError(f"{text!r} needs a host and a port: tcp://HOST:PORT")
     return text
+
+
+def _writable_parent(path: Path) -> None:
+    """The nearest existing folder above ``path`` must be a folder this process can write in
+    (the command creates the missing ones)."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(path)!r}: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{str(path)!r}: cannot write in {str(parent)!r}")
+
+
+def output_file(text: str) -> Path:
+    """A file the command writes, often only when a long run ends: checked when the command
+    line is parsed, so a path that cannot be written fails now, not after the run."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and cannot be written")
+    _writable_parent(path)
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A folder the command writes files into (created if missing), checked as ``output_file``."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write in {text!r}")
+    else:
+        _writable_parent(path)
+    return path
