@@ -105,6 +105,12 @@ class MigrationParams:
     """A target whose move failed is not chosen again for this long (doubling per failure)."""
 
     def validate(self) -> MigrationParams:
+        for f in fields(self):  # overrides come from command lines: JSON or strings
+            value, integral = getattr(self, f.name), isinstance(f.default, int)
+            if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
+                raise ParamError(
+                    f.name, value, "must be an integer" if integral else "must be a number"
+                )
         positive = (
             "kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s", "horizon_s",
             "window_s", "busy_s", "transfer_timeout_s", "max_tracked", "max_inflight",

@@ -184,6 +184,7 @@ class SchedParams:
     def validate(self) -> SchedParams:
         for f in fields(self):
             value = getattr(self, f.name)
+            _check_type(f.name, value, type(f.default))
             if isinstance(value, bool) or isinstance(value, str):
                 continue
             if value < 0:
@@ -203,3 +204,18 @@ class SchedParams:
         if self.fallback_max_running < 1:
             raise ParamError("fallback_max_running", self.fallback_max_running, "must be >= 1")
         return self
+
+
+def _check_type(name: str, value: object, kind: type) -> None:
+    """``value`` has the type of the knob's default (an int where a float is due is fine):
+    overrides arrive from command lines as JSON or strings, and a comparison below would
+    otherwise fail with Python's own message instead of the knob's name."""
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        words = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+        raise ParamError(name, value, f"must be {words.get(kind, kind.__name__)}")

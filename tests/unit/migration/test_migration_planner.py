@@ -365,6 +365,10 @@ def test_manual_orders_are_checked_and_booked() -> None:
         ({"pressure_live": 1.5}, "pressure_live", "fraction"),
         ({"cooldown_s": -1}, "cooldown_s", ">= 0"),
         ({"bogus": 1}, "bogus", "unknown"),
+        ({"hot_for_s": "abc"}, "hot_for_s", "must be a number"),
+        ({"hot_for_s": None}, "hot_for_s", "must be a number"),
+        ({"max_moves_per_prefix": 1.5}, "max_moves_per_prefix", "must be an integer"),
+        ({"replica_cap": True}, "replica_cap", "must be an integer"),
     ],
 )
 def test_bad_params_name_the_field_and_the_reason(values, field, fragment) -> None:
