@@ -76,5 +76,8 @@ def test_a_service_that_cannot_reach_nats_exits_with_one_line_saying_so() -> Non
     )  # fmt: skip
     assert done.returncode == 1 and "served" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert last == f"probe: cannot connect to NATS at nats://127.0.0.1:{port}: TimeoutError()"
+    assert last == (
+        f"probe: cannot connect to NATS at nats://127.0.0.1:{port}: "
+        "no server answered in 1 s (is it running?)"
+    )
     assert "Traceback" not in done.stderr

@@ -57,6 +57,29 @@ def http_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def nats_url(text: str) -> str:
+    """One NATS server URL or a comma list of them: ``nats://host[:port]`` (or tls, ws, wss)."""
+    for item in text.split(","):
+        url = urlsplit(item.strip())
+        if url.scheme not in ("nats", "tls", "ws", "wss") or not url.hostname:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not a NATS URL like nats://127.0.0.1:4222"
+            )
+        try:
+            url.port  # noqa: B018 - parsing the port is the check
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} has a bad port") from None
+    return text
+
+
+def readable_file(text: str) -> Path:
+    """A file the command reads when it starts something (a certificate, a key)."""
+    path = Path(text)
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file this process can read")
+    return path
+
+
 def zmq_endpoint(text: str) -> str:
     """A ZMQ endpoint the adapter connects to: ``tcp://host:port`` or ``ipc://path``."""
     scheme, sep, rest = text.partition("://")

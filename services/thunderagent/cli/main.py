@@ -17,7 +17,11 @@ DEFAULT_MODEL = "sim/llama-3.1-8b"
 
 
 def _nats_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats", default=DEFAULT_NATS, help="NATS URL (env THUNDERAGENT_NATS_URL)")
+    from thunderagent.shell.argtypes import nats_url
+
+    p.add_argument(
+        "--nats", type=nats_url, default=DEFAULT_NATS, help="NATS URL (env THUNDERAGENT_NATS_URL)"
+    )
     p.add_argument(
         "--creds", default=None,
         help="NATS credentials file or folder `thunderagent up` printed "
@@ -63,10 +67,10 @@ def _checked(command: str, build: Callable[[], object]) -> None:
         raise SystemExit(2) from None
 
 
-def _param_arg(p: argparse.ArgumentParser, what: str) -> None:
+def _param_arg(p: argparse.ArgumentParser, what: str, when: str = "") -> None:
     p.add_argument(
         "--param", action="append", default=[], metavar="FIELD=VALUE",
-        help=f"override a {what} parameter (repeatable; VALUE is JSON or a string)",
+        help=f"{when}override a {what} parameter (repeatable; VALUE is JSON or a string)",
     )  # fmt: skip
 
 
@@ -221,15 +225,26 @@ def _cmd_migration(args: argparse.Namespace) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
-    from thunderagent.stack.up import StackConfig, run_up
+    from thunderagent.stack.up import run_up
 
-    sys.exit(run_up(StackConfig.from_args(args)))
+    sys.exit(run_up(_stack_config("up", args)))
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
     from thunderagent.stack.demo import run_demo
 
+    _stack_config("demo", args)
     sys.exit(run_demo(args))
+
+
+def _stack_config(command: str, args: argparse.Namespace):
+    from thunderagent.stack.up import StackConfig
+
+    try:
+        return StackConfig.from_args(args)
+    except ValueError as err:
+        print(f"thunderagent {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _cmd_request(args: argparse.Namespace) -> None:
@@ -252,8 +267,21 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
     print(write_reference(Path(args.out) / "messages.md" if args.out else DOC_PATH))
 
 
+def _policy_list(text: str) -> str:
+    """A comma list of routing policies, each one the registry knows ('' for none)."""
+    from thunderagent.routing import POLICIES
+
+    unknown = [name for name in text.split(",") if name and name not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing policy {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(POLICIES.names())})"
+        )
+    return text
+
+
 def _stack_commands(add) -> None:
-    from thunderagent.shell.argtypes import at_least, positive
+    from thunderagent.shell.argtypes import at_least, output_file, positive
     from thunderagent.stack.up import add_stack_arguments
 
     p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
@@ -267,9 +295,13 @@ def _stack_commands(add) -> None:
         "--requests", type=at_least(1), default=200, help="requests in the demo workload"
     )
     p.add_argument("--concurrency", type=at_least(1), default=16)
-    p.add_argument("--json", dest="json_out", default=None, help="write the summary as JSON here")
+    p.add_argument(
+        "--json", dest="json_out", type=output_file, default=None,
+        help="write the summary as JSON here",
+    )  # fmt: skip
     p.add_argument(
         "--compare",
+        type=_policy_list,
         default="round_robin",
         help="also run the workload with these routing policies (comma list; '' for none)",
     )
@@ -366,7 +398,7 @@ def _gateway_command(add) -> None:
         "per request) instead of through a router service",
     )  # fmt: skip
     p.add_argument("--policy", default="thunder", help="with --embed-router: routing policy")
-    _param_arg(p, "with --embed-router: routing policy")
+    _param_arg(p, "routing policy", when="with --embed-router: ")
     p.add_argument("--seed", type=int, default=None, help="with --embed-router: tie-break seed")
     p.add_argument(
         "--redis", default=os.environ.get("THUNDERAGENT_REDIS_URL"),
@@ -473,8 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_command(add)
     _worker_command(add)
     _simengine_command(add)
+    from thunderagent.shell.argtypes import output_dir
+
     p = add("schemas", "write every message's JSON Schema and docs/messages.md", _cmd_schemas)
-    p.add_argument("--out", default=None, help="folder (default: schemas/json in the checkout)")
+    p.add_argument(
+        "--out", type=output_dir, default=None,
+        help="folder (default: schemas/json in the checkout)",
+    )  # fmt: skip
 
     from thunderagent.bench.cli import add_bench_parser
 
@@ -489,7 +526,13 @@ def main(argv: list[str] | None = None) -> None:
     for flag, env in (("creds", "THUNDERAGENT_NATS_CREDS"), ("nats_ca", "THUNDERAGENT_NATS_CA")):
         if getattr(args, flag, None):
             os.environ[env] = getattr(args, flag)
-    args.func(args)
+    try:
+        args.func(args)
+    except BrokenPipeError:
+        # the reader left (``| head``): stop as other command-line tools do, without a
+        # traceback, and without a second one when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -67,22 +67,25 @@ async def _conversation(client: ThunderClient, model: str, rng: random.Random, t
         history += done.text + "\n"
 
 
+def conversation_turns(requests: int, turns: int = 4) -> list[int]:
+    """Turns per conversation: ``turns`` each, the last one shorter, ``requests`` in all."""
+    return [min(turns, requests - start) for start in range(0, requests, turns)]
+
+
 async def run_workload(
     nats_url: str, model: str, requests: int, concurrency: int, seed: int = 0
 ) -> DemoResult:
     client = await ThunderClient.connect(nats_url, idle_timeout_s=60)
     rng = random.Random(seed)
     result = DemoResult()
-    turns = 4
-    conversations = max(1, requests // turns)
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(i: int) -> None:
+    async def one(i: int, turns: int) -> None:
         async with gate:
             await _conversation(client, model, random.Random(rng.random() + i), turns, result)
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(conversations)))
+    await asyncio.gather(*(one(i, n) for i, n in enumerate(conversation_turns(requests))))
     result.wall_s = time.perf_counter() - started
     await client.close()
     return result
@@ -128,7 +131,7 @@ def print_summary(summaries: dict[str, dict]) -> None:
     row("served from cache", lambda s: f"{s['cached_tokens']} ({s['cache_reuse']:.1%})")
     row("TTFT p50 / p99 (client, ms)", lambda s: f"{s['ttft_ms']['p50']} / {s['ttft_ms']['p99']}")
     row("mean end to end (ms)", lambda s: str(s["e2e_ms_mean"]))
-    row("requests per worker", lambda s: " ".join(str(n) for n in s["per_worker"].values()))
+    row("requests per worker", lambda s: " ".join(f"{w}:{n}" for w, n in s["per_worker"].items()))
     Console().print(table)
 
 
@@ -154,8 +157,8 @@ def run_demo(args: argparse.Namespace) -> int:
     summaries = {policy: run_once(args, policy) for policy in policies}
     print_summary(summaries)
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(summaries, fh, indent=2)
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(summaries, indent=2) + "\n")
     failed = {
         p: s["first_errors"] for p, s in summaries.items() if s["errors"] or not s["requests"]
     }

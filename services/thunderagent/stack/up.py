@@ -33,7 +33,7 @@ from thunderagent.embedded import (
 )
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.routing import POLICIES
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, nats_url, positive, readable_file
 from thunderagent.stack.readiness import wait_until_ready
 
 DEFAULT_MODEL = "sim/llama-3.1-8b"
@@ -57,7 +57,10 @@ def entry_point_settings(via: str, routers: int = 1) -> dict:
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=at_least(0), default=4, help="simulated workers to start")
-    p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
+    p.add_argument(
+        "--nats", type=nats_url, default=None,
+        help="use this NATS server instead of an embedded one",
+    )  # fmt: skip
     p.add_argument("--redis", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument(
@@ -81,8 +84,13 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
         help="a bare development bus: no NATS users (default: one generated login per role and "
         "per worker, in <run-dir>/creds)",
     )  # fmt: skip
-    p.add_argument("--tls-cert", default=None, help="NATS over TLS with this certificate (PEM)")
-    p.add_argument("--tls-key", default=None, help="the --tls-cert's private key (PEM)")
+    p.add_argument(
+        "--tls-cert", type=readable_file, default=None,
+        help="NATS over TLS with this certificate (PEM; needs --tls-key)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tls-key", type=readable_file, default=None, help="the --tls-cert's private key (PEM)"
+    )
     p.add_argument(
         "--gateways", type=at_least(0), default=1,
         help="OpenAI-compatible HTTP gateway processes sharing one port (0: none)",
@@ -142,6 +150,9 @@ class StackConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StackConfig:
+        """Raises ``ValueError`` for flags that are wrong only together."""
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together (NATS would run without TLS)")
         return cls(
             workers=args.workers,
             nats_url=args.nats,
