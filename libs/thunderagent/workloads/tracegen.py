@@ -90,6 +90,14 @@ def _check_fit(params: object) -> None:
             raise ParamError(
                 name, value, f"plus max output and 2048 question tokens exceeds {ctx=}"
             )
+    if hasattr(params, "hot_start_s"):  # a hot window past the traffic would be the trace's end
+        end = params.hot_start_s + params.hot_duration_s
+        if end > params.duration_s:
+            raise ParamError(
+                "hot_start_s", params.hot_start_s,
+                f"the hot window ({params.hot_start_s:g}-{end:g} s) must end within "
+                f"duration_s ({params.duration_s:g} s)",
+            )  # fmt: skip
     lo = getattr(params, "steps_min", 1)
     if lo > getattr(params, "steps_max", lo):
         raise ParamError("steps_min", lo, "must be <= steps_max")

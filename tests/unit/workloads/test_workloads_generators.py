@@ -187,6 +187,8 @@ def test_hotspot_background_conversations_grow() -> None:
         ("hotspot", {"hot_prefix_tokens": 40000}, "hot_prefix_tokens"),
         ("agent", {"steps_min": 9, "steps_max": 3}, "steps_min"),
         ("bursty", {"duration_s": "long"}, "duration_s"),
+        ("hotspot", {"duration_s": 5.0}, "hot_start_s"),  # the window ran to 360 s regardless
+        ("hotspot", {"hot_start_s": 590.0}, "hot_start_s"),
         ("mystery", {}, "kind"),
     ],
 )
