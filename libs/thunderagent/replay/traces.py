@@ -64,7 +64,7 @@ def _int(row: dict, key: str, low: int) -> int:
     return int(value)
 
 
-def _mooncake_row(i: int, row: object) -> TraceRequest:
+def _mooncake_row(i: int, row: object, block_size: int) -> TraceRequest:
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -78,12 +78,18 @@ def _mooncake_row(i: int, row: object) -> TraceRequest:
         isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in ids
     ):
         raise ValueError("'hash_ids' must be a list of unsigned 64-bit integers")
+    prompt = _int(row, "input_length", 1)
+    if len(ids) > -(-prompt // block_size):  # every trace we know has exactly this many
+        raise ValueError(
+            f"{len(ids)} hash_ids for {prompt} prompt tokens: more than one per "
+            f"{block_size}-token block (the replay's --block-size)"
+        )
     session = row.get("program_id", row.get("session_id"))
     step = row.get("step")
     return TraceRequest(
         request_id=str(i),
         arrival=ts / 1000.0,
-        prompt_len=_int(row, "input_length", 1),
+        prompt_len=prompt,
         output_len=max(1, _int(row, "output_length", 0)),
         block_ids=ids,
         session=None if session is None else str(session),
@@ -92,9 +98,12 @@ def _mooncake_row(i: int, row: object) -> TraceRequest:
     )
 
 
-def load_mooncake(path: Path | str, limit: int | None = None) -> list[TraceRequest]:
-    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``;
-    optional ``program_id``/``session_id`` and ``step``. Blank lines are skipped."""
+def load_mooncake(
+    path: Path | str, limit: int | None = None, block_size: int = 512
+) -> list[TraceRequest]:
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``
+    (at most one per ``block_size`` prompt tokens); optional ``program_id``/``session_id`` and
+    ``step``. Blank lines are skipped."""
     path = Path(path)
     out: list[TraceRequest] = []
     with path.open() as fh:
@@ -104,8 +113,13 @@ def load_mooncake(path: Path | str, limit: int | None = None) -> list[TraceReque
             if not line.strip():
                 continue
             try:
-                out.append(_mooncake_row(len(out), json.loads(line)))
-            except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+                row = json.loads(line)
+            except json.JSONDecodeError as err:  # its own "line 2" would count the newline
+                reason = f"not JSON: {err.msg} at column {err.colno}"
+                raise TraceError(path, lineno, reason) from None
+            try:
+                out.append(_mooncake_row(len(out), row, block_size))
+            except (ValueError, TypeError) as err:
                 raise TraceError(path, lineno, str(err)) from None
     return _ordered(out)
 
@@ -176,7 +190,7 @@ def load_trace(
     try:
         if path.suffix.lower() == ".csv":
             return load_azure(path, limit, block_size)
-        return load_mooncake(path, limit)
+        return load_mooncake(path, limit, block_size)
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise TraceError(path, 0, f"cannot read the trace: {reason}") from None

@@ -42,7 +42,12 @@ def test_mooncake_rows_in_arrival_order_with_seconds(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("bad", "reason"),
     [
-        ("{not json", "Expecting"),
+        ("{not json", "not JSON: Expecting property name enclosed in double quotes at column 2"),
+        ('{"timestamp": 0,', "not JSON: Expecting property name"),  # cut short: no "line 2"
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2]}',
+            "2 hash_ids for 10 prompt tokens: more than one per 512-token block",
+        ),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing field 'hash_ids'"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', ">= 1"),
@@ -57,7 +62,15 @@ def test_mooncake_malformed_line_names_file_and_line(tmp_path: Path, bad: str, r
         load_mooncake(path)
     assert info.value.line == 3
     assert str(info.value).startswith(f"{path}:3: ")
-    assert reason in info.value.reason
+    assert reason in info.value.reason and "line 2" not in info.value.reason
+
+
+def test_hash_ids_are_checked_against_the_replay_block_size(tmp_path: Path) -> None:
+    row = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+    path = write_jsonl(tmp_path, [json.dumps(row)])
+    assert load_trace(path, block_size=512)[0].block_ids == [1, 2]
+    with pytest.raises(TraceError, match="per 1024-token block"):
+        load_trace(path, block_size=1024)
 
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
