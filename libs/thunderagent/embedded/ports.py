@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
+from pathlib import Path
+
+_LOWEST = 10_000
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free now (a race with other processes is possible but rare)."""
+    """A port free now, for a child process to bind later. Chosen below the kernel's ephemeral
+    range: a port from that range (what binding port 0 gives) can be handed to another socket
+    before the child binds it, e.g. an engine's KV-event socket bound to ``*`` or an outgoing
+    connection, and a stack start then failed with "address already in use"."""
+    top = _ephemeral_start()
+    pick = random.SystemRandom()
+    for _ in range(100 if top > _LOWEST + 1000 else 0):
+        port = pick.randrange(_LOWEST, top)
+        if port_is_free(port, host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the usual start of the range
+        return 32_768
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
