@@ -47,4 +47,5 @@ if [ "${THUNDERAGENT_SKIP_CONTRACT:-0}" != "1" ]; then
   echo "== installing ai-dynamo-runtime==1.6.1 for the index agreement test"
   $PIP install -q --no-warn-conflicts "ai-dynamo-runtime==1.6.1"
 fi
-echo "== ready: $(.venv/bin/thunderagent --help | head -1)"
+.venv/bin/thunderagent --help >/dev/null  # the CLI imports and parses
+echo "== ready: .venv/bin/thunderagent (thunderagent --help lists its commands)"
