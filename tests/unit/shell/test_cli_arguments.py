@@ -9,7 +9,14 @@ import argparse
 import pytest
 
 from thunderagent.cli.main import build_parser
-from thunderagent.shell.argtypes import at_least, http_url, positive, zmq_endpoint
+from thunderagent.shell.argtypes import (
+    at_least,
+    http_url,
+    name_list,
+    positive,
+    positive_list,
+    zmq_endpoint,
+)
 
 
 def test_at_least_and_positive() -> None:
@@ -24,6 +31,24 @@ def test_at_least_and_positive() -> None:
         (positive, "nan", "positive"),
         (positive, "inf", "positive"),
         (positive, "x", "a number"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(text)
+
+
+def test_list_flags_refuse_empty_repeated_and_non_finite_items() -> None:
+    assert positive_list("2, 1,0.5") == [2.0, 1.0, 0.5]  # the order given: a sweep's order
+    assert name_list(["a", "b"])("b,a") == ["b", "a"]
+    for parse, text, words in [
+        (positive_list, "1,,2", "an empty item"),
+        (positive_list, "1,", "an empty item"),
+        (positive_list, "inf", "finite positive"),
+        (positive_list, "1,-1", "finite positive"),
+        (positive_list, "abc", "expected a number"),
+        (positive_list, "2,1,2", "2 given twice"),
+        (positive_list, "1,1.0", "given twice"),
+        (name_list(["a", "b"]), "a,c", "unknown 'c'; choose from a, b"),
+        (name_list(["a", "b"]), "a,a", "a given twice"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             parse(text)
