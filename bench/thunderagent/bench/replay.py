@@ -43,7 +43,7 @@ from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, name_list, positive, positive_list
 from thunderagent.stats import percentile
 
 
@@ -67,16 +67,9 @@ def code_version() -> str:
         return "unknown"
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas: {text!r}"
-        ) from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"speeds must be > 0: {text!r}")
-    return values
+def _policies(text: str) -> list[str]:
+    """``all``, or comma-separated routing policies (each once)."""
+    return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
 
 
 def _params(items: list[str]) -> dict[str, dict]:
@@ -112,8 +105,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument("--policies", default="all", help="comma list of routing policies, or all")
-    p.add_argument("--speed", type=_floats, default=[1.0], help="arrival-rate multiplier(s)")
+    p.add_argument(
+        "--policies", type=_policies, default="all",
+        help="comma list of routing policies, or all (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speed", type=positive_list, default=[1.0],
+        help="arrival-rate multiplier(s), comma list (default: 1)",
+    )  # fmt: skip
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -148,16 +147,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
     """What no flag's type can check alone: policies, and every override built once now (a bad
     name or value is a usage error, not a traceback mid-sweep)."""
-    names = POLICIES.names()
-    args.policy_list = names if args.policies == "all" else args.policies.split(",")
-    unknown = [x for x in args.policy_list if x not in names]
-    if unknown:
-        p.error(f"unknown policies {unknown}; known: {names}")
+    args.policy_list = args.policies
     args.params = _params(args.param)
     idle = sorted(set(args.params) - set(args.policy_list))
     if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
         hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
-        p.error(f"--param names {idle}, which this run does not replay ({args.policies}){hint}")
+        replayed = ",".join(args.policy_list)
+        p.error(f"--param names {idle}, which this run does not replay ({replayed}){hint}")
     for policy, values in args.params.items():
         try:
             POLICIES.create(policy, **values)

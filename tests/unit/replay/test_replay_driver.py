@@ -270,3 +270,34 @@ def test_capacity_names_the_highest_speed_met_and_the_highest_met_throughout() -
     assert (out["b"]["max_speed_meeting_slo"], out["b"]["sustained_speed"]) == (18, 18)
     assert (out["c"]["max_speed_meeting_slo"], out["c"]["sustained_speed"]) == (None, None)
     assert (out["d"]["max_speed_meeting_slo"], out["d"]["sustained_speed"]) == (18, None)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--speed", "inf"], "argument --speed: must be a finite positive number, got inf"),
+        (["--speed", "1,,2"], "argument --speed: an empty item in '1,,2'"),
+        (["--speed", "2,1,2"], "argument --speed: 2 given twice"),
+        (["--policies", "thunder,thunder"], "argument --policies: thunder given twice"),
+        (["--policies", "nosuch"], "argument --policies: unknown 'nosuch'"),
+    ],
+)
+def test_cli_sweep_lists_run_each_item_once(flags, words, capsys) -> None:
+    """A repeated speed or policy ran twice and its capacity was reported once; ``inf`` swept
+    nothing; an empty item vanished."""
+    from thunderagent.bench.replay import parse_args
+
+    assert parse_args(["--trace", "t.jsonl"]).policy_list == POLICIES.names()
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--trace", "t.jsonl", *flags])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_help_shows_the_sweep_defaults(capsys) -> None:
+    from thunderagent.bench.replay import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "or all (default: all)" in help_text and "comma list (default: 1)" in help_text
