@@ -72,25 +72,34 @@ def _policies(text: str) -> list[str]:
     return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
 
 
-def _params(items: list[str]) -> dict[str, dict]:
-    """``POLICY.FIELD=VALUE`` (VALUE as JSON, else a string) -> {policy: {field: value}}."""
+def _value(raw: str) -> object:
+    """An override's VALUE: JSON (a number, true, null), else the string as given."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
+    """``--param POLICY.FIELD=VALUE`` items -> {policy: {field: value}}."""
     out: dict[str, dict] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         policy, dot, name = key.partition(".")
-        if not sep or not dot:
-            raise SystemExit(f"--param {item!r}: expected POLICY.FIELD=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out.setdefault(policy, {})[name] = value
+        if not (sep and dot and policy and name):
+            p.error(f"--param {item!r}: expected POLICY.FIELD=VALUE")
+        out.setdefault(policy, {})[name] = _value(raw)
     return out
 
 
 def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
-    """``FIELD=VALUE`` (VALUE as JSON, else a string) -> SchedParams overrides, checked now."""
-    out = _params([f"scheduler.{item}" for item in items]).get("scheduler", {})
+    """``--sched-param FIELD=VALUE`` items -> SchedParams overrides, checked now."""
+    out: dict = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not (sep and name):
+            p.error(f"--sched-param {item!r}: expected FIELD=VALUE")
+        out[name] = _value(raw)
     try:  # the registry names an unknown parameter; the params validate the values
         SCHEDULERS.create("thunder", **out)
     except (ValueError, TypeError) as err:
@@ -148,7 +157,7 @@ def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.N
     """What no flag's type can check alone: policies, and every override built once now (a bad
     name or value is a usage error, not a traceback mid-sweep)."""
     args.policy_list = args.policies
-    args.params = _params(args.param)
+    args.params = _params(args.param, p)
     idle = sorted(set(args.params) - set(args.policy_list))
     if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
         hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""

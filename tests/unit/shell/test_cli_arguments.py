@@ -162,6 +162,10 @@ def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
         (["--param", "thunder.recompute_gain=-1"], "recompute_gain=-1"),
         (["--sched-param", "nosuch=1"], "scheduler 'thunder' has no parameter 'nosuch'"),
         (["--sched-param", "kv_watermark=2"], "kv_watermark=2"),
+        # a malformed item names its own flag and format (it said --param 'scheduler.x', exit 1)
+        (["--sched-param", "kv_watermark"], "--sched-param 'kv_watermark': expected FIELD=VALUE"),
+        (["--param", "thunder.x"], "--param 'thunder.x': expected POLICY.FIELD=VALUE"),
+        (["--param", "thunder.=1"], "--param 'thunder.=1': expected POLICY.FIELD=VALUE"),
     ],
 )
 def test_replay_checks_policy_and_scheduler_parameters_before_any_run(flags, words, capsys) -> None:
