@@ -169,8 +169,25 @@ def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.N
         except (ValueError, TypeError) as err:
             p.error(f"--param: {err}")
     args.sched_params = _sched_overrides(args.sched_param, p)
+    _sched_params_used(args, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
+    if args.migration_params and args.migration == "off":
+        p.error("--migration-param: --migration is off, so no migration planner runs")
     return args
+
+
+def _sched_params_used(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Scheduler knobs reach only runs with a scheduler: with every run on direct dispatch they
+    would be recorded in the JSON and change nothing."""
+    if not args.sched_params:
+        return
+    if any(scheduler_for(x, args.scheduler) != "direct" for x in args.policy_list):
+        return
+    p.error(
+        f"--sched-param: no run here uses the thunder scheduler (policies "
+        f"{','.join(args.policy_list)}, scheduler {args.scheduler or 'as deployed'}: each "
+        "dispatches direct, which has no knobs)"
+    )
 
 
 DEPLOYED_SCHEDULER = {"thunder": "thunder"}

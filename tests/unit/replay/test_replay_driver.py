@@ -301,3 +301,38 @@ def test_cli_help_shows_the_sweep_defaults(capsys) -> None:
         parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "or all (default: all)" in help_text and "comma list (default: 1)" in help_text
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            ["--policies", "round_robin", "--sched-param", "kv_watermark=0.5"],
+            "--sched-param: no run here uses the thunder scheduler (policies round_robin, "
+            "scheduler as deployed",
+        ),
+        (
+            ["--policies", "thunder", "--scheduler", "direct", "--sched-param", "order=fcfs"],
+            "(policies thunder, scheduler direct",
+        ),
+        (["--migration-param", "horizon_s=10"], "--migration-param: --migration is off"),
+    ],
+)
+def test_cli_overrides_no_run_would_use_are_refused(flags, words, capsys) -> None:
+    """They used to be recorded in the JSON's settings and change nothing."""
+    from thunderagent.bench.replay import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--trace", "t.jsonl", *flags])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_overrides_some_run_uses_are_kept() -> None:
+    from thunderagent.bench.replay import parse_args
+
+    base = ["--trace", "t.jsonl", "--sched-param", "order=fcfs"]
+    assert parse_args([*base, "--policies", "round_robin,thunder"]).sched_params == {
+        "order": "fcfs"
+    }
+    assert parse_args([*base, "--policies", "round_robin", "--scheduler", "fcfs"]).sched_params
