@@ -43,7 +43,14 @@ from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
-from thunderagent.shell.argtypes import at_least, name_list, positive, positive_list
+from thunderagent.shell.argtypes import (
+    at_least,
+    name_list,
+    output_dir,
+    output_file,
+    positive,
+    positive_list,
+)
 from thunderagent.stats import percentile
 
 
@@ -124,9 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--report", type=Path, default=None, help="markdown report file")
-    p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")
+    p.add_argument("--json", type=output_file, default=None, help="JSON results file")
+    p.add_argument("--report", type=output_file, default=None, help="markdown report file")
+    p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
     p.add_argument(
         "--scheduler", default=None, choices=SCHEDULERS.names(),
         help="one scheduler for every policy (default: each as deployed: thunder with its "
@@ -467,6 +474,12 @@ def main(argv: list[str] | None = None) -> None:
         doc, results = run(args)
     except TraceError as err:
         raise SystemExit(f"bad trace: {err}") from None
+    # the files first: a stdout closed early (``| head``) must not lose what the run measured
+    plots = write_plots(doc, results, args.plot) if args.plot else []
+    if args.json:
+        write_json(args.json, doc)
+    if args.report:
+        write_report(doc, args.report, plots, argv)
     print(table(doc))
     print()
     print(capacity_table(doc))
@@ -477,11 +490,6 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"
     )
-    plots = write_plots(doc, results, args.plot) if args.plot else []
-    if args.json:
-        write_json(args.json, doc)
-    if args.report:
-        write_report(doc, args.report, plots, argv)
 
 
 if __name__ == "__main__":

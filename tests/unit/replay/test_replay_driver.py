@@ -336,3 +336,42 @@ def test_cli_overrides_some_run_uses_are_kept() -> None:
         "order": "fcfs"
     }
     assert parse_args([*base, "--policies", "round_robin", "--scheduler", "fcfs"]).sched_params
+
+
+def test_cli_output_paths_are_checked_before_the_run(tmp_path: Path, capsys) -> None:
+    """A --plot on a file or a --json under a file was a traceback after the whole run."""
+    from thunderagent.bench.replay import parse_args
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for flags, words in (
+        (["--plot", str(a_file)], "argument --plot: "),
+        (["--json", str(a_file / "x.json")], "argument --json: "),
+        (["--report", str(tmp_path)], "argument --report: "),
+    ):
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--trace", "t.jsonl", *flags])
+        assert info.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_cli_writes_the_json_before_printing(tmp_path: Path, monkeypatch) -> None:
+    """``... | head -5`` closes stdout: the tables fail to print, the JSON is already written."""
+    from thunderagent.bench.replay import main
+
+    class ClosedPipe:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError
+
+        def flush(self) -> None:
+            pass
+
+    trace = tmp_path / "t.jsonl"
+    row = {"timestamp": 0, "input_length": 9, "output_length": 3, "hash_ids": [0, 1]}
+    trace.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):
+        main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "round_robin", "--quiet", "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["results"]
