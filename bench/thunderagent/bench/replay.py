@@ -400,10 +400,10 @@ def table(doc: dict) -> str:
 def capacity_table(doc: dict) -> str:
     """Capacity at the SLO: the highest swept speed each policy serves within it."""
     slo = doc["slo_ttft_p99_ms"]
-    lines = [
+    lines = [  # the ceiling first: the heading sits right above its table
+        *ceiling_lines(doc.get("work_ceiling")),
         f"Capacity at TTFT p99 <= {slo / 1000:.2f} s (nothing lost, nothing rejected):",
         "",
-        *ceiling_lines(doc.get("work_ceiling")),
         "| policy | scheduler | max speed meeting the SLO | every speed up to it meeting it |",
         "|---|---|---|---|",
     ]

@@ -191,7 +191,11 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
     assert "| thunder | 2 | 20 |" in report.read_text()
     assert "every speed up to it meeting it |" in report.read_text()
     assert "Work ceiling" in report.read_text()
-    assert "thunder" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    heading = next(i for i, line in enumerate(printed.splitlines()) if "Capacity at" in line)
+    assert printed.splitlines()[heading + 2].startswith("| policy | scheduler |")
+    assert printed.index("Work ceiling") < printed.index("Capacity at")
+    assert "thunder" in printed
 
 
 def test_cli_sched_params_reach_the_scheduler_and_bad_ones_are_refused(tmp_path: Path) -> None:
