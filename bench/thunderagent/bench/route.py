@@ -16,6 +16,7 @@ import time
 
 from thunderagent.bench.jsonfile import dumps
 from thunderagent.router_core import RouterCore, RouterParams
+from thunderagent.routing import POLICIES
 from thunderagent.schemas import BlocksStored, KvEventBatch, LoadReport, WorkerRegistration
 from thunderagent.shell.argtypes import at_least
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--blocks", type=at_least(1), default=64)
     p.add_argument("--indexed", type=at_least(1), default=20000, help="blocks indexed per worker")
-    p.add_argument("--policy", default="thunder")
+    p.add_argument("--policy", default="thunder", choices=POLICIES.names())
     p.add_argument("--decisions", type=at_least(1), default=5000)
     args = p.parse_args(argv)
     core = build_core(args.policy, args.workers, args.indexed)
