@@ -24,7 +24,7 @@ from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import NatsServer
 from thunderagent.schemas import Ack
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, output_file
 
 SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--messages", type=at_least(1), default=20_000)
     p.add_argument("--rounds", type=at_least(1), default=2)
     p.add_argument("--tracing", action="store_true", help="an SDK tracer provider, no exporter")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = p.parse_args(argv)
     if args.tracing:
         from opentelemetry import trace

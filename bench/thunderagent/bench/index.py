@@ -66,7 +66,7 @@ from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
 from thunderagent.schemas import KvEventBatch
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, output_file
 
 __all__ = ["build_workload", "main"]
 
@@ -369,7 +369,7 @@ def _row(mode: str, target: str, measured: float, met: bool) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--json", type=output_file, help="write the results as JSON to this file")
     ap.add_argument("--events", type=at_least(1), default=250_000)
     ap.add_argument("--queries", type=at_least(1), default=10_000)
     ap.add_argument(

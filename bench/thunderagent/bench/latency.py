@@ -39,7 +39,7 @@ from thunderagent.router.service import RouterConfig, embedded_router
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
 from thunderagent.shell import ServiceContext
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 from thunderagent.telemetry import Telemetry
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         "--embed-router", action="store_true",
         help="also time a client with a router replica in its own process (no router hop)",
     )  # fmt: skip
-    parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, policy=args.policy)
     prompt = [4 + (i * 31) % 250 for i in range(args.prompt_tokens)]

@@ -46,7 +46,7 @@ from thunderagent.embedded import free_port, nats_gomaxprocs
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -396,7 +396,7 @@ def _parser() -> argparse.ArgumentParser:
         default="both",
         help="HTTP baselines: reuse client connections, open one per request, or run both",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p
 
 

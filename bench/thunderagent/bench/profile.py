@@ -36,7 +36,7 @@ from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -265,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tracing on in every process at this sampling ratio (default: off)",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p  # fmt: skip
 
 

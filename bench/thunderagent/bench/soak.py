@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 TENANTS = (None, "tenant-a", "tenant-b")
@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-slope", type=float, default=1.0, help="MB/min after warm-up")
     p.add_argument("--max-rss-growth", type=float, default=4.0, help="MB after warm-up")
     p.add_argument("--max-fd-growth", type=int, default=2)
-    p.add_argument("--json", dest="json_out", default=None, help="write the figures here")
+    p.add_argument(
+        "--json", dest="json_out", type=output_file, default=None, help="write the figures here"
+    )
     args = p.parse_args(argv)
     cfg = SoakConfig(
         duration_s=args.duration, rate=args.rate, workers=args.workers, sample_s=args.sample_s,

@@ -31,7 +31,7 @@ from thunderagent.bench import live, loadgen, profile
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
@@ -269,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
         help="HTTP routers: reuse client connections, or one per request (sglang-router "
         "0.3.2 leaves Nagle on: keep-alive answers wait ~40 ms for a delayed ACK)",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p  # fmt: skip
 
 

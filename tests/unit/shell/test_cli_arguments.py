@@ -156,6 +156,42 @@ def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["index", "--json"],
+        ["live", "--trace", "t.jsonl", "--json"],
+        ["latency", "--json"],
+        ["throughput", "--json"],
+        ["profile", "--json"],
+        ["messages", "--json"],
+        ["transfer", "--json"],
+        ["transfer", "--run-dir"],
+        ["gateway", "--json"],
+        ["soak", "--json"],
+        ["bus", "--json"],
+        ["sched", "--json"],
+        ["gen", "--kind", "bursty", "--out"],
+        ["tune", "--traces", "t.jsonl", "--param", "thunder.recompute_gain=1", "--json"],
+        ["replay", "--trace", "t.jsonl", "--json"],
+    ],
+)
+def test_a_benchmark_refuses_an_output_it_cannot_write_before_it_runs(argv, tmp_path, capsys):
+    """An output under a file (or a folder named where a file goes) failed after the run, with a
+    traceback, and lost what the run measured."""
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    main = importlib.import_module(BENCHES[argv[0]][0]).main
+    with pytest.raises(SystemExit) as info:
+        main([*argv[1:], str(a_file / "x")])
+    assert info.value.code == 2
+    assert f"argument {argv[-1]}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "flags, words",
     [
         (["--param", "thunder.nosuch=1"], "routing policy 'thunder' has no parameter 'nosuch'"),
