@@ -15,7 +15,6 @@ engines with their clock sped up so the modelled GPU time is negligible), then:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time
@@ -23,6 +22,7 @@ import time
 import aiohttp
 
 from thunderagent import stats
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import ChatMessage, GenerateRequest, TokenChunk
@@ -156,7 +156,7 @@ async def saturation(stack: Stack, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("gateway", __doc__)
     parser.add_argument(
         "--requests", type=at_least(1), default=300, help="sequential requests per path"
     )

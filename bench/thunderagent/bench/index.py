@@ -51,6 +51,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.index_workload import (
     BULK_BLOCKS,
     EVENT_DT_S,
@@ -368,7 +369,7 @@ def _row(mode: str, target: str, measured: float, met: bool) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = bench_parser("index", __doc__)
     ap.add_argument("--json", type=output_file, help="write the results as JSON to this file")
     ap.add_argument("--events", type=at_least(1), default=250_000)
     ap.add_argument("--queries", type=at_least(1), default=10_000)

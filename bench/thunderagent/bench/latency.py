@@ -31,6 +31,7 @@ import aiohttp
 import uvloop
 
 from thunderagent import stats
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
@@ -164,7 +165,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("latency", __doc__)
     parser.add_argument("--requests", type=at_least(1), default=1000)
     parser.add_argument("--workers", type=at_least(1), default=2)
     parser.add_argument("--prompt-tokens", type=at_least(1), default=64)

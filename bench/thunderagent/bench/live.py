@@ -40,6 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port, nats_gomaxprocs
@@ -359,7 +360,7 @@ async def flush_all(engine_urls: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("live", __doc__)
     p.add_argument("--trace", required=True)
     p.add_argument("--rate", type=positive, default=50.0, help="requests per second")
     p.add_argument("--duration", type=positive, default=20.0, help="seconds of arrivals")

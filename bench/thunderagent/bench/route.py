@@ -11,9 +11,9 @@ Prints the best of five rounds in µs per decision.
 
 from __future__ import annotations
 
-import argparse
 import time
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps
 from thunderagent.router_core import RouterCore, RouterParams
 from thunderagent.routing import POLICIES
@@ -66,7 +66,7 @@ def time_decisions(core: RouterCore, blocks: int, decisions: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("route", __doc__)
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--blocks", type=at_least(1), default=64)
     p.add_argument("--indexed", type=at_least(1), default=20000, help="blocks indexed per worker")

@@ -25,7 +25,6 @@ time stopped).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -36,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
@@ -344,7 +344,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("soak", __doc__)
     p.add_argument("--duration", type=positive, default=600.0, help="seconds of load")
     p.add_argument("--rate", type=positive, default=30.0, help="requests per second")
     p.add_argument("--workers", type=at_least(1), default=2)

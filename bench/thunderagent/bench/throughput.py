@@ -28,6 +28,7 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import live, loadgen, profile
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
@@ -215,7 +216,7 @@ def run_baseline(stack: Stack, sweep: Sweep, name: str) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("throughput", __doc__)
     p.add_argument(
         "--rates",
         type=parse_rates,

@@ -23,6 +23,7 @@ import time
 
 import aiohttp
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
@@ -138,7 +139,7 @@ def summarize(args, tokens: list[int], reports: list[MigrationReport], final, or
 
 # fmt: off
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("transfer", __doc__)
     p.add_argument("--blocks", type=at_least(1), default=512, help="prefix length in blocks")
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--block-size", type=at_least(1), default=16)

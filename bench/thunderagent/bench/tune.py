@@ -24,6 +24,7 @@ import math
 import time
 from pathlib import Path
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
@@ -112,7 +113,7 @@ def run_one(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderagent bench tune", description=__doc__.split("\n")[0])
+    p = bench_parser("tune", __doc__)
     p.add_argument("--traces", required=True, help="comma list of Mooncake traces")
     p.add_argument(
         "--speeds", type=positive_list, default="1,2,3,4",

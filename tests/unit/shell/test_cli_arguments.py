@@ -211,3 +211,22 @@ def test_replay_checks_policy_and_scheduler_parameters_before_any_run(flags, wor
         parse_args(["--trace", "t.jsonl", "--policies", "thunder", *flags])
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["index", "live", "latency", "replay", "route", "tune", "sched",
+                                  "gateway", "transfer", "gen", "soak", "profile", "bus",
+                                  "messages", "throughput"])  # fmt: skip
+def test_a_benchmark_help_names_the_command_and_says_what_it_does_in_whole_sentences(name, capsys):
+    """Most said ``usage: live.py`` and a description cut off mid-sentence."""
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    main = importlib.import_module(BENCHES[name][0]).main
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: thunderagent bench {name} ")
+    description = " ".join(out.split("\n\n")[1].split())
+    assert description.endswith((".", ")")), description
