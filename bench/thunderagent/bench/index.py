@@ -67,7 +67,7 @@ from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
 from thunderagent.schemas import KvEventBatch
-from thunderagent.shell.argtypes import at_least, output_file
+from thunderagent.shell.argtypes import at_least, name_list, output_file
 
 __all__ = ["build_workload", "main"]
 
@@ -364,6 +364,10 @@ def _targets(modes: dict) -> list[dict]:
     return rows
 
 
+MODES = ("unpinned", "pinned")
+"""Every thread of the process on all CPUs, or on one."""
+
+
 def _row(mode: str, target: str, measured: float, met: bool) -> dict:
     return {"mode": mode, "target": target, "measured": measured, "met": bool(met)}
 
@@ -380,7 +384,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rounds", type=at_least(1), default=3, help="measured rounds per mode (median)"
     )
-    ap.add_argument("--modes", default="unpinned,pinned", help="unpinned, pinned or both")
+    ap.add_argument(
+        "--modes", type=name_list(MODES), default=",".join(MODES),
+        help="comma list of unpinned, pinned (default: both)",
+    )  # fmt: skip
     ap.add_argument("--no-dynamo", action="store_true", help="measure our index only")
     ap.add_argument("--handoff-calls", type=at_least(0), default=HANDOFF_CALLS)
     return ap
@@ -432,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     all_cpus = os.sched_getaffinity(0)
     modes: dict = {}
     agreement = None
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    for mode in args.modes:
         set_affinity({min(all_cpus)} if mode == "pinned" else all_cpus)
         modes[mode] = run_mode(
             sides, w, len(bulk) * BULK_BLOCKS, args.rounds, args.seed, args.handoff_calls

@@ -32,20 +32,15 @@ from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
-from thunderagent.shell.argtypes import at_least, output_file, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive, positive_list
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
 
 
 def parse_rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--rates: {err}") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError("--rates: positive numbers, comma-separated")
-    return sorted(rates)
+    """``--rates``: finite requests/s > 0, each once; stepped up from the lowest."""
+    return sorted(positive_list(text))
 
 
 def step(rate: float, system: profile.Measured, direct: profile.Measured) -> dict:

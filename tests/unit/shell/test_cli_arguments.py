@@ -230,3 +230,27 @@ def test_a_benchmark_help_names_the_command_and_says_what_it_does_in_whole_sente
     assert out.startswith(f"usage: thunderagent bench {name} ")
     description = " ".join(out.split("\n\n")[1].split())
     assert description.endswith((".", ")")), description
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        # accepted and labelled "nosuch" (run unpinned); "both", which the help offered, refused
+        (["index", "--modes", "nosuch"], "argument --modes: unknown 'nosuch'"),
+        (["index", "--modes", "pinned,pinned"], "argument --modes: pinned given twice"),
+        # said "argument --rates: --rates: could not convert ..."
+        (["throughput", "--rates", "abc"], "argument --rates: expected a number, got 'abc'"),
+        (["messages", "--rates", "1,,2"], "argument --rates: an empty item"),
+    ],
+)
+def test_a_benchmark_list_flag_says_what_it_takes_once(argv, words, capsys) -> None:
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    main = importlib.import_module(BENCHES[argv[0]][0]).main
+    with pytest.raises(SystemExit) as info:
+        main(argv[1:])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("--rates:") <= 1
