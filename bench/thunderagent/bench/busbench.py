@@ -11,7 +11,6 @@ service started with an OTLP endpoint has; without it the process has tracing of
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import time
@@ -20,11 +19,12 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import NatsServer
 from thunderagent.schemas import Ack
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, output_file
 
 SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
@@ -112,11 +112,11 @@ async def run(n: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("bus", __doc__)
     p.add_argument("--messages", type=at_least(1), default=20_000)
     p.add_argument("--rounds", type=at_least(1), default=2)
     p.add_argument("--tracing", action="store_true", help="an SDK tracer provider, no exporter")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = p.parse_args(argv)
     if args.tracing:
         from opentelemetry import trace

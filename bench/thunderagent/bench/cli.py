@@ -52,6 +52,16 @@ BENCHES = {
 }
 
 
+def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """``thunderagent bench NAME``'s own parser: usage and errors name the command (not
+    ``live.py``), and the description is the module docstring's whole first paragraph (its
+    first line alone stops mid-sentence)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return argparse.ArgumentParser(
+        prog=f"thunderagent bench {name}", description=" ".join(first.split())
+    )
+
+
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="run a benchmark")
     p.add_argument(

@@ -15,7 +15,6 @@ engines with their clock sped up so the modelled GPU time is negligible), then:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time
@@ -23,10 +22,11 @@ import time
 import aiohttp
 
 from thunderagent import stats
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import ChatMessage, GenerateRequest, TokenChunk
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 SYSTEM = "You are a terse assistant that answers in one line. " * 4
@@ -156,7 +156,7 @@ async def saturation(stack: Stack, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("gateway", __doc__)
     parser.add_argument(
         "--requests", type=at_least(1), default=300, help="sequential requests per path"
     )
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-requests", type=at_least(1), default=3000)
     parser.add_argument("--workers", type=at_least(1), default=2)
     parser.add_argument("--speedup", type=positive, default=1000.0)
-    parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, gateways=1)
     stack = Stack.start(config)

@@ -25,7 +25,7 @@ from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import load_trace
 from thunderagent.replay.metrics import cache_bounds, work_ceiling
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.workloads.mooncake import summary
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
@@ -57,7 +57,7 @@ def meta_path(out: Path) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="thunderagent bench gen", description=__doc__.split("\n")[0])
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
-    p.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl)")
+    p.add_argument("--out", type=output_file, required=True, help="trace file to write (.jsonl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=positive, default=1.0, help="size multiplier, same load")
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per hash id")

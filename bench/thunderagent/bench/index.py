@@ -51,6 +51,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.index_workload import (
     BULK_BLOCKS,
     EVENT_DT_S,
@@ -66,7 +67,7 @@ from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
 from thunderagent.schemas import KvEventBatch
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, name_list, output_file
 
 __all__ = ["build_workload", "main"]
 
@@ -363,13 +364,17 @@ def _targets(modes: dict) -> list[dict]:
     return rows
 
 
+MODES = ("unpinned", "pinned")
+"""Every thread of the process on all CPUs, or on one."""
+
+
 def _row(mode: str, target: str, measured: float, met: bool) -> dict:
     return {"mode": mode, "target": target, "measured": measured, "met": bool(met)}
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap = bench_parser("index", __doc__)
+    ap.add_argument("--json", type=output_file, help="write the results as JSON to this file")
     ap.add_argument("--events", type=at_least(1), default=250_000)
     ap.add_argument("--queries", type=at_least(1), default=10_000)
     ap.add_argument(
@@ -379,7 +384,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rounds", type=at_least(1), default=3, help="measured rounds per mode (median)"
     )
-    ap.add_argument("--modes", default="unpinned,pinned", help="unpinned, pinned or both")
+    ap.add_argument(
+        "--modes", type=name_list(MODES), default=",".join(MODES),
+        help="comma list of unpinned, pinned (default: both)",
+    )  # fmt: skip
     ap.add_argument("--no-dynamo", action="store_true", help="measure our index only")
     ap.add_argument("--handoff-calls", type=at_least(0), default=HANDOFF_CALLS)
     return ap
@@ -431,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     all_cpus = os.sched_getaffinity(0)
     modes: dict = {}
     agreement = None
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    for mode in args.modes:
         set_affinity({min(all_cpus)} if mode == "pinned" else all_cpus)
         modes[mode] = run_mode(
             sides, w, len(bulk) * BULK_BLOCKS, args.rounds, args.seed, args.handoff_calls

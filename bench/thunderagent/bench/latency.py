@@ -31,6 +31,7 @@ import aiohttp
 import uvloop
 
 from thunderagent import stats
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
@@ -39,7 +40,7 @@ from thunderagent.router.service import RouterConfig, embedded_router
 from thunderagent.router_core import RouterParams
 from thunderagent.schemas import GenerateRequest
 from thunderagent.shell import ServiceContext
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 from thunderagent.telemetry import Telemetry
 
@@ -164,7 +165,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser("latency", __doc__)
     parser.add_argument("--requests", type=at_least(1), default=1000)
     parser.add_argument("--workers", type=at_least(1), default=2)
     parser.add_argument("--prompt-tokens", type=at_least(1), default=64)
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         "--embed-router", action="store_true",
         help="also time a client with a router replica in its own process (no router hop)",
     )  # fmt: skip
-    parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = parser.parse_args(argv)
     config = StackConfig(workers=args.workers, speedup=args.speedup, policy=args.policy)
     prompt = [4 + (i * 31) % 250 for i in range(args.prompt_tokens)]

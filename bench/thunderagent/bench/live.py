@@ -40,13 +40,14 @@ from pathlib import Path
 
 import aiohttp
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import free_port, nats_gomaxprocs
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -359,7 +360,7 @@ async def flush_all(engine_urls: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("live", __doc__)
     p.add_argument("--trace", required=True)
     p.add_argument("--rate", type=positive, default=50.0, help="requests per second")
     p.add_argument("--duration", type=positive, default=20.0, help="seconds of arrivals")
@@ -396,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
         default="both",
         help="HTTP baselines: reuse client connections, open one per request, or run both",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p
 
 

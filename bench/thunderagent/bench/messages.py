@@ -15,7 +15,6 @@ is counted once published and once per consumer it is delivered to.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import sys
@@ -26,12 +25,13 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import loadgen, profile
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.throughput import parse_rates
 from thunderagent.bus import connect
 from thunderagent.client import ThunderClient
 from thunderagent.schemas import subjects
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, output_file
 
 MODEL = "sim/llama-3.1-8b"
 PREFIX = subjects.PREFIX + "."
@@ -131,11 +131,11 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("messages", __doc__)
     p.add_argument("--rates", type=parse_rates, default=[50.0, 400.0])
     p.add_argument("--requests", type=at_least(1), default=1600, help="requests per rate")
     p.add_argument("--workers", type=at_least(1), default=2)
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     args = p.parse_args(argv)
     if args.requests < 1:
         p.error("--requests must be at least 1")

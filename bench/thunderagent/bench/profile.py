@@ -32,11 +32,12 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import loadgen, perf, procs, pyspy
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.spans import SpanReceiver, breakdown
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig, entry_point_settings
 from thunderagent.stats import percentile
 
@@ -244,7 +245,7 @@ async def run(stack: Stack, args: argparse.Namespace, receiver: SpanReceiver | N
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("profile", __doc__)
     p.add_argument("--rate", type=positive, default=200.0, help="requests per second (open loop)")
     p.add_argument("--requests", type=at_least(1), default=2000)
     p.add_argument("--workers", type=at_least(1), default=2)
@@ -265,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tracing on in every process at this sampling ratio (default: off)",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p  # fmt: skip
 
 

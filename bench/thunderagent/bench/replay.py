@@ -43,7 +43,14 @@ from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
 from thunderagent.routing import POLICIES
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import (
+    at_least,
+    name_list,
+    output_dir,
+    output_file,
+    positive,
+    positive_list,
+)
 from thunderagent.stats import percentile
 
 
@@ -67,37 +74,39 @@ def code_version() -> str:
         return "unknown"
 
 
-def _floats(text: str) -> list[float]:
+def _policies(text: str) -> list[str]:
+    """``all``, or comma-separated routing policies (each once)."""
+    return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
+
+
+def _value(raw: str) -> object:
+    """An override's VALUE: JSON (a number, true, null), else the string as given."""
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas: {text!r}"
-        ) from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"speeds must be > 0: {text!r}")
-    return values
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
-def _params(items: list[str]) -> dict[str, dict]:
-    """``POLICY.FIELD=VALUE`` (VALUE as JSON, else a string) -> {policy: {field: value}}."""
+def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
+    """``--param POLICY.FIELD=VALUE`` items -> {policy: {field: value}}."""
     out: dict[str, dict] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         policy, dot, name = key.partition(".")
-        if not sep or not dot:
-            raise SystemExit(f"--param {item!r}: expected POLICY.FIELD=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out.setdefault(policy, {})[name] = value
+        if not (sep and dot and policy and name):
+            p.error(f"--param {item!r}: expected POLICY.FIELD=VALUE")
+        out.setdefault(policy, {})[name] = _value(raw)
     return out
 
 
 def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
-    """``FIELD=VALUE`` (VALUE as JSON, else a string) -> SchedParams overrides, checked now."""
-    out = _params([f"scheduler.{item}" for item in items]).get("scheduler", {})
+    """``--sched-param FIELD=VALUE`` items -> SchedParams overrides, checked now."""
+    out: dict = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not (sep and name):
+            p.error(f"--sched-param {item!r}: expected FIELD=VALUE")
+        out[name] = _value(raw)
     try:  # the registry names an unknown parameter; the params validate the values
         SCHEDULERS.create("thunder", **out)
     except (ValueError, TypeError) as err:
@@ -112,13 +121,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument("--policies", default="all", help="comma list of routing policies, or all")
-    p.add_argument("--speed", type=_floats, default=[1.0], help="arrival-rate multiplier(s)")
+    p.add_argument(
+        "--policies", type=_policies, default="all",
+        help="comma list of routing policies, or all (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speed", type=positive_list, default=[1.0],
+        help="arrival-rate multiplier(s), comma list (default: 1)",
+    )  # fmt: skip
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--report", type=Path, default=None, help="markdown report file")
-    p.add_argument("--plot", type=Path, default=None, help="directory for PNG plots")
+    p.add_argument("--json", type=output_file, default=None, help="JSON results file")
+    p.add_argument("--report", type=output_file, default=None, help="markdown report file")
+    p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
     p.add_argument(
         "--scheduler", default=None, choices=SCHEDULERS.names(),
         help="one scheduler for every policy (default: each as deployed: thunder with its "
@@ -148,24 +163,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
     """What no flag's type can check alone: policies, and every override built once now (a bad
     name or value is a usage error, not a traceback mid-sweep)."""
-    names = POLICIES.names()
-    args.policy_list = names if args.policies == "all" else args.policies.split(",")
-    unknown = [x for x in args.policy_list if x not in names]
-    if unknown:
-        p.error(f"unknown policies {unknown}; known: {names}")
-    args.params = _params(args.param)
+    args.policy_list = args.policies
+    args.params = _params(args.param, p)
     idle = sorted(set(args.params) - set(args.policy_list))
     if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
         hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
-        p.error(f"--param names {idle}, which this run does not replay ({args.policies}){hint}")
+        replayed = ",".join(args.policy_list)
+        p.error(f"--param names {idle}, which this run does not replay ({replayed}){hint}")
     for policy, values in args.params.items():
         try:
             POLICIES.create(policy, **values)
         except (ValueError, TypeError) as err:
             p.error(f"--param: {err}")
     args.sched_params = _sched_overrides(args.sched_param, p)
+    _sched_params_used(args, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
+    if args.migration_params and args.migration == "off":
+        p.error("--migration-param: --migration is off, so no migration planner runs")
     return args
+
+
+def _sched_params_used(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Scheduler knobs reach only runs with a scheduler: with every run on direct dispatch they
+    would be recorded in the JSON and change nothing."""
+    if not args.sched_params:
+        return
+    if any(scheduler_for(x, args.scheduler) != "direct" for x in args.policy_list):
+        return
+    p.error(
+        f"--sched-param: no run here uses the thunder scheduler (policies "
+        f"{','.join(args.policy_list)}, scheduler {args.scheduler or 'as deployed'}: each "
+        "dispatches direct, which has no knobs)"
+    )
 
 
 DEPLOYED_SCHEDULER = {"thunder": "thunder"}
@@ -371,10 +400,10 @@ def table(doc: dict) -> str:
 def capacity_table(doc: dict) -> str:
     """Capacity at the SLO: the highest swept speed each policy serves within it."""
     slo = doc["slo_ttft_p99_ms"]
-    lines = [
+    lines = [  # the ceiling first: the heading sits right above its table
+        *ceiling_lines(doc.get("work_ceiling")),
         f"Capacity at TTFT p99 <= {slo / 1000:.2f} s (nothing lost, nothing rejected):",
         "",
-        *ceiling_lines(doc.get("work_ceiling")),
         "| policy | scheduler | max speed meeting the SLO | every speed up to it meeting it |",
         "|---|---|---|---|",
     ]
@@ -445,6 +474,12 @@ def main(argv: list[str] | None = None) -> None:
         doc, results = run(args)
     except TraceError as err:
         raise SystemExit(f"bad trace: {err}") from None
+    # the files first: a stdout closed early (``| head``) must not lose what the run measured
+    plots = write_plots(doc, results, args.plot) if args.plot else []
+    if args.json:
+        write_json(args.json, doc)
+    if args.report:
+        write_report(doc, args.report, plots, argv)
     print(table(doc))
     print()
     print(capacity_table(doc))
@@ -455,11 +490,6 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"
     )
-    plots = write_plots(doc, results, args.plot) if args.plot else []
-    if args.json:
-        write_json(args.json, doc)
-    if args.report:
-        write_report(doc, args.report, plots, argv)
 
 
 if __name__ == "__main__":

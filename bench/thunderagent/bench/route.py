@@ -11,11 +11,12 @@ Prints the best of five rounds in µs per decision.
 
 from __future__ import annotations
 
-import argparse
 import time
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps
 from thunderagent.router_core import RouterCore, RouterParams
+from thunderagent.routing import POLICIES
 from thunderagent.schemas import BlocksStored, KvEventBatch, LoadReport, WorkerRegistration
 from thunderagent.shell.argtypes import at_least
 
@@ -65,11 +66,11 @@ def time_decisions(core: RouterCore, blocks: int, decisions: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("route", __doc__)
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--blocks", type=at_least(1), default=64)
     p.add_argument("--indexed", type=at_least(1), default=20000, help="blocks indexed per worker")
-    p.add_argument("--policy", default="thunder")
+    p.add_argument("--policy", default="thunder", choices=POLICIES.names())
     p.add_argument("--decisions", type=at_least(1), default=5000)
     args = p.parse_args(argv)
     core = build_core(args.policy, args.workers, args.indexed)

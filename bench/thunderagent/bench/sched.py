@@ -17,7 +17,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import code_version
@@ -27,7 +26,7 @@ from thunderagent.engine.timing import TimingModel
 from thunderagent.replay import Record, ReplayConfig, ReplayResult
 from thunderagent.replay.summary import alone_ttft_s
 from thunderagent.replay.workload_driver import run_open, run_programs
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, output_file
 from thunderagent.stats import percentile
 from thunderagent.workloads import AgentParams, AgentWorkload, MixedParams, MixedWorkload
 
@@ -388,7 +387,7 @@ def targets(doc: dict) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="thunderagent bench sched", description=__doc__.split("\n")[0])
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=output_file, default=None)
     p.add_argument("--quick", action="store_true", help="small workloads (CI smoke run)")
     p.add_argument("--workers", type=at_least(1), default=8)
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))

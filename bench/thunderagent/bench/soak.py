@@ -25,7 +25,6 @@ time stopped).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -36,10 +35,11 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import GenerateRequest
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 TENANTS = (None, "tenant-a", "tenant-b")
@@ -344,7 +344,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("soak", __doc__)
     p.add_argument("--duration", type=positive, default=600.0, help="seconds of load")
     p.add_argument("--rate", type=positive, default=30.0, help="requests per second")
     p.add_argument("--workers", type=at_least(1), default=2)
@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-slope", type=float, default=1.0, help="MB/min after warm-up")
     p.add_argument("--max-rss-growth", type=float, default=4.0, help="MB after warm-up")
     p.add_argument("--max-fd-growth", type=int, default=2)
-    p.add_argument("--json", dest="json_out", default=None, help="write the figures here")
+    p.add_argument(
+        "--json", dest="json_out", type=output_file, default=None, help="write the figures here"
+    )
     args = p.parse_args(argv)
     cfg = SoakConfig(
         duration_s=args.duration, rate=args.rate, workers=args.workers, sample_s=args.sample_s,

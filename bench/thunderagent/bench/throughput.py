@@ -28,23 +28,19 @@ from pathlib import Path
 import uvloop
 
 from thunderagent.bench import live, loadgen, profile
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_file, positive, positive_list
 from thunderagent.stack.up import ENTRY_POINTS, Stack
 
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1500)
 
 
 def parse_rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--rates: {err}") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError("--rates: positive numbers, comma-separated")
-    return sorted(rates)
+    """``--rates``: finite requests/s > 0, each once; stepped up from the lowest."""
+    return sorted(positive_list(text))
 
 
 def step(rate: float, system: profile.Measured, direct: profile.Measured) -> dict:
@@ -215,7 +211,7 @@ def run_baseline(stack: Stack, sweep: Sweep, name: str) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("throughput", __doc__)
     p.add_argument(
         "--rates",
         type=parse_rates,
@@ -269,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
         help="HTTP routers: reuse client connections, or one per request (sglang-router "
         "0.3.2 leaves Nagle on: keep-alive answers wait ~40 ms for a delayed ACK)",
     )
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p  # fmt: skip
 
 

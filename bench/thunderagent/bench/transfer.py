@@ -23,6 +23,7 @@ import time
 
 import aiohttp
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
@@ -36,7 +37,7 @@ from thunderagent.schemas import (
     MigrationReport,
     subjects,
 )
-from thunderagent.shell.argtypes import at_least, positive
+from thunderagent.shell.argtypes import at_least, output_dir, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
 
 
@@ -138,7 +139,7 @@ def summarize(args, tokens: list[int], reports: list[MigrationReport], final, or
 
 # fmt: off
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser("transfer", __doc__)
     p.add_argument("--blocks", type=at_least(1), default=512, help="prefix length in blocks")
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--block-size", type=at_least(1), default=16)
@@ -154,8 +155,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="wait after the moves before the follow-up request")
     p.add_argument("--quiet-s", type=float, default=1.0,
                    help="wait after the prefill before the first move")
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--run-dir", type=output_dir, default=None,
+                   help="folder for the stack's logs (default: a new temp folder)")
+    p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p.parse_args(argv)
 # fmt: on
 
@@ -181,9 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         migration_args=["--orders-only"],
     )
     if args.run_dir:
-        from pathlib import Path
-
-        config.run_dir = Path(args.run_dir)
+        config.run_dir = args.run_dir
     stack = Stack.start(config)
     try:
         result = asyncio.run(run(stack, args))

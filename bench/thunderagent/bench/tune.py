@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from pathlib import Path
 
+from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
@@ -31,17 +33,27 @@ from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
 from thunderagent.replay.summary import summarize
 from thunderagent.routing import POLICIES
 from thunderagent.scheduling import SCHEDULERS
-from thunderagent.shell.argtypes import at_least
+from thunderagent.shell.argtypes import at_least, name_list, output_file, positive_list
 
 PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
 
 
 def _values(text: str) -> tuple[str, str, list[float]]:
-    key, _, raw = text.partition("=")
+    """``--param``: ``thunder.FIELD=V1,...`` or ``scheduler.FIELD=V1,...``, each value a finite
+    number given once."""
+    key, sep, raw = text.partition("=")
     policy, _, field = key.partition(".")
-    if policy not in ("thunder", "scheduler") or not field:
-        raise SystemExit(f"--param {text!r}: expected thunder.FIELD=V1,... or scheduler.FIELD=...")
-    return policy, field, [float(v) for v in raw.split(",")]
+    if policy not in ("thunder", "scheduler") or not field or not sep:
+        raise argparse.ArgumentTypeError(
+            f"expected thunder.FIELD=V1,... or scheduler.FIELD=V1,..., got {text!r}"
+        )
+    try:
+        values = [float(v) for v in raw.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the values must be numbers") from None
+    if not all(map(math.isfinite, values)) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: finite numbers, each once")
+    return policy, field, values
 
 
 Candidate = tuple[str, dict, dict]
@@ -101,20 +113,27 @@ def run_one(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thunderagent bench tune", description=__doc__.split("\n")[0])
+    p = bench_parser("tune", __doc__)
     p.add_argument("--traces", required=True, help="comma list of Mooncake traces")
-    p.add_argument("--speeds", default="1,2,3,4")
+    p.add_argument(
+        "--speeds", type=positive_list, default="1,2,3,4",
+        help="arrival-rate multipliers, comma list (default: 1,2,3,4)",
+    )  # fmt: skip
     p.add_argument(
         "--param",
         required=True,
         action="append",
+        type=_values,
         help="thunder.FIELD=V1,V2,... (routing) or scheduler.FIELD=V1,... (thunder's "
         "scheduler); repeat for a grid of every combination",
     )
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument(
+        "--peers", type=name_list(POLICIES.names()), default=",".join(PEERS),
+        help=f"routing policies to compare with, comma list (default: {','.join(PEERS)})",
+    )  # fmt: skip
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--block-size", type=at_least(1), default=512)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=output_file, default=None, help="JSON report file")
     return p
 
 
@@ -153,17 +172,17 @@ def scores(workloads: dict, name: str, peers: list[str]) -> tuple[float, int, fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
-    params = [_values(text) for text in args.param]
+    p = _parser()
+    args = p.parse_args(argv)
+    params = args.param
     cands = candidates(params)
     for name, route, sched in cands:  # built once now: a bad name is one line, before any run
         try:
             POLICIES.create("thunder", **route)
             SCHEDULERS.create("thunder", **sched)
         except (ValueError, TypeError) as err:
-            raise SystemExit(f"bench tune: --param ({name}): {err}") from None
-    speeds = [float(s) for s in args.speeds.split(",")]
-    peers = args.peers.split(",")
+            p.error(f"--param ({name}): {err}")
+    speeds, peers = args.speeds, args.peers
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     names = [name for name, _, _ in cands]
     report: dict = {"params": [f"{p}.{f}" for p, f, _ in params], "candidates": names}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -36,8 +36,45 @@ def positive(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
     return value
+
+
+def _items(text: str) -> list[str]:
+    """The comma-separated items of a list flag, none empty and none twice (a repeat would run
+    twice and be reported once; an empty item is a typo that used to vanish)."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
+    repeated = sorted({x for x in items if items.count(x) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given twice in {text!r}")
+    return items
+
+
+def positive_list(text: str) -> list[float]:
+    """Comma-separated finite numbers ``> 0``, in the order given: a sweep's speeds or rates."""
+    values = [positive(x) for x in _items(text)]
+    if len(set(values)) < len(values):  # "1,1.0": the same number written twice
+        raise argparse.ArgumentTypeError(f"a number given twice in {text!r}")
+    return values
+
+
+def name_list(names: Iterable[str]) -> Callable[[str], list[str]]:
+    """Comma-separated names out of ``names``, in the order given."""
+    known = list(names)
+
+    def parse(text: str) -> list[str]:
+        items = _items(text)
+        unknown = [x for x in items if x not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
+            )
+        return items
+
+    parse.__name__ = "comma list"
+    return parse
 
 
 def worker_id(text: str) -> str:

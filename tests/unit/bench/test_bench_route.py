@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from thunderagent.bench import route
 
 
@@ -21,3 +23,11 @@ def test_main_prints_the_time_per_decision(capsys) -> None:
     route.main(["--workers", "2", "--indexed", "20", "--decisions", "10"])
     report = json.loads(capsys.readouterr().out)
     assert report["workers"] == 2 and report["us_per_decision"] > 0
+
+
+def test_an_unknown_policy_is_a_usage_error(capsys) -> None:
+    """It was a ValueError traceback from the router core."""
+    with pytest.raises(SystemExit) as info:
+        route.main(["--policy", "nosuch", "--decisions", "10"])
+    assert info.value.code == 2
+    assert "argument --policy: invalid choice: 'nosuch'" in capsys.readouterr().err

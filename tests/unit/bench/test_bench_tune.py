@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -35,8 +36,28 @@ def test_repeated_parameters_make_every_combination() -> None:
 
 @pytest.mark.parametrize("text", ["recompute_gain=2", "router.recompute_gain=2", "thunder.=1"])
 def test_a_parameter_without_its_owner_is_refused(text: str) -> None:
-    with pytest.raises(SystemExit, match=r"expected thunder\.FIELD"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected thunder\.FIELD"):
         tune._values(text)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--param", "thunder.recompute_gain=abc"], "argument --param: "),
+        (["--param", "thunder.recompute_gain=2,2"], "argument --param: "),
+        (["--speeds", "0"], "argument --speeds: "),
+        (["--speeds", "1,-1"], "argument --speeds: "),
+        (["--speeds", "1,inf"], "argument --speeds: "),
+        (["--peers", "nosuch"], "argument --peers: unknown 'nosuch'"),
+    ],
+)
+def test_bad_values_are_one_line_before_any_run(flags, words, capsys) -> None:
+    """Each was a ValueError traceback (the speeds and peers only after thunder's runs)."""
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--traces", "t.jsonl", "--param", "thunder.recompute_gain=1", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: thunderagent bench tune") and words in err
 
 
 def test_ranking_is_worst_capacity_ratio_then_misses_then_goodput() -> None:
@@ -64,7 +85,7 @@ def test_ranking_is_worst_capacity_ratio_then_misses_then_goodput() -> None:
     assert max("abc", key=scores.__getitem__) == "b"
 
 
-def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path) -> None:
+def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path, capsys) -> None:
     trace = tmp_path / "b.jsonl"
     made = gen.main(["--kind", "bursty", "--out", str(trace), "--seed", "3", "--duration", "20"])
     assert made == 0
@@ -84,8 +105,11 @@ def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path)
     assert all(len(v) == 2 for v in w["ttft_p99_ms"].values())
     # an out-of-range value fails in the policy, which is built from the grid's values before
     # any run: one line naming the candidate, not a traceback after the peers' runs
-    with pytest.raises(SystemExit, match=r"\(thunder@1.5\): thunder.busy_kv_share=1.5"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
         tune.main(
             ["--traces", str(trace), "--speeds", "1", "--peers", "dynamo_kv",
              "--param", "thunder.busy_kv_share=1.5"]
         )  # fmt: skip
+    assert info.value.code == 2
+    assert "--param (thunder@1.5): thunder.busy_kv_share=1.5" in capsys.readouterr().err

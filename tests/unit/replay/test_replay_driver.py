@@ -191,7 +191,11 @@ def test_cli_writes_json_and_report(tmp_path: Path, capsys) -> None:
     assert "| thunder | 2 | 20 |" in report.read_text()
     assert "every speed up to it meeting it |" in report.read_text()
     assert "Work ceiling" in report.read_text()
-    assert "thunder" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    heading = next(i for i, line in enumerate(printed.splitlines()) if "Capacity at" in line)
+    assert printed.splitlines()[heading + 2].startswith("| policy | scheduler |")
+    assert printed.index("Work ceiling") < printed.index("Capacity at")
+    assert "thunder" in printed
 
 
 def test_cli_sched_params_reach_the_scheduler_and_bad_ones_are_refused(tmp_path: Path) -> None:
@@ -270,3 +274,108 @@ def test_capacity_names_the_highest_speed_met_and_the_highest_met_throughout() -
     assert (out["b"]["max_speed_meeting_slo"], out["b"]["sustained_speed"]) == (18, 18)
     assert (out["c"]["max_speed_meeting_slo"], out["c"]["sustained_speed"]) == (None, None)
     assert (out["d"]["max_speed_meeting_slo"], out["d"]["sustained_speed"]) == (18, None)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--speed", "inf"], "argument --speed: must be a finite positive number, got inf"),
+        (["--speed", "1,,2"], "argument --speed: an empty item in '1,,2'"),
+        (["--speed", "2,1,2"], "argument --speed: 2 given twice"),
+        (["--policies", "thunder,thunder"], "argument --policies: thunder given twice"),
+        (["--policies", "nosuch"], "argument --policies: unknown 'nosuch'"),
+    ],
+)
+def test_cli_sweep_lists_run_each_item_once(flags, words, capsys) -> None:
+    """A repeated speed or policy ran twice and its capacity was reported once; ``inf`` swept
+    nothing; an empty item vanished."""
+    from thunderagent.bench.replay import parse_args
+
+    assert parse_args(["--trace", "t.jsonl"]).policy_list == POLICIES.names()
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--trace", "t.jsonl", *flags])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_help_shows_the_sweep_defaults(capsys) -> None:
+    from thunderagent.bench.replay import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "or all (default: all)" in help_text and "comma list (default: 1)" in help_text
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            ["--policies", "round_robin", "--sched-param", "kv_watermark=0.5"],
+            "--sched-param: no run here uses the thunder scheduler (policies round_robin, "
+            "scheduler as deployed",
+        ),
+        (
+            ["--policies", "thunder", "--scheduler", "direct", "--sched-param", "order=fcfs"],
+            "(policies thunder, scheduler direct",
+        ),
+        (["--migration-param", "horizon_s=10"], "--migration-param: --migration is off"),
+    ],
+)
+def test_cli_overrides_no_run_would_use_are_refused(flags, words, capsys) -> None:
+    """They used to be recorded in the JSON's settings and change nothing."""
+    from thunderagent.bench.replay import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--trace", "t.jsonl", *flags])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_overrides_some_run_uses_are_kept() -> None:
+    from thunderagent.bench.replay import parse_args
+
+    base = ["--trace", "t.jsonl", "--sched-param", "order=fcfs"]
+    assert parse_args([*base, "--policies", "round_robin,thunder"]).sched_params == {
+        "order": "fcfs"
+    }
+    assert parse_args([*base, "--policies", "round_robin", "--scheduler", "fcfs"]).sched_params
+
+
+def test_cli_output_paths_are_checked_before_the_run(tmp_path: Path, capsys) -> None:
+    """A --plot on a file or a --json under a file was a traceback after the whole run."""
+    from thunderagent.bench.replay import parse_args
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for flags, words in (
+        (["--plot", str(a_file)], "argument --plot: "),
+        (["--json", str(a_file / "x.json")], "argument --json: "),
+        (["--report", str(tmp_path)], "argument --report: "),
+    ):
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--trace", "t.jsonl", *flags])
+        assert info.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_cli_writes_the_json_before_printing(tmp_path: Path, monkeypatch) -> None:
+    """``... | head -5`` closes stdout: the tables fail to print, the JSON is already written."""
+    from thunderagent.bench.replay import main
+
+    class ClosedPipe:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError
+
+        def flush(self) -> None:
+            pass
+
+    trace = tmp_path / "t.jsonl"
+    row = {"timestamp": 0, "input_length": 9, "output_length": 3, "hash_ids": [0, 1]}
+    trace.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):
+        main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "round_robin", "--quiet", "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["results"]

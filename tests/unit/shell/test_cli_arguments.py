@@ -9,7 +9,14 @@ import argparse
 import pytest
 
 from thunderagent.cli.main import build_parser
-from thunderagent.shell.argtypes import at_least, http_url, positive, zmq_endpoint
+from thunderagent.shell.argtypes import (
+    at_least,
+    http_url,
+    name_list,
+    positive,
+    positive_list,
+    zmq_endpoint,
+)
 
 
 def test_at_least_and_positive() -> None:
@@ -24,6 +31,24 @@ def test_at_least_and_positive() -> None:
         (positive, "nan", "positive"),
         (positive, "inf", "positive"),
         (positive, "x", "a number"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(text)
+
+
+def test_list_flags_refuse_empty_repeated_and_non_finite_items() -> None:
+    assert positive_list("2, 1,0.5") == [2.0, 1.0, 0.5]  # the order given: a sweep's order
+    assert name_list(["a", "b"])("b,a") == ["b", "a"]
+    for parse, text, words in [
+        (positive_list, "1,,2", "an empty item"),
+        (positive_list, "1,", "an empty item"),
+        (positive_list, "inf", "finite positive"),
+        (positive_list, "1,-1", "finite positive"),
+        (positive_list, "abc", "expected a number"),
+        (positive_list, "2,1,2", "2 given twice"),
+        (positive_list, "1,1.0", "given twice"),
+        (name_list(["a", "b"]), "a,c", "unknown 'c'; choose from a, b"),
+        (name_list(["a", "b"]), "a,a", "a given twice"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             parse(text)
@@ -131,12 +156,52 @@ def test_a_benchmark_refuses_an_out_of_range_flag(argv, flag, capsys) -> None:
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["index", "--json"],
+        ["live", "--trace", "t.jsonl", "--json"],
+        ["latency", "--json"],
+        ["throughput", "--json"],
+        ["profile", "--json"],
+        ["messages", "--json"],
+        ["transfer", "--json"],
+        ["transfer", "--run-dir"],
+        ["gateway", "--json"],
+        ["soak", "--json"],
+        ["bus", "--json"],
+        ["sched", "--json"],
+        ["gen", "--kind", "bursty", "--out"],
+        ["tune", "--traces", "t.jsonl", "--param", "thunder.recompute_gain=1", "--json"],
+        ["replay", "--trace", "t.jsonl", "--json"],
+    ],
+)
+def test_a_benchmark_refuses_an_output_it_cannot_write_before_it_runs(argv, tmp_path, capsys):
+    """An output under a file (or a folder named where a file goes) failed after the run, with a
+    traceback, and lost what the run measured."""
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    main = importlib.import_module(BENCHES[argv[0]][0]).main
+    with pytest.raises(SystemExit) as info:
+        main([*argv[1:], str(a_file / "x")])
+    assert info.value.code == 2
+    assert f"argument {argv[-1]}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "flags, words",
     [
         (["--param", "thunder.nosuch=1"], "routing policy 'thunder' has no parameter 'nosuch'"),
         (["--param", "thunder.recompute_gain=-1"], "recompute_gain=-1"),
         (["--sched-param", "nosuch=1"], "scheduler 'thunder' has no parameter 'nosuch'"),
         (["--sched-param", "kv_watermark=2"], "kv_watermark=2"),
+        # a malformed item names its own flag and format (it said --param 'scheduler.x', exit 1)
+        (["--sched-param", "kv_watermark"], "--sched-param 'kv_watermark': expected FIELD=VALUE"),
+        (["--param", "thunder.x"], "--param 'thunder.x': expected POLICY.FIELD=VALUE"),
+        (["--param", "thunder.=1"], "--param 'thunder.=1': expected POLICY.FIELD=VALUE"),
     ],
 )
 def test_replay_checks_policy_and_scheduler_parameters_before_any_run(flags, words, capsys) -> None:
@@ -146,3 +211,46 @@ def test_replay_checks_policy_and_scheduler_parameters_before_any_run(flags, wor
         parse_args(["--trace", "t.jsonl", "--policies", "thunder", *flags])
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["index", "live", "latency", "replay", "route", "tune", "sched",
+                                  "gateway", "transfer", "gen", "soak", "profile", "bus",
+                                  "messages", "throughput"])  # fmt: skip
+def test_a_benchmark_help_names_the_command_and_says_what_it_does_in_whole_sentences(name, capsys):
+    """Most said ``usage: live.py`` and a description cut off mid-sentence."""
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    main = importlib.import_module(BENCHES[name][0]).main
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: thunderagent bench {name} ")
+    description = " ".join(out.split("\n\n")[1].split())
+    assert description.endswith((".", ")")), description
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        # accepted and labelled "nosuch" (run unpinned); "both", which the help offered, refused
+        (["index", "--modes", "nosuch"], "argument --modes: unknown 'nosuch'"),
+        (["index", "--modes", "pinned,pinned"], "argument --modes: pinned given twice"),
+        # said "argument --rates: --rates: could not convert ..."
+        (["throughput", "--rates", "abc"], "argument --rates: expected a number, got 'abc'"),
+        (["messages", "--rates", "1,,2"], "argument --rates: an empty item"),
+    ],
+)
+def test_a_benchmark_list_flag_says_what_it_takes_once(argv, words, capsys) -> None:
+    import importlib
+
+    from thunderagent.bench.cli import BENCHES
+
+    main = importlib.import_module(BENCHES[argv[0]][0]).main
+    with pytest.raises(SystemExit) as info:
+        main(argv[1:])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("--rates:") <= 1
