@@ -39,7 +39,7 @@ def hot_trace(n: int = 60, rate: float = 10.0, seed: int = 0) -> list[TraceReque
     prefix = list(range(1, HOT_BLOCKS + 1))
     out, t = [], 0.0
     for i in range(n):
-        tail = [10**6 + 2 * i, 10**6 + 2 * i + 1]
+        tail = [10**6 + i]  # the question: one part-filled block
         prompt = HOT_BLOCKS * BS + rng.randint(8, 120)
         out.append(TraceRequest(f"h{i}", t, prompt, 64, prefix + tail, hot=True))
         t = 2.0 if i == 0 else t + rng.expovariate(rate)

@@ -9,7 +9,7 @@ import pytest
 
 from thunderagent.bench import gen
 from thunderagent.bench.cli import BENCHES
-from thunderagent.replay import load_trace
+from thunderagent.replay import TraceError, load_trace
 
 ARGS = {
     "agent": ["--scale", "0.1"],
@@ -59,8 +59,10 @@ def test_block_size_and_param_reach_the_generator(tmp_path: Path) -> None:
     gen.main(["--kind", "agent", "--out", str(out), "--block-size", "64", "--param", "programs=5"])
     meta = json.loads(gen.meta_path(out).read_text())
     assert meta["params"]["programs"] == 5 and meta["block_size"] == 64
-    for r in load_trace(out):
+    for r in load_trace(out, block_size=64):
         assert len(r.block_ids) == -(-r.prompt_len // 64)
+    with pytest.raises(TraceError, match="per 512-token block"):  # read at the wrong size
+        load_trace(out)
 
 
 @pytest.mark.parametrize(
