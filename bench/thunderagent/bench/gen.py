@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         meta = run(args)
-    except ParamError as err:
-        raise SystemExit(f"thunderagent bench gen: bad parameter {err}") from None
+    except ParamError as err:  # a usage error, as argparse's own (exit 2)
+        print(f"thunderagent bench gen: error: bad parameter {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(summary_line(args.out, meta))
     return 0
 

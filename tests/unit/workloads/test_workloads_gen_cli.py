@@ -73,11 +73,12 @@ def test_block_size_and_param_reach_the_generator(tmp_path: Path) -> None:
         ["--kind", "bursty", "--param", "burst_rate_per_s"],
     ],
 )
-def test_bad_arguments_exit_with_a_message(argv: list[str], tmp_path: Path) -> None:
+def test_bad_arguments_exit_with_a_message(argv: list[str], tmp_path: Path, capsys) -> None:
     out = tmp_path / "x.jsonl"
     with pytest.raises(SystemExit) as err:
         gen.main([*argv, "--out", str(out)])
-    assert err.value.code != 0
+    assert err.value.code == 2  # a usage error, whether argparse or the generator finds it
+    assert capsys.readouterr().err.splitlines()[-1].startswith("thunderagent bench gen: error: ")
     assert not out.exists()
 
 
