@@ -81,6 +81,13 @@ def test_list_flags_refuse_empty_repeated_and_non_finite_items() -> None:
         (["request", "hi", "--priority", "12"], "--priority"),
         (["gateway", "--default-max-tokens", "0"], "--default-max-tokens"),
         (["migration", "--link-gbps", "0"], "--link-gbps"),
+        # what a command reads, writes or connects to (stop 41)
+        (["up", "--tls-cert", "/nonexistent/cert.pem"], "--tls-cert"),
+        (["up", "--nats", "localhost:4222"], "--nats"),
+        (["demo", "--compare", "round_robin,nosuch"], "--compare"),  # a traceback after a run
+        (["demo", "--json", "/"], "--json"),
+        (["request", "hi", "--nats", "notaurl"], "--nats"),
+        (["schemas", "--out", "/etc/passwd"], "--out"),
     ],
 )
 def test_out_of_range_flags_are_refused_at_parse_time(argv, flag, capsys) -> None:
