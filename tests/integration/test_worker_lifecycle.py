@@ -203,3 +203,69 @@ async def test_a_run_that_raises_unforeseen_still_answers_its_client(nats_server
             await asyncio.sleep(0.02)
         assert not adapter.running and not svc.task.done()
         await nc.close()
+
+
+async def test_a_second_adapter_on_a_live_worker_id_refuses_to_start(nats_server):
+    """Two adapters on one id both took every request sent to it: each answer streamed twice,
+    interleaved, and the registrations and KV events of the two engines overwrote each other."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)  # w0, lease 2 s, renewed every 0.67 s
+        url = await stack.start_engine("other")
+        started = time.monotonic()
+        second = await asyncio.create_subprocess_exec(  # the stack in this loop keeps renewing
+            sys.executable, "-m", "thunderagent.cli.main", "worker", "--nats", nats_server.url,
+            "--worker-id", "w0", "--engine-url", url, "--lease-s", "2",
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            _, err = await asyncio.wait_for(second.communicate(), 30)
+        finally:
+            if second.returncode is None:
+                second.kill()
+        assert second.returncode == 1, err
+        assert err.decode().strip().splitlines()[-1] == (
+            f"worker id 'w0' is in use by a live adapter in front of {stack.engine_urls['w0']}: "
+            "give this one another --worker-id"
+        )
+        assert time.monotonic() - started < 20
+        client = await routable(nats_server.url, 1)
+        done = await client.generate(GenerateRequest(model=MODEL, token_ids=[5, 6], max_tokens=8))
+        await client.close()
+        assert done.final.worker_id == "w0" and len(done.token_ids) == 8  # once, from one engine
+        assert stack.engines["other"].core.load().num_running == 0
+
+
+async def test_a_registration_nobody_renews_is_taken_over(nats_server):
+    """An adapter that died left its key: the next one on that id waits one renewal, then
+    registers."""
+    from thunderagent.bus import Bus, connect
+    from thunderagent.shell.fleet import workers_bucket
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        url = await stack.start_engine("wz")
+        nc = await connect(nats_server.url, name="test")
+        bucket = await workers_bucket(Bus(nc, service="test"))
+        stale = {"worker_id": "wz", "model": MODEL, "engine_url": "http://gone:1", "block_size": 16,
+                 "kv_capacity_blocks": 10, "lease_s": 2.0, "registered_at": 1.0}  # fmt: skip
+        await bucket.put("wz", msgspec.json.encode(stale))
+        adapter = subprocess.Popen(
+            [sys.executable, "-m", "thunderagent.cli.main", "worker", "--nats", nats_server.url,
+             "--worker-id", "wz", "--engine-url", url, "--lease-s", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+
+            async def registered_here() -> bool:
+                seen = await bucket.get("wz")
+                return seen is not None and msgspec.json.decode(seen[1])["engine_url"] == url
+
+            give_up = time.monotonic() + 20
+            while not await registered_here():
+                assert adapter.poll() is None, adapter.stderr.read()
+                assert time.monotonic() < give_up, "the adapter never took over wz"
+                await asyncio.sleep(0.1)
+        finally:
+            adapter.terminate()
+            adapter.wait(timeout=10)
+            await nc.close()

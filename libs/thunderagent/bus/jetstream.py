@@ -27,7 +27,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from thunderagent.bus.batches import BatchSender
@@ -84,8 +84,17 @@ class Bucket:
     def __init__(self, kv: KeyValue) -> None:
         self._kv = kv
 
-    async def put(self, key: str, value: bytes) -> None:
-        await self._kv.put(key, value)
+    async def put(self, key: str, value: bytes) -> int:
+        """Write ``key``; returns the bucket's revision of this write."""
+        return await self._kv.put(key, value)
+
+    async def get(self, key: str) -> tuple[int, bytes] | None:
+        """``(revision, value)`` of ``key``, or None when it is absent or deleted."""
+        try:
+            entry = await self._kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        return (entry.revision, entry.value) if entry.value else None
 
     async def delete(self, key: str) -> None:
         await self._kv.delete(key)

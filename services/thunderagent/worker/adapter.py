@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -81,6 +82,8 @@ class WorkerAdapter:
         self.runs = AcceptedRuns()
         self.engine_healthy = asyncio.Event()
         self.engine_healthy.set()  # it answered /server_info before we registered
+        self.id_taken: str | None = None
+        """Why this adapter gave up its worker id to another live adapter (then it exits)."""
         self._health_changed = asyncio.Event()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
@@ -146,6 +149,8 @@ class WorkerAdapter:
         self.registration = await self._wait_for_engine(stop)
         if self.registration is None:
             return
+        bucket = await workers_bucket(self.bus)
+        await self._claim_worker_id(bucket, stop)  # before taking any of the id's messages
         await self.bus.subscribe(
             subjects.worker_generate(self.config.worker_id),
             WorkerGenerate,
@@ -161,7 +166,6 @@ class WorkerAdapter:
             self.on_kv_import,
             concurrent=True,
         )
-        bucket = await workers_bucket(self.bus)
         events = await self._kv_event_source()
         relay = None
         if events is not None:
@@ -184,9 +188,41 @@ class WorkerAdapter:
             if relay is not None:
                 await relay.close()
             try:
-                await bucket.delete(subjects.worker_key(self.config.worker_id))
+                if self.id_taken is None:  # else the key is the other adapter's
+                    await bucket.delete(subjects.worker_key(self.config.worker_id))
             except Exception:
                 log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
+        if self.id_taken is not None:
+            raise SystemExit(self.id_taken)
+
+    async def _claim_worker_id(self, bucket: Bucket, stop: asyncio.Event) -> None:
+        """Refuse to start when another live adapter holds this worker id: two adapters on one
+        id both take every request sent to it (each answer streamed twice, interleaved) and
+        overwrite each other's registration and KV events. A registration left by an adapter
+        that died is not renewed: it is taken over after one renewal period."""
+        key = subjects.worker_key(self.config.worker_id)
+        seen = await bucket.get(key)
+        if seen is None:
+            return
+        lease_s = _registration(seen[1]).lease_s
+        log.info("%s is registered: waiting %.1f s to see if its adapter renews it", key,
+                 lease_s / 2)  # fmt: skip
+        await _sleep_or_stop(stop, lease_s / 2)  # renewals come every lease_s / 3
+        now = await bucket.get(key)
+        if now is not None and now[0] != seen[0]:
+            raise SystemExit(_id_in_use(self.config.worker_id, now[1]))
+
+    def _still_ours(self, current: tuple[int, bytes] | None, revision: int | None) -> bool:
+        """False when another adapter wrote this worker's key since our last renewal and it
+        registered first (two started at once: the later one leaves, the first keeps it)."""
+        if current is None or revision is None or current[0] == revision:
+            return True
+        other = _registration(current[1])
+        mine = self.registration
+        if (other.registered_at, other.engine_url) >= (mine.registered_at, mine.engine_url):
+            return True
+        self.id_taken = _id_in_use(self.config.worker_id, current[1])
+        return False
 
     async def _kv_event_source(self) -> tuple[str, str | None, str] | None:
         """(endpoint, replay endpoint, topic) of the engine's KV events, or None when off.
@@ -228,15 +264,21 @@ class WorkerAdapter:
         payload = msgspec.json.encode(self.registration)
         key = subjects.worker_key(self.config.worker_id)
         registered = False
+        revision: int | None = None
         while not stop.is_set():
             healthy = self.engine_healthy.is_set()
             try:
+                if healthy and not self._still_ours(await bucket.get(key), revision):
+                    log.error("%s", self.id_taken)
+                    stop.set()
+                    return
                 if healthy:
-                    await bucket.put(key, payload)
+                    revision = await bucket.put(key, payload)
                 elif registered:
                     log.warning("%s: engine not answering: leaving the fleet", key)
                     await self._hand_back_runs("the engine stopped answering")
                     await bucket.delete(key)
+                    revision = None
                 registered = healthy
             except Exception:
                 log.warning("lease renewal failed", exc_info=True)
@@ -385,6 +427,30 @@ def _connectable(endpoint: str, host: str) -> str:
     for wildcard in ("*", "0.0.0.0"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
+
+
+def _registration(payload: bytes) -> WorkerRegistration:
+    """Another adapter's registration; one that does not decode counts as a stale one."""
+    try:
+        return msgspec.json.decode(payload, type=WorkerRegistration)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return WorkerRegistration(
+            worker_id="",
+            model="",
+            engine_url="?",
+            block_size=1,
+            kv_capacity_blocks=0,
+            lease_s=0.0,
+            registered_at=math.inf,
+        )
+
+
+def _id_in_use(worker_id: str, registration: bytes) -> str:
+    other = _registration(registration)
+    return (
+        f"worker id {worker_id!r} is in use by a live adapter in front of {other.engine_url}: "
+        "give this one another --worker-id"
+    )
 
 
 async def _wait_any(stop: asyncio.Event, other: asyncio.Event, seconds: float) -> None:
