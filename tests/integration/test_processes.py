@@ -159,3 +159,43 @@ def test_one_request_is_one_trace_across_processes(tmp_path):
     assert len(roots) == 1 and roots[0].service == "thunderagent-client", roots
     orphans = [s for s in trace if s.parent_span_id and s.parent_span_id not in ids]
     assert not orphans, f"spans whose parent is not in the trace: {orphans}"
+
+
+def _child(up_pid: int, command: str) -> int | None:
+    """The pid of ``up``'s child running ``thunderagent <command>``, if there is one now."""
+    for pid in _descendants(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "thunderagent.cli.main" in argv[:-1]:
+            if argv[argv.index("thunderagent.cli.main") + 1] == command:
+                return pid
+    return None
+
+
+def test_a_child_that_dies_is_restarted_and_the_stack_keeps_serving(tmp_path):
+    """`up` used to stop every process when any one child exited (a router replica, an
+    engine), although the services are built to ride out a peer's restart."""
+    proc, nats_url = _start_up(tmp_path, dict(os.environ), workers=1)
+    env = _client_env(tmp_path, dict(os.environ))
+    try:
+        assert _request(nats_url, env, "before")["type"] == "final"
+        router = _child(proc.pid, "router")
+        assert router is not None
+        os.kill(router, signal.SIGKILL)
+        restarted = None
+        deadline = time.monotonic() + 30
+        while restarted is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pid = _child(proc.pid, "router") if proc.poll() is None else None
+            restarted = pid if pid not in (None, router) else None
+        assert proc.poll() is None and restarted is not None
+        assert _request(nats_url, env, "after the router's restart")["type"] == "final"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 0
+        assert "router-0 exited (-9)" in out and "restarting router-0" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

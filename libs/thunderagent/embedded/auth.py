@@ -51,7 +51,8 @@ class NatsUser:
 
 def _worker_js(worker_id: str) -> tuple[str, ...]:
     """A worker's JetStream: open (or create) the KV-event stream and the workers bucket, and
-    write its own registration. No consumers, no deletes, no other keys."""
+    write its own registration; read a registration (a live adapter already on its worker id
+    makes it refuse to start). No consumers, no deletes, no other keys written."""
     bucket = subjects.WORKERS_BUCKET
     return (
         f"$KV.{bucket}.{subjects.worker_key(worker_id)}",
@@ -59,6 +60,7 @@ def _worker_js(worker_id: str) -> tuple[str, ...]:
         f"$JS.API.STREAM.CREATE.{subjects.KV_EVENTS_STREAM}",
         f"$JS.API.STREAM.INFO.KV_{bucket}",
         f"$JS.API.STREAM.CREATE.KV_{bucket}",
+        f"$JS.API.STREAM.MSG.GET.KV_{bucket}",
     )
 
 

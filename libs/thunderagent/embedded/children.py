@@ -35,6 +35,8 @@ class ChildProcess:
     name: str
     popen: subprocess.Popen
     log_path: Path | None = None
+    env: dict[str, str] | None = None
+    """What ``spawn`` added to the environment (``respawn`` gives the same)."""
 
     @property
     def pid(self) -> int:
@@ -53,6 +55,10 @@ class ChildProcess:
                 self.popen.kill()
                 self.popen.wait()
         return self.popen.returncode
+
+    def respawn(self) -> ChildProcess:
+        """The same command again (same log, appended), once this one has exited."""
+        return spawn(self.name, list(self.popen.args), log_path=self.log_path, env=self.env)
 
     def tail(self, lines: int = 20) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -81,4 +87,4 @@ def spawn(
     finally:
         if out is not None:
             out.close()
-    return ChildProcess(name=name, popen=popen, log_path=log_path)
+    return ChildProcess(name=name, popen=popen, log_path=log_path, env=env)

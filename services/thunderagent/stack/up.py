@@ -333,6 +333,10 @@ class Stack:
     def dead_children(self) -> list[ChildProcess]:
         return [c for c in self.children if not c.alive()]
 
+    def restart(self, child: ChildProcess) -> None:
+        """Start an exited child again with the same command (an engine on the same port)."""
+        self.children[self.children.index(child)] = child.respawn()
+
     def stop(self) -> None:
         # Workers and engines first, so adapters deregister while NATS is still up.
         for child in reversed(self.children):
@@ -384,6 +388,26 @@ def describe(stack: Stack) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class RestartBudget:
+    """``up`` restarts a child that exits, as compose's ``restart: on-failure`` would: the
+    services are built to ride out a peer's restart (a router replica, the scheduler, an
+    engine behind its adapter). A child that keeps exiting is a fault to report: past
+    ``max_restarts`` within ``window_s`` the stack stops."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    _recent: dict[str, list[float]] = field(default_factory=dict)
+
+    def spend(self, name: str, now: float) -> bool:
+        """May ``name``, which exited at ``now``, be started again?"""
+        times = [t for t in self._recent.get(name, []) if now - t < self.window_s]
+        if len(times) >= self.max_restarts:
+            return False
+        self._recent[name] = [*times, now]
+        return True
+
+
 def run_up(config: StackConfig) -> int:
     stop_requested = False
 
@@ -399,14 +423,19 @@ def run_up(config: StackConfig) -> int:
         print(f"thunderagent up failed: {err}", file=sys.stderr)
         return 1
     print(describe(stack), flush=True)
+    budget = RestartBudget()
     try:
         while not stop_requested:
-            dead = stack.dead_children()
-            if dead:
-                for child in dead:
-                    print(f"{child.name} exited ({child.popen.returncode}):\n{child.tail()}",
-                          file=sys.stderr)  # fmt: skip
-                return 1
+            for child in stack.dead_children():
+                code, now = child.popen.returncode, time.monotonic()
+                print(f"{child.name} exited ({code}):\n{child.tail()}", file=sys.stderr)
+                if not budget.spend(child.name, now):
+                    times = f"{budget.max_restarts + 1} times within {budget.window_s:g} s"
+                    print(f"{child.name} exited {times}: stopping the stack", file=sys.stderr)
+                    return 1
+                print(f"restarting {child.name}; the rest of the stack keeps serving",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                stack.restart(child)
             time.sleep(0.2)
         return 0
     finally:
