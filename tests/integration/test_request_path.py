@@ -33,7 +33,7 @@ async def _routable_client(stack, nats_url: str) -> ThunderClient:
             await client.generate(GenerateRequest(model=MODEL, token_ids=[5], max_tokens=1))
             return client
         except RequestFailed as err:
-            if err.error.code != ErrorCode.UNKNOWN_MODEL:
+            if err.error.code not in (ErrorCode.UNKNOWN_MODEL, ErrorCode.UNAVAILABLE):
                 raise
             await asyncio.sleep(0.05)
     raise AssertionError("router never saw the workers")
@@ -178,3 +178,25 @@ async def test_route_decisions_reach_observers_in_batches(nats_server):
     assert sorted(ids) == sorted(mine)
     assert len(batches) < 20, "decisions of concurrent requests share messages"
     assert {b.router_id for b in batches} == {router_id}
+
+
+async def test_a_model_whose_workers_left_is_unavailable_not_unknown(nats_server):
+    """With its only worker gone, a served model was answered `unknown_model` (HTTP 404) as
+    if it had never existed; a client should retry, not give up."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await _routable_client(stack, nats_server.url)
+        await stack.stop_service("worker-w0")  # deregisters: the router's fleet empties
+        client.retries = 0
+        for _ in range(100):
+            try:
+                await client.generate(GenerateRequest(model=MODEL, token_ids=[5], max_tokens=1))
+            except RequestFailed as err:
+                failed = err.error
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the router kept routing to a worker that left")
+        await client.close()
+    assert failed.code == ErrorCode.UNAVAILABLE and failed.service == "router"
+    assert "no live worker serves model" in failed.message

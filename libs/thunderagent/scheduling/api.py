@@ -82,10 +82,12 @@ class Preempt:
 
 @dataclass(slots=True, frozen=True)
 class Reject:
-    """Answer the client with an error now (deadline passed or cannot be met)."""
+    """Answer the client with an error now: its deadline passed or cannot be met, or
+    (``unavailable``) no worker can take it at all."""
 
     request_id: str
     reason: str
+    unavailable: bool = False
 
 
 Action = Dispatch | Preempt | Reject

@@ -316,7 +316,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         req = entry.req
         cands = self._eligible(req)
         if not cands:
-            self._reject(entry, "no eligible worker", self._out)
+            self._reject(entry, "no eligible worker", self._out, unavailable=True)
             return
         entry.home, cached = cands[0]
         entry.key = order_key(req, cached, self.params)
@@ -411,14 +411,16 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         self._reject(self.entries[req.request_id], reason, self._out if out is None else out)
         return True
 
-    def _reject(self, entry: _Entry, reason: str, out: list[Action]) -> None:
+    def _reject(
+        self, entry: _Entry, reason: str, out: list[Action], *, unavailable: bool = False
+    ) -> None:
         rid = entry.req.request_id
         self.entries.pop(rid, None)
         self.programs.unpark(entry.req.program_id or "", rid)
         self.groups.drop(rid)
         entry.state = "rejected"
         self.counters["rejected"] += 1
-        out.append(Reject(rid, reason))
+        out.append(Reject(rid, reason, unavailable))
 
     def _expire_deadlines(self, now: float, out: list[Action]) -> None:
         for rid in self.deadlines.due(now):

@@ -96,6 +96,9 @@ class Router:
         self.wallet = CreditWallet()
         """Room the scheduler lent this replica (the fast path)."""
         self.last_grant_at = 0.0
+        self.served_models: set[str] = set()
+        """Models some worker served since start: asked for one with no worker now is
+        ``unavailable`` (its workers left), not ``unknown_model``."""
         self.fleet_ready = asyncio.Event()
         """Set once the fleet's registrations are loaded; requests wait for it (a replica that
         just started would otherwise answer "no worker serves this model")."""
@@ -132,10 +135,9 @@ class Router:
                 await asyncio.wait_for(self.fleet_ready.wait(), FLEET_WAIT_S)
         workers = self.core.fleet.for_model(req.model)
         if not workers:
-            known = ", ".join(sorted(self.core.fleet.models())) or "none"
-            message = f"no worker serves model {req.model!r} (served: {known})"
-            await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
+            await self._no_worker(reply, req)
             return
+        self.served_models.add(req.model)
         try:
             req = self._resolve_prompt(req, workers[0])
         except (OSError, RuntimeError, ValueError) as err:
@@ -310,6 +312,19 @@ class Router:
         if not ids:
             raise ValueError("the prompt tokenizes to nothing")
         return structs.replace(req, token_ids=ids, text=None, messages=None)
+
+    async def _no_worker(self, reply: str, req: GenerateRequest) -> None:
+        """No live worker serves ``req.model``: unknown if none ever did and others are served;
+        unavailable while no worker is live at all, or once its workers have left."""
+        live = self.core.fleet.models()
+        self.served_models |= live
+        if req.model in self.served_models or not live:
+            message = f"no live worker serves model {req.model!r} now (served: "
+            message += f"{', '.join(sorted(live)) or 'none'}); retry"
+            await self._fail(reply, req, ErrorCode.UNAVAILABLE, message)
+            return
+        message = f"no worker serves model {req.model!r} (served: {', '.join(sorted(live))})"
+        await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
 
     async def _fail(
         self,

@@ -378,7 +378,8 @@ class SchedulerService:
                 await self._preempt(pending, action.worker_id, action.reason)
             elif isinstance(action, Reject):
                 self._forget(pending)
-                await self.handoff.fail(pending, ErrorCode.DEADLINE, action.reason)
+                code = ErrorCode.UNAVAILABLE if action.unavailable else ErrorCode.DEADLINE
+                await self.handoff.fail(pending, code, action.reason)
         except Exception:  # a bug: the client hears of it rather than waiting forever
             log.exception("request %s: %s failed", pending.request_id, type(action).__name__)
             if self.pending.get(pending.request_id) is pending:

@@ -221,6 +221,17 @@ def test_deadline_rejects_at_submit(deadline: float, now: float, reason: str) ->
     assert s.waiting() == 0
 
 
+def test_a_request_no_worker_can_take_is_unavailable_not_late() -> None:
+    """Its candidates all left: the client used to hear ``deadline`` for a request that had
+    none."""
+    s = SCHEDULERS.create("thunder")
+    s.update_worker(room(), 0.0)
+    s.remove_worker("w0", 0.0)
+    s.submit(req("r"), 0.0)
+    assert s.poll(0.0) == [Reject("r", "no eligible worker", unavailable=True)]
+    assert s.waiting() == 0
+
+
 def test_deadline_rejects_a_waiting_request_when_it_passes() -> None:
     s = SCHEDULERS.create("thunder", window="none")
     s.update_worker(room(), 0.0)
