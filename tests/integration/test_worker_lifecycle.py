@@ -269,3 +269,25 @@ async def test_a_registration_nobody_renews_is_taken_over(nats_server):
             adapter.terminate()
             adapter.wait(timeout=10)
             await nc.close()
+
+
+async def test_an_engine_down_for_long_is_logged_once_per_doubling_and_its_return_once(
+    nats_server, caplog
+):
+    """The adapter logged every failed load poll: five warnings a second for as long as the
+    engine stayed down, and nothing when it came back."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)  # load polls every 0.05 s
+        with caplog.at_level("WARNING", logger="thunderagent.worker.adapter"):
+            _, port, events, *_ = stack._engine_setup["w0"]
+            await stack.kill_engine("w0")
+            await asyncio.sleep(3.0)  # ~60 failed polls
+            await stack.start_engine("w0", port=port, events_config=events)  # back, same place
+            back = [r for r in caplog.records if "answers again" in r.getMessage()]
+            give_up = time.monotonic() + 10
+            while not back and time.monotonic() < give_up:
+                await asyncio.sleep(0.1)
+                back = [r for r in caplog.records if "answers again" in r.getMessage()]
+    failed = [r for r in caplog.records if "load poll failed" in r.getMessage()]
+    assert 4 <= len(failed) <= 8, [r.getMessage() for r in failed]  # 1, 2, 4, ... 32 (64)
+    assert len(back) == 1

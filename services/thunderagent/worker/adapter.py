@@ -294,10 +294,15 @@ class WorkerAdapter:
             # an answer that is not a load (ValueError, TypeError) is as unhealthy as none
             except (TimeoutError, OSError, EngineError, ValueError, TypeError) as err:
                 failures += 1
-                log.warning("load poll failed (%d in a row): %s", failures, err)
+                # once per doubling: an engine down for minutes is not five lines a second
+                if failures & (failures - 1) == 0:
+                    log.warning("load poll failed (%d in a row): %s", failures, err)
                 if failures >= UNHEALTHY_AFTER:
                     self._set_healthy(False)
             else:
+                if failures >= UNHEALTHY_AFTER:
+                    log.warning("engine %s answers again after %d failed load polls",
+                                self.engine.base_url, failures)  # fmt: skip
                 failures = 0
                 self._set_healthy(True)
                 try:
