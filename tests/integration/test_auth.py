@@ -31,8 +31,10 @@ from thunderagent.bus.connection import Credentials, resolve_credentials, tls_co
 from thunderagent.embedded import (
     NatsServer,
     find_nats_server,
+    free_port,
     role_permissions,
     stack_users,
+    wait_for_port,
     write_credentials,
 )
 from thunderagent.embedded.auth import ROLES, render_authorization
@@ -88,6 +90,8 @@ def test_credentials_are_found_in_order(tmp_path):
     got = resolve_credentials("nats://h:4222", "worker-w0", env=env)
     assert (got.user, got.password) == ("worker-w0", by_name["worker-w0"].password)
     assert resolve_credentials("nats://h:4222", "bench", env=env).user == "client"
+    # an adapter started by hand on an id `up` did not start: the shared worker login
+    assert resolve_credentials("nats://h:4222", "worker-w9", env=env).user == "worker"
     explicit = str(folder / "router.json")
     assert resolve_credentials("nats://h:4222", "x", creds=explicit, env=env).user == "router"
     env.pop("THUNDERAGENT_NATS_CREDS")
@@ -224,6 +228,45 @@ async def test_a_worker_publishes_only_its_own_events_load_progress_and_registra
     finally:
         await w0.close()
         await admin.close()
+
+
+async def test_an_adapter_started_by_hand_joins_with_the_shared_worker_login(auth_server):
+    """`up` wrote logins only for the workers it started: an adapter started by hand in front
+    of another engine fell back to the client login and died on a permission timeout."""
+    server, creds = auth_server
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "thunderagent.cli.main", "simengine", "--port", str(port),
+         "--profile", "tiny"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    adapter = None
+    try:
+        wait_for_port(port, timeout_s=30)
+        adapter = subprocess.Popen(
+            [sys.executable, "-m", "thunderagent.cli.main", "worker", "--worker-id", "w9",
+             "--engine-url", f"http://127.0.0.1:{port}", "--nats", server.url,
+             "--creds", str(creds)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        nc, _ = await _as(server, creds, "router")
+        js = nc.jetstream()
+        give_up = time.monotonic() + 30
+        while True:
+            assert adapter.poll() is None, adapter.stderr.read()
+            try:
+                kv = await js.key_value(subjects.WORKERS_BUCKET)
+                if "w9" in await kv.keys():
+                    break
+            except Exception:  # the bucket or its first key is not there yet
+                pass
+            assert time.monotonic() < give_up, "w9 never registered"
+            await asyncio.sleep(0.2)
+        await nc.close()
+    finally:
+        for proc in (adapter, engine):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=15)
 
 
 async def test_a_load_report_must_name_the_worker_whose_subject_it_came_on(auth_server):

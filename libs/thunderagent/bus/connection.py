@@ -76,13 +76,15 @@ def _creds_path(creds: str, identity: str) -> Path:
     path = Path(creds).expanduser()
     if not path.is_dir():
         return path
-    for name in (identity, CLIENT_IDENTITY):
+    role = identity.split("-", 1)[0]  # worker-w9 -> worker: a role's shared login
+    names = list(dict.fromkeys((identity, role, CLIENT_IDENTITY)))
+    for name in names:
         candidate = path / f"{name}.json"
         if candidate.exists():
             if name != identity:
                 log.warning("no NATS credentials for %r in %s: using %s", identity, path, name)
             return candidate
-    raise ConnectionError(f"no NATS credentials for {identity!r} (or client) in {path}")
+    raise ConnectionError(f"no NATS credentials for any of {names} in {path}")
 
 
 def resolve_credentials(

@@ -200,9 +200,11 @@ def new_password() -> str:
 
 
 def stack_users(worker_ids: Iterable[str]) -> list[NatsUser]:
-    """Every login of an embedded stack: admin, each service role, one user per worker."""
+    """Every login of an embedded stack: admin, each service role, one user per worker it
+    starts, and the shared ``worker`` role of ``ops/nats.conf`` for adapters started by hand in
+    front of other engines (they find it when there is no login of their own)."""
     users = [NatsUser(ADMIN, new_password(), None)]
-    users += [NatsUser(r, new_password(), role_permissions(r)) for r in ROLES if r != "worker"]
+    users += [NatsUser(r, new_password(), role_permissions(r)) for r in ROLES]
     users += [NatsUser(f"worker-{w}", new_password(), worker_permissions(w)) for w in worker_ids]
     return users
 
