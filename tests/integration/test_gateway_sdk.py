@@ -347,6 +347,8 @@ async def test_metrics_health_and_the_body_limit(nats_server):
             async with http.get(run.url + "/health") as resp:
                 health = await resp.json()
             assert resp.status == 200 and health["models"] == [MODEL] and health["workers"] == 1
+            async with http.get(run.url + "/ready") as resp:
+                assert resp.status == 200 and (await resp.json())["ready"] is True
             async with http.get(run.url + "/metrics") as resp:
                 text = await resp.text()
             async with http.get(run.url + "/v2/nothing") as resp:
@@ -404,3 +406,21 @@ async def test_the_live_benchmark_drives_the_gateway_like_the_baselines(nats_ser
     assert all(o.engine_ttft_ms >= 0 and o.ttft_ms >= o.engine_ttft_ms for o in result.outcomes)
     assert summary["added_latency_ms"]["p50"] > 0
     assert summary["prefix_hit_ratio"] > 0  # the shared 32-token block is cached after the first
+
+
+async def test_ready_is_503_while_no_worker_can_serve_and_health_stays_200(nats_server):
+    """`/health` said 200 "ok" with no worker registered while every chat request failed: a
+    load balancer had nothing to tell a gateway that can serve from one that cannot."""
+    import aiohttp
+
+    async with gateway_stack(nats_server.url, workers=0) as run:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(run.url + "/ready") as resp:
+                ready = (resp.status, await resp.json())
+            async with http.get(run.url + "/health") as resp:
+                health = resp.status
+    assert ready == (
+        503,
+        {"ready": False, "reason": "no worker registered", "workers": 0, "models": []},
+    )
+    assert health == 200

@@ -56,6 +56,19 @@ class ModelRoutes:
         }
         return web.json_response(body, status=200 if connected else 503)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness, not liveness: 503 while this gateway could serve nothing (NATS away, or
+        no worker registered), so a load balancer sends it no traffic; ``/health`` stays 200
+        while the process is fine, so a liveness probe does not restart it for want of
+        workers."""
+        connected = self.bus.is_connected
+        workers = len(self.registry)
+        why = "" if connected else "NATS disconnected"
+        why = why or ("" if workers else "no worker registered")
+        body = {"ready": not why, "reason": why, "workers": workers,
+                "models": sorted(self.registry.models())}  # fmt: skip
+        return web.json_response(body, status=503 if why else 200)
+
     async def no_route(self, request: web.Request) -> web.Response:
         if request.path in POST_ONLY:
             raise HttpError(405, f"{request.method} is not allowed on {request.path}: use POST",
