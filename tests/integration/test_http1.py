@@ -238,3 +238,30 @@ async def test_a_connection_dropped_mid_answer_is_an_oserror_on_every_engine_cal
     async with GetServer(script) as server, EngineClient(server.url) as engine:
         with pytest.raises(OSError):
             await engine.get_json("/get_load")
+
+
+async def test_a_server_that_is_not_sglang_is_named_in_one_line() -> None:
+    """An adapter pointed at some other web server logged its whole error page every 2 s."""
+    from aiohttp import web
+
+    async def page(request: web.Request) -> web.Response:
+        html = "<html>\n<head><title>404</title></head>\n<body>\n" + "x" * 5000 + "</body></html>"
+        return web.Response(status=404, text=html, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with EngineClient(f"http://127.0.0.1:{port}") as engine:
+            with pytest.raises(EngineError) as err:
+                await engine.get_json("/server_info")
+    finally:
+        await runner.cleanup()
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 300
+    assert message.startswith("engine HTTP 404: GET /server_info: <html> <head>")
+    assert message.endswith("(is this an SGLang server?)")

@@ -265,6 +265,7 @@ class WorkerAdapter:
         key = subjects.worker_key(self.config.worker_id)
         registered = False
         revision: int | None = None
+        renewal_failures = 0
         while not stop.is_set():
             healthy = self.engine_healthy.is_set()
             try:
@@ -280,8 +281,13 @@ class WorkerAdapter:
                     await bucket.delete(key)
                     revision = None
                 registered = healthy
-            except Exception:
-                log.warning("lease renewal failed", exc_info=True)
+            except Exception as err:  # NATS away: the traceback once, then one line
+                renewal_failures += 1
+                if renewal_failures & (renewal_failures - 1) == 0:
+                    log.warning("lease renewal failed (%d in a row): %r", renewal_failures, err,
+                                exc_info=renewal_failures == 1)  # fmt: skip
+            else:
+                renewal_failures = 0
             self._health_changed.clear()
             await _wait_any(stop, self._health_changed, self.config.lease_s / 3)
 

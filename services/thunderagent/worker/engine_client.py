@@ -72,8 +72,10 @@ class EngineClient:
     async def get_json(self, path: str) -> Any:
         try:
             async with self.session.get(self.base_url + path) as resp:
-                if resp.status != 200:
-                    raise EngineError(resp.status, await resp.text())
+                if resp.status != 200:  # one line: a web server's error page is a whole page
+                    text = " ".join((await resp.text()).split())
+                    hint = " (is this an SGLang server?)" if resp.status == 404 else ""
+                    raise EngineError(resp.status, f"GET {path}: {text[:200]}{hint}")
                 return await resp.json(content_type=None)
         except aiohttp.ClientError as err:
             raise _broken(path, err) from err
