@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -204,7 +203,8 @@ class WorkerAdapter:
         seen = await bucket.get(key)
         if seen is None:
             return
-        lease_s = _registration(seen[1]).lease_s
+        other = _registration(seen[1])
+        lease_s = other.lease_s if other is not None else 0.0
         log.info("%s is registered: waiting %.1f s to see if its adapter renews it", key,
                  lease_s / 2)  # fmt: skip
         await _sleep_or_stop(stop, lease_s / 2)  # renewals come every lease_s / 3
@@ -217,9 +217,11 @@ class WorkerAdapter:
         registered first (two started at once: the later one leaves, the first keeps it)."""
         if current is None or revision is None or current[0] == revision:
             return True
-        other = _registration(current[1])
-        mine = self.registration
-        if (other.registered_at, other.engine_url) >= (mine.registered_at, mine.engine_url):
+        other, mine = _registration(current[1]), self.registration
+        if other is None or (other.registered_at, other.engine_url) >= (
+            mine.registered_at,
+            mine.engine_url,
+        ):
             return True
         self.id_taken = _id_in_use(self.config.worker_id, current[1])
         return False
@@ -440,26 +442,20 @@ def _connectable(endpoint: str, host: str) -> str:
     return endpoint
 
 
-def _registration(payload: bytes) -> WorkerRegistration:
-    """Another adapter's registration; one that does not decode counts as a stale one."""
+def _registration(payload: bytes) -> WorkerRegistration | None:
+    """Another adapter's registration; None when it does not decode (it then counts as stale:
+    it never wins the id)."""
     try:
         return msgspec.json.decode(payload, type=WorkerRegistration)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return WorkerRegistration(
-            worker_id="",
-            model="",
-            engine_url="?",
-            block_size=1,
-            kv_capacity_blocks=0,
-            lease_s=0.0,
-            registered_at=math.inf,
-        )
+        return None
 
 
 def _id_in_use(worker_id: str, registration: bytes) -> str:
     other = _registration(registration)
+    engine = other.engine_url if other is not None else "an engine it does not name"
     return (
-        f"worker id {worker_id!r} is in use by a live adapter in front of {other.engine_url}: "
+        f"worker id {worker_id!r} is in use by a live adapter in front of {engine}: "
         "give this one another --worker-id"
     )
 
