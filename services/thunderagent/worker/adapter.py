@@ -198,7 +198,8 @@ class WorkerAdapter:
         """Refuse to start when another live adapter holds this worker id: two adapters on one
         id both take every request sent to it (each answer streamed twice, interleaved) and
         overwrite each other's registration and KV events. A registration left by an adapter
-        that died is not renewed: it is taken over after one renewal period."""
+        that died is not renewed: it is taken over after half a lease (renewals come every
+        third of one)."""
         key = subjects.worker_key(self.config.worker_id)
         seen = await bucket.get(key)
         if seen is None:
@@ -207,7 +208,7 @@ class WorkerAdapter:
         lease_s = other.lease_s if other is not None else 0.0
         log.info("%s is registered: waiting %.1f s to see if its adapter renews it", key,
                  lease_s / 2)  # fmt: skip
-        await _sleep_or_stop(stop, lease_s / 2)  # renewals come every lease_s / 3
+        await _sleep_or_stop(stop, lease_s / 2)
         now = await bucket.get(key)
         if now is not None and now[0] != seen[0]:
             raise SystemExit(_id_in_use(self.config.worker_id, now[1]))
