@@ -192,10 +192,19 @@ def test_a_child_that_dies_is_restarted_and_the_stack_keeps_serving(tmp_path):
             restarted = pid if pid not in (None, router) else None
         assert proc.poll() is None and restarted is not None
         assert _request(nats_url, env, "after the router's restart")["type"] == "final"
+        engine = _child(proc.pid, "simengine")
+        assert engine is not None
+        os.kill(engine, signal.SIGKILL)  # its adapter is restarted after it (new KV ports)
+        deadline = time.monotonic() + 30
+        while _child(proc.pid, "simengine") in (None, engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        final = _request(nats_url, env, "after the engine's restart")
+        assert final["type"] == "final" and final["worker_id"] == "w0"
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
         assert proc.returncode == 0
         assert "router-0 exited (-9)" in out and "restarting router-0" in out
+        assert "engine-0 exited (-9)" in out and "restarting engine-0" in out
     finally:
         if proc.poll() is None:
             proc.kill()

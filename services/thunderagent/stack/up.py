@@ -334,8 +334,16 @@ class Stack:
         return [c for c in self.children if not c.alive()]
 
     def restart(self, child: ChildProcess) -> None:
-        """Start an exited child again with the same command (an engine on the same port)."""
+        """Start an exited child again with the same command (an engine on the same HTTP
+        port). A restarted engine binds new KV-event ports (``*``), which its adapter reads
+        from ``/server_info`` only when it starts: the adapter is restarted after it."""
         self.children[self.children.index(child)] = child.respawn()
+        if child.name.startswith("engine-"):
+            name = f"worker-w{child.name.removeprefix('engine-')}"
+            adapter = next((c for c in self.children if c.name == name), None)
+            if adapter is not None:
+                adapter.stop()
+                self.children[self.children.index(adapter)] = adapter.respawn()
 
     def stop(self) -> None:
         # Workers and engines first, so adapters deregister while NATS is still up.
