@@ -449,4 +449,4 @@ def run_up(config: StackConfig) -> int:
     finally:
         print("stopping ...", flush=True)
         stack.stop()
-        print("stopped.", flush=True)
+        print(f"stopped. Logs and credentials stay in {stack.run_dir}", flush=True)
