@@ -424,3 +424,24 @@ async def test_ready_is_503_while_no_worker_can_serve_and_health_stays_200(nats_
         {"ready": False, "reason": "no worker registered", "workers": 0, "models": []},
     )
     assert health == 200
+
+
+async def test_bad_http_from_a_client_is_one_warning_not_an_error_traceback(nats_server, caplog):
+    """aiohttp logged an ERROR with a traceback for each request it could not parse."""
+    async with gateway_stack(nats_server.url) as run:
+        host, port = run.url.removeprefix("http://").split(":")
+        with caplog.at_level("WARNING"):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: a\r\n"
+                b"Content-Type: b\r\nContent-Length: 2\r\n\r\n{}"
+            )
+            await writer.drain()
+            status = (await reader.readline()).split()[1]
+            writer.close()
+            await asyncio.sleep(0.1)
+    assert status == b"400"
+    about = [r for r in caplog.records if r.name == "thunderagent.gateway.http"]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in about] == [
+        ("WARNING", "bad HTTP from a client: Duplicate 'Content-Type' header found.", None)
+    ]

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -39,6 +40,23 @@ from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.telemetry import extract_context
 
 log = logging.getLogger(__name__)
+
+
+class _ClientFaults(logging.Filter):
+    """A request aiohttp cannot parse is the client's fault: one warning line, where aiohttp
+    logs an error with a traceback (a client sending bad HTTP could fill the log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.msg, record.args = "bad HTTP from a client: %s", (exc.message,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+HTTP_LOG = logging.getLogger("thunderagent.gateway.http")
+HTTP_LOG.addFilter(_ClientFaults())
 _tracer = trace.get_tracer("thunderagent.gateway")
 
 CHAT = "/v1/chat/completions"
@@ -115,6 +133,7 @@ class Gateway:
             access_log=None,
             handler_cancellation=True,
             shutdown_timeout=self.config.shutdown_grace_s,
+            logger=HTTP_LOG,
         )
         await self._runner.setup()
         site = web.TCPSite(
