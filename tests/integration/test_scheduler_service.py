@@ -82,7 +82,12 @@ async def test_deadline_in_the_past_is_answered_at_once(nats_server):
         with pytest.raises(RequestFailed) as info:
             await client.generate(late)
         await client.close()
+        # what an operator's dashboard reads: the scheduler's decisions, by kind
+        events = {o.attributes["event"]: o.value
+                  for o in stack.services["scheduler"].runtime._observe_events(None)}  # fmt: skip
     assert info.value.error.code == ErrorCode.DEADLINE
+    assert events["rejected"] == 1 and events["submitted"] >= 1
+    assert "waiting" not in events  # a level, not a count
 
 
 async def test_a_hand_off_that_raises_is_answered_and_forgotten(nats_server):

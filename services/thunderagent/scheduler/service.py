@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bus, Delivery
 from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
@@ -97,10 +98,17 @@ class SchedulerService:
         self._early = EarlyProgress()
         self.wake = asyncio.Event()
         self._tasks = TaskSet("scheduler")
-        self._depth = meter("thunderagent.scheduler").create_observable_gauge(
+        m = meter("thunderagent.scheduler")
+        self._depth = m.create_observable_gauge(
             "thunderagent_worker_queue_depth",
             [self._observe_depths],
             description="Requests waiting for the worker: scheduler queue + engine waiting queue",
+        )
+        m.create_observable_counter(
+            "thunderagent_scheduler_events",
+            [self._observe_events],
+            description="The scheduler's decisions since start, by kind (dispatched, rejected, "
+            "preempted, grouped, program pauses, ...)",
         )
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -416,9 +424,7 @@ class SchedulerService:
         self.core.submit(pending.sched_request(), self.clock())
         self.wake.set()
 
-    def _observe_depths(self, _options):
-        from opentelemetry.metrics import Observation
-
+    def _observe_depths(self, _options: CallbackOptions) -> list[Observation]:
         queued: dict[str, int] = {}
         for p in self.pending.values():
             if not p.worker_id and p.submit.decision.candidates:
@@ -432,6 +438,12 @@ class SchedulerService:
             depth = queued.get(state.worker_id, 0) + engine
             out.append(Observation(depth, {"worker_id": state.worker_id}))
         return out
+
+    def _observe_events(self, _options: CallbackOptions) -> list[Observation]:
+        stats = getattr(self.core, "stats", None)  # the core's own counters, where it keeps them
+        counts = stats() if stats is not None else {}
+        skip = ("waiting", "running", "pd_inflight")  # levels, not counts
+        return [Observation(n, {"event": k}) for k, n in counts.items() if k not in skip]
 
     async def run_service(self, ctx: ServiceContext) -> None:
         """Subscribe everything and run until ``ctx.stop``."""
