@@ -445,3 +445,21 @@ async def test_bad_http_from_a_client_is_one_warning_not_an_error_traceback(nats
     assert [(r.levelname, r.getMessage(), r.exc_info) for r in about] == [
         ("WARNING", "bad HTTP from a client: Duplicate 'Content-Type' header found.", None)
     ]
+
+
+async def test_a_stop_string_ends_the_answer_before_it(nats_server):
+    """The simulated engine took `stop` and ignored it: the answer ran to max_tokens."""
+    async with gateway_stack(nats_server.url) as run:
+        client = run.client()
+        done = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, stop=["output", "nowhere"]
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, stop="output", stream=True
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+    assert done.choices[0].message.content == "Simulated "
+    assert done.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Simulated "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"

@@ -54,6 +54,16 @@ class GenerateInput:
     max_new_tokens: int
     cache_salt: str | None = None
     """Tenant namespace (SGLang's ``cache_salt``): blocks are shared only within one salt."""
+    stop_matched: str | None = None
+    """The stop string the output reaches first (``max_new_tokens`` then ends before it)."""
+
+
+def first_stop(stops: list[str], max_new_tokens: int) -> tuple[int, str] | None:
+    """Where the simulated output meets the first of ``stops`` within ``max_new_tokens``:
+    (tokens before it, the string). The output is fixed text, one byte per token."""
+    text = bytes(output_token(i) - 4 for i in range(max_new_tokens)).decode("latin-1")
+    hits = [(at, s) for s in stops if s and (at := text.find(s)) >= 0]
+    return min(hits, key=lambda hit: hit[0] + len(hit[1])) if hits else None
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from thunderagent.simengine import instant
-from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
+from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput, first_stop
 from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
 from thunderagent.telemetry import extract_context, start_span_if_sampled
@@ -208,10 +208,20 @@ class SimEngineApp:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return _bad("cache_salt must be a string (batches are not supported)")
+        stop = params.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            return _bad("sampling_params.stop must be a string or a list of strings")
+        # the output is fixed text: it ends before the first stop string it meets, and the
+        # run reports that string, as SGLang does (which also generates the string's tokens)
+        hit = first_stop(stop, max_new)
+        if hit is not None:
+            max_new = max(hit[0], 1)
         rid = body.get("rid") or uuid.uuid4().hex
         return GenerateInput(
-            rid=str(rid), input_ids=ids, max_new_tokens=max_new, cache_salt=salt or None
-        )
+            rid=str(rid), input_ids=ids, max_new_tokens=max_new, cache_salt=salt or None,
+            stop_matched=hit[1] if hit is not None else None,
+        )  # fmt: skip
 
     def _chunk(
         self, req: GenerateInput, out_ids: list[int], ev, started: float, first_at: float | None
@@ -230,6 +240,8 @@ class SimEngineApp:
             meta["engine_ttft_s"] = first_at - started
         if ev.finished:
             meta["finish_reason"] = {"type": ev.finish_reason, "length": ev.completion_tokens}
+            if ev.finish_reason == "length" and req.stop_matched is not None:
+                meta["finish_reason"] = {"type": "stop", "matched": req.stop_matched}
         return {
             "text": self.tokenizer.decode(out_ids),
             "output_ids": list(out_ids),
