@@ -147,7 +147,9 @@ def output_file(text: str) -> Path:
     """A file the command writes, often only when a long run ends: checked when the command
     line is parsed, so a path that cannot be written fails now, not after the run."""
     path = Path(text)
-    if not text or path.is_dir():
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} exists and cannot be written")
