@@ -97,8 +97,8 @@ class Router:
         """Room the scheduler lent this replica (the fast path)."""
         self.last_grant_at = 0.0
         self.served_models: set[str] = set()
-        """Models some worker served since start: asked for one with no worker now is
-        ``unavailable`` (its workers left), not ``unknown_model``."""
+        """Models some worker registered since start (the fleet watcher adds them): asked for
+        one with no worker now is ``unavailable`` (its workers left), not ``unknown_model``."""
         self.fleet_ready = asyncio.Event()
         """Set once the fleet's registrations are loaded; requests wait for it (a replica that
         just started would otherwise answer "no worker serves this model")."""
@@ -137,7 +137,6 @@ class Router:
         if not workers:
             await self._no_worker(reply, req)
             return
-        self.served_models.add(req.model)
         try:
             req = self._resolve_prompt(req, workers[0])
         except (OSError, RuntimeError, ValueError) as err:
@@ -317,7 +316,6 @@ class Router:
         """No live worker serves ``req.model``: unknown if none ever did and others are served;
         unavailable while no worker is live at all, or once its workers have left."""
         live = self.core.fleet.models()
-        self.served_models |= live
         if req.model in self.served_models or not live:
             message = f"no live worker serves model {req.model!r} now (served: "
             message += f"{', '.join(sorted(live)) or 'none'}); retry"
@@ -377,6 +375,8 @@ class RouterService:
     def _on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
             self.core.remove(worker_id)
+        elif what == "registered" and (state := self.core.fleet.get(worker_id)) is not None:
+            self.router.served_models.add(state.registration.model)
 
     async def _tick(self, stop: asyncio.Event) -> None:
         hello = RouterHello(router_id=self.router.config.router_id)
