@@ -150,21 +150,7 @@ class WorkerAdapter:
             return
         bucket = await workers_bucket(self.bus)
         await self._claim_worker_id(bucket, stop)  # before taking any of the id's messages
-        await self.bus.subscribe(
-            subjects.worker_generate(self.config.worker_id),
-            WorkerGenerate,
-            self.on_generate,
-            concurrent=True,
-        )
-        await self.bus.subscribe(
-            subjects.worker_abort(self.config.worker_id), AbortRequest, self.on_abort
-        )
-        await self.bus.subscribe(
-            subjects.worker_kv_import(self.config.worker_id),
-            KvTransfer,
-            self.on_kv_import,
-            concurrent=True,
-        )
+        await self._subscribe()
         events = await self._kv_event_source()
         relay = None
         if events is not None:
@@ -186,13 +172,27 @@ class WorkerAdapter:
         finally:
             if relay is not None:
                 await relay.close()
-            try:
-                if self.id_taken is None:  # else the key is the other adapter's
-                    await bucket.delete(subjects.worker_key(self.config.worker_id))
-            except Exception:
-                log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
+            await self._deregister(bucket)
         if self.id_taken is not None:
             raise SystemExit(self.id_taken)
+
+    async def _subscribe(self) -> None:
+        wid = self.config.worker_id
+        await self.bus.subscribe(
+            subjects.worker_generate(wid), WorkerGenerate, self.on_generate, concurrent=True
+        )
+        await self.bus.subscribe(subjects.worker_abort(wid), AbortRequest, self.on_abort)
+        await self.bus.subscribe(
+            subjects.worker_kv_import(wid), KvTransfer, self.on_kv_import, concurrent=True
+        )
+
+    async def _deregister(self, bucket: Bucket) -> None:
+        if self.id_taken is not None:  # the key is the other adapter's
+            return
+        try:
+            await bucket.delete(subjects.worker_key(self.config.worker_id))
+        except Exception:
+            log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
 
     async def _claim_worker_id(self, bucket: Bucket, stop: asyncio.Event) -> None:
         """Refuse to start when another live adapter holds this worker id: two adapters on one
@@ -286,7 +286,7 @@ class WorkerAdapter:
                 registered = healthy
             except Exception as err:  # NATS away: the traceback once, then one line
                 renewal_failures += 1
-                if renewal_failures & (renewal_failures - 1) == 0:
+                if _doubled(renewal_failures):
                     log.warning("lease renewal failed (%d in a row): %r", renewal_failures, err,
                                 exc_info=renewal_failures == 1)  # fmt: skip
             else:
@@ -303,8 +303,7 @@ class WorkerAdapter:
             # an answer that is not a load (ValueError, TypeError) is as unhealthy as none
             except (TimeoutError, OSError, EngineError, ValueError, TypeError) as err:
                 failures += 1
-                # once per doubling: an engine down for minutes is not five lines a second
-                if failures & (failures - 1) == 0:
+                if _doubled(failures):
                     log.warning("load poll failed (%d in a row): %s", failures, err)
                 if failures >= UNHEALTHY_AFTER:
                     self._set_healthy(False)
@@ -441,6 +440,12 @@ def _connectable(endpoint: str, host: str) -> str:
     for wildcard in ("*", "0.0.0.0"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
+
+
+def _doubled(failures: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th... failure in a row: an engine or NATS away for minutes is
+    a few lines, not several a second."""
+    return failures & (failures - 1) == 0
 
 
 def _registration(payload: bytes) -> WorkerRegistration | None:
