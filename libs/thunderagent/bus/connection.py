@@ -215,15 +215,17 @@ async def connect(
                     f"{refused[0] if refused else err}"
                 ) from err
             if loop.time() + delay > give_up_at:
-                why = (
-                    f"no server answered in {deadline_s:g} s (is it running?)"
-                    if isinstance(err, TimeoutError | OSError)
-                    else repr(err)
-                )
-                raise ConnectionError(f"cannot connect to NATS at {_safe(url)}: {why}") from err
+                raise ConnectionError(_unreachable(url, err, deadline_s)) from err
             log.info("nats %s: connect failed (%r), retry in %.2fs", name, err, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)
+
+
+def _unreachable(url: str, err: Exception, deadline_s: float) -> str:
+    why = f"no server answered in {deadline_s:g} s (is it running?)"
+    return f"cannot connect to NATS at {_safe(url)}: " + (
+        why if isinstance(err, TimeoutError | OSError) else repr(err)
+    )
 
 
 async def _until_connected_or_refused(
