@@ -224,29 +224,6 @@ def _cmd_migration(args: argparse.Namespace) -> None:
     )
 
 
-def _cmd_up(args: argparse.Namespace) -> None:
-    from thunderagent.stack.up import run_up
-
-    sys.exit(run_up(_stack_config("up", args)))
-
-
-def _cmd_demo(args: argparse.Namespace) -> None:
-    from thunderagent.stack.demo import run_demo
-
-    _stack_config("demo", args)
-    sys.exit(run_demo(args))
-
-
-def _stack_config(command: str, args: argparse.Namespace):
-    from thunderagent.stack.up import StackConfig
-
-    try:
-        return StackConfig.from_args(args)
-    except ValueError as err:
-        print(f"thunderagent {command}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 def _cmd_request(args: argparse.Namespace) -> None:
     from thunderagent.cli.request import run_request
 
@@ -267,45 +244,11 @@ def _cmd_schemas(args: argparse.Namespace) -> None:
     print(write_reference(Path(args.out) / "messages.md" if args.out else DOC_PATH))
 
 
-def _policy_list(text: str) -> str:
-    """A comma list of routing policies, each one the registry knows ('' for none)."""
-    from thunderagent.routing import POLICIES
-
-    unknown = [name for name in text.split(",") if name and name not in POLICIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown routing policy {', '.join(map(repr, unknown))} "
-            f"(known: {', '.join(POLICIES.names())})"
-        )
-    return text
-
-
 def _stack_commands(add) -> None:
-    from thunderagent.shell.argtypes import at_least, output_file, positive
-    from thunderagent.stack.up import add_stack_arguments
+    from thunderagent.shell.argtypes import at_least, positive
+    from thunderagent.stack.commands import add_stack_commands
 
-    p = add("up", "run NATS, Redis, every service and N simulated workers", _cmd_up)
-    add_stack_arguments(p)
-
-    p = add(
-        "demo", "start the embedded stack, run a short workload, print a summary, stop", _cmd_demo
-    )
-    add_stack_arguments(p)
-    p.add_argument(
-        "--requests", type=at_least(1), default=200, help="requests in the demo workload"
-    )
-    p.add_argument("--concurrency", type=at_least(1), default=16)
-    p.add_argument(
-        "--json", dest="json_out", type=output_file, default=None,
-        help="write the summary as JSON here",
-    )  # fmt: skip
-    p.add_argument(
-        "--compare",
-        type=_policy_list,
-        default="round_robin",
-        help="also run the workload with these routing policies (comma list; '' for none)",
-    )
-
+    add_stack_commands(add)
     p = add("request", "send one request and stream its tokens", _cmd_request)
     _nats_arg(p)
     p.add_argument("prompt", help="prompt text ('-' reads standard input)")
