@@ -57,28 +57,27 @@ def entry_point_settings(via: str, routers: int = 1) -> dict:
 
 def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=at_least(0), default=4, help="simulated workers to start")
-    p.add_argument(
-        "--nats", type=nats_url, default=None,
-        help="use this NATS server instead of an embedded one",
-    )  # fmt: skip
-    p.add_argument("--redis", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument(
-        "--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS),
-        help="simulated engine profile",
-    )  # fmt: skip
-    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
     p.add_argument("--policy", default="thunder", choices=POLICIES.names(), help="routing policy")
     p.add_argument(
         "--routers", type=at_least(0), default=1,
         help="router replicas (0 with --gateway-embed-router: only the gateways route; NATS "
         "clients then find no router)",
     )  # fmt: skip
-    p.add_argument(
-        "--speedup", type=positive, default=1.0, help="simulated engines run this much faster"
-    )
     p.add_argument("--run-dir", default=None, help="logs and data (default: a new temp folder)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics per service")
+    _bus_arguments(p)
+    _gateway_arguments(p)
+    _engine_arguments(p)
+
+
+def _bus_arguments(p: argparse.ArgumentParser) -> None:
+    """NATS and Redis: embedded or given, and how NATS is secured."""
+    p.add_argument(
+        "--nats", type=nats_url, default=None,
+        help="use this NATS server instead of an embedded one",
+    )  # fmt: skip
+    p.add_argument("--redis", default=None, help="use this Redis instead of an embedded one")
     p.add_argument(
         "--no-auth", dest="auth", action="store_false",
         help="a bare development bus: no NATS users (default: one generated login per role and "
@@ -91,6 +90,9 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls-key", type=readable_file, default=None, help="the --tls-cert's private key (PEM)"
     )
+
+
+def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gateways", type=at_least(0), default=1,
         help="OpenAI-compatible HTTP gateway processes sharing one port (0: none)",
@@ -103,6 +105,18 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
         help="each gateway routes in its own process (a router replica inside it: one NATS hop "
         "less per HTTP request); the router services still serve NATS clients",
     )  # fmt: skip
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The simulated engines."""
+    p.add_argument(
+        "--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS),
+        help="simulated engine profile",
+    )  # fmt: skip
+    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block")
+    p.add_argument(
+        "--speedup", type=positive, default=1.0, help="simulated engines run this much faster"
+    )
     p.add_argument(
         "--kv-pool", action="store_true",
         help="simulated engines keep real KV bytes in host memory registered with NIXL, so the "
