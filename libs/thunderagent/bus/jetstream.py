@@ -27,7 +27,13 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from thunderagent.bus.batches import BatchSender
@@ -87,6 +93,14 @@ class Bucket:
     async def put(self, key: str, value: bytes) -> int:
         """Write ``key``; returns the bucket's revision of this write."""
         return await self._kv.put(key, value)
+
+    async def update(self, key: str, value: bytes, last: int) -> int | None:
+        """Write ``key`` only if revision ``last`` is still its latest; None when another
+        writer came in between (compare-and-set: one round trip, no read first)."""
+        try:
+            return await self._kv.update(key, value, last=last)
+        except KeyWrongLastSequenceError:
+            return None
 
     async def get(self, key: str) -> tuple[int, bytes] | None:
         """``(revision, value)`` of ``key``, or None when it is absent or deleted."""

@@ -213,6 +213,20 @@ class WorkerAdapter:
         if now is not None and now[0] != seen[0]:
             raise SystemExit(_id_in_use(self.config.worker_id, now[1]))
 
+    async def _renew(
+        self, bucket: Bucket, key: str, payload: bytes, revision: int | None
+    ) -> int | None:
+        """Write the registration unless another adapter took the id since our last write
+        (then None, and ``id_taken`` says why): a compare-and-set on our last revision, so the
+        common renewal is one round trip; only a conflict reads the key."""
+        if revision is not None:
+            written = await bucket.update(key, payload, revision)
+            if written is not None:
+                return written
+            if not self._still_ours(await bucket.get(key), revision):
+                return None
+        return await bucket.put(key, payload)
+
     def _still_ours(self, current: tuple[int, bytes] | None, revision: int | None) -> bool:
         """False when another adapter wrote this worker's key since our last renewal and it
         registered first (two started at once: the later one leaves, the first keeps it)."""
@@ -272,12 +286,12 @@ class WorkerAdapter:
         while not stop.is_set():
             healthy = self.engine_healthy.is_set()
             try:
-                if healthy and not self._still_ours(await bucket.get(key), revision):
-                    log.error("%s", self.id_taken)
-                    stop.set()
-                    return
                 if healthy:
-                    revision = await bucket.put(key, payload)
+                    revision = await self._renew(bucket, key, payload, revision)
+                    if revision is None:
+                        log.error("%s", self.id_taken)
+                        stop.set()
+                        return
                 elif registered:
                     log.warning("%s: engine not answering: leaving the fleet", key)
                     await self._hand_back_runs("the engine stopped answering")
