@@ -90,6 +90,20 @@ async def test_idle_timeout_and_no_router_are_error_replies(nats_server):
     await silent.close()
 
 
+async def test_a_router_restarting_is_waited_for_by_the_retries(nats_server):
+    """With no router subscribed (the only replica restarting), the request failed at once
+    although the client had retries left."""
+    client = await ThunderClient.connect(nats_server.url, idle_timeout_s=5, retries=3)
+    request = GenerateRequest(model=MODEL, token_ids=[4, 5], max_tokens=2)
+    pending = asyncio.ensure_future(client.generate(request))
+    await asyncio.sleep(0.3)  # the first try has been refused: no responders
+    router = await _router(nats_server.url)  # back before the retries run out (0.5 + 1 + 2 s)
+    done = await asyncio.wait_for(pending, 10)
+    assert done.token_ids == [4, 5] and done.final is not None
+    await client.close()
+    await router.close()
+
+
 async def test_an_abandoned_stream_is_cancelled_when_asked(nats_server):
     router = await _router(nats_server.url, final=False)
     watcher = await connect(nats_server.url, name="watch")

@@ -275,8 +275,13 @@ class Call:
         if status == "503" or (not msg.data and status):
             self.finished = True  # nothing was started: nothing to cancel
             model = self.request.model
-            return self._error(
-                ErrorCode.UNAVAILABLE, f"no router subscribes to {subjects.requests(model)}"
+            # the router service is what is missing (none up, or one restarting): said as its
+            # own ``unavailable``, so a caller's retries cover a router restart
+            return ErrorReply(
+                code=ErrorCode.UNAVAILABLE,
+                message=f"no router subscribes to {subjects.requests(model)}",
+                request_id=self.request.request_id,
+                service="router",
             )
         try:
             reply = REPLY_DECODER.decode(msg.data)
