@@ -19,7 +19,6 @@ nothing holds the hot prefix before a first prefill of it ends (``hot_ttft_floor
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -29,11 +28,10 @@ from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.replay_args import parse_args, scheduler_for
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
-from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import (
-    SCHEDULERS,
     Replay,
     ReplayConfig,
     TraceError,
@@ -42,15 +40,6 @@ from thunderagent.replay import (
 from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
-from thunderagent.routing import POLICIES
-from thunderagent.shell.argtypes import (
-    at_least,
-    name_list,
-    output_dir,
-    output_file,
-    positive,
-    positive_list,
-)
 from thunderagent.stats import percentile
 
 
@@ -74,140 +63,9 @@ def code_version() -> str:
         return "unknown"
 
 
-def _policies(text: str) -> list[str]:
-    """``all``, or comma-separated routing policies (each once)."""
-    return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
-
-
-def _value(raw: str) -> object:
-    """An override's VALUE: JSON (a number, true, null), else the string as given."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
-    """``--param POLICY.FIELD=VALUE`` items -> {policy: {field: value}}."""
-    out: dict[str, dict] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        policy, dot, name = key.partition(".")
-        if not (sep and dot and policy and name):
-            p.error(f"--param {item!r}: expected POLICY.FIELD=VALUE")
-        out.setdefault(policy, {})[name] = _value(raw)
-    return out
-
-
-def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
-    """``--sched-param FIELD=VALUE`` items -> SchedParams overrides, checked now."""
-    out: dict = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        if not (sep and name):
-            p.error(f"--sched-param {item!r}: expected FIELD=VALUE")
-        out[name] = _value(raw)
-    try:  # the registry names an unknown parameter; the params validate the values
-        SCHEDULERS.create("thunder", **out)
-    except (ValueError, TypeError) as err:
-        p.error(f"--sched-param: {err}")
-    return out
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="thunderagent bench replay", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
-    p.add_argument("--workers", type=at_least(1), default=8)
-    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument(
-        "--policies", type=_policies, default="all",
-        help="comma list of routing policies, or all (default: all)",
-    )  # fmt: skip
-    p.add_argument(
-        "--speed", type=positive_list, default=[1.0],
-        help="arrival-rate multiplier(s), comma list (default: 1)",
-    )  # fmt: skip
-    p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=output_file, default=None, help="JSON results file")
-    p.add_argument("--report", type=output_file, default=None, help="markdown report file")
-    p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
-    p.add_argument(
-        "--scheduler", default=None, choices=SCHEDULERS.names(),
-        help="one scheduler for every policy (default: each as deployed: thunder with its "
-        "scheduler, every peer with direct dispatch)",
-    )  # fmt: skip
-    p.add_argument(
-        "--slo-ttft-p99-ms", type=positive, default=None,
-        help="TTFT SLO for capacity and goodput (default: the trace's p99 no-cache prefill "
-        "time + 3 s)",
-    )  # fmt: skip
-    p.add_argument("--load-interval", type=positive, default=0.1, help="virtual s between reports")
-    p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
-    p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
-    p.add_argument(
-        "--param", action="append", default=[], help="POLICY.FIELD=VALUE override (repeatable)"
-    )
-    p.add_argument(
-        "--sched-param", action="append", default=[],
-        help="FIELD=VALUE override of the scheduler's SchedParams (repeatable; runs with a "
-        "scheduler other than direct)",
-    )  # fmt: skip
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    migration_cli.add_arguments(p)
-    return _checked(p.parse_args(argv), p)
-
-
-def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
-    """What no flag's type can check alone: policies, and every override built once now (a bad
-    name or value is a usage error, not a traceback mid-sweep)."""
-    args.policy_list = args.policies
-    args.params = _params(args.param, p)
-    idle = sorted(set(args.params) - set(args.policy_list))
-    if idle:  # a typo or a scheduler knob would otherwise be ignored without a word
-        hint = "; scheduler knobs go to --sched-param" if "scheduler" in idle else ""
-        replayed = ",".join(args.policy_list)
-        p.error(f"--param names {idle}, which this run does not replay ({replayed}){hint}")
-    for policy, values in args.params.items():
-        try:
-            POLICIES.create(policy, **values)
-        except (ValueError, TypeError) as err:
-            p.error(f"--param: {err}")
-    args.sched_params = _sched_overrides(args.sched_param, p)
-    _sched_params_used(args, p)
-    args.migration_params = migration_cli.overrides(args.migration_param, p)
-    if args.migration_params and args.migration == "off":
-        p.error("--migration-param: --migration is off, so no migration planner runs")
-    return args
-
-
-def _sched_params_used(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    """Scheduler knobs reach only runs with a scheduler: with every run on direct dispatch they
-    would be recorded in the JSON and change nothing."""
-    if not args.sched_params:
-        return
-    if any(scheduler_for(x, args.scheduler) != "direct" for x in args.policy_list):
-        return
-    p.error(
-        f"--sched-param: no run here uses the thunder scheduler (policies "
-        f"{','.join(args.policy_list)}, scheduler {args.scheduler or 'as deployed'}: each "
-        "dispatches direct, which has no knobs)"
-    )
-
-
-DEPLOYED_SCHEDULER = {"thunder": "thunder"}
-"""How each policy ships: ThunderAgent is its router and its scheduler; every peer dispatches
-straight to the engines (their queues do the waiting)."""
-
 SLO_MARGIN_S = 3.0
 """The default SLO: the p99 of what the trace's prompts need with no cache and no queue, plus
 this margin for queueing."""
-
-
-def scheduler_for(policy: str, override: str | None) -> str:
-    return override or DEPLOYED_SCHEDULER.get(policy, "direct")
 
 
 def _sched_params(params: dict, policy: str, override: str | None) -> dict:
