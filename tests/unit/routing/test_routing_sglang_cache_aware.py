@@ -1,5 +1,5 @@
-"""sglang_cache_aware: imbalance rule on its own in-flight counts, threshold rule, smallest-tree
-fallback, LRU trees trimmed every eviction interval."""
+"""sglang_cache_aware: imbalance rule on its own in-flight counts, threshold rule with 0.3.2's
+sticky tenant, least-loaded fallback in worker order, LRU trees trimmed every eviction interval."""
 
 import random
 
@@ -79,31 +79,60 @@ def test_in_flight_count_follows_dispatch_and_finish() -> None:
 
 def test_threshold_rule_match_rate_must_exceed() -> None:
     p = policy()
-    p.on_dispatched(q(list(range(1, 11))), "a")  # a: 10 blocks
-    p.on_dispatched(q([50]), "b")  # b: 1 block; c: empty
+    p.on_dispatched(q(list(range(1, 11)), "ra"), "a")  # a: 10 blocks, 1 in flight
+    p.on_dispatched(q([50], "rb"), "b")  # b: 1 block, 1 in flight; c: empty, idle
     workers = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
     hit = p.rank(q([1, 2, 3, 4, 91, 92, 93, 94, 95, 96]), workers, random.Random(0))
-    assert ids(hit) == ["a", "c", "b"]  # 4/10 > 0.3: longest match; rest by smaller tree
+    assert ids(hit) == ["a", "b", "c"]  # 4/10 > 0.3: the holder; the rest in worker order
     assert [c.score for c in hit] == [0.4, 0.0, 0.0]
     assert hit[0].overlap_blocks == 4
     miss = p.rank(q([1, 2, 3, 91, 92, 93, 94, 95, 96, 97]), workers, random.Random(0))
-    assert ids(miss) == ["c", "b", "a"]  # 3/10 is not > 0.3: smallest tree first
-    assert [c.score for c in miss] == [0.0, -1.0, -10.0]
+    assert ids(miss) == ["c", "a", "b"]  # 3/10 is not > 0.3: the fewest in flight first
+    assert [c.score for c in miss] == [0.0, -1.0, -1.0]
 
 
-def test_smallest_tree_fallback_and_seeded_ties() -> None:
+def test_low_match_goes_to_the_first_least_loaded_in_worker_order() -> None:
     p = policy()
-    p.on_dispatched(q([1, 2, 3, 4, 5]), "a")
-    p.on_dispatched(q([6, 7]), "b")
-    p.on_dispatched(q([8, 9, 10]), "c")
+    p.on_dispatched(q([1, 2, 3, 4, 5], "r1"), "a")  # tree sizes play no part (0.3.2)
+    p.on_dispatched(q([6], "r2"), "c")
     workers = [WorkerView("a"), WorkerView("b"), WorkerView("c"), WorkerView("d", running=3)]
     fresh = q([100, 101])
-    assert ids(p.rank(fresh, workers, random.Random(0))) == ["d", "b", "c", "a"]
-    p.on_dispatched(q([11, 12]), "d")  # b and d tie at 2 blocks: seeded pick, b/d both reachable
-    picks = {ids(p.rank(fresh, workers, random.Random(s)))[0] for s in range(20)}
-    assert picks == {"b", "d"}
-    for s in range(5):
-        assert p.rank(fresh, workers, random.Random(s)) == p.rank(fresh, workers, random.Random(s))
+    for s in range(10):  # no draw: b and d tie at 0 in flight, b comes first
+        assert ids(p.rank(fresh, workers, random.Random(s))) == ["b", "d", "a", "c"]
+    p.on_finished("r1", "a", 1.0)
+    assert ids(p.rank(fresh, workers, random.Random(0)))[0] == "a"
+
+
+def test_a_hit_sticks_to_the_worker_that_has_held_the_block_longest() -> None:
+    p = policy()
+    doc = [1, 2, 3, 4]
+    p.on_dispatched(q(doc, "r0"), "b")  # b creates the prefix
+    p.on_dispatched(q(doc, "r1"), "a")  # a holds it as deep, and holds it idle
+    p.on_finished("r1", "a", 0.0)
+    workers = [WorkerView("a"), WorkerView("b"), WorkerView("c")]
+    for i in range(64):  # every hit to b, however many are in flight there, until 64 apart
+        ranked = p.rank(q([*doc, 100 + i], f"h{i}"), workers, random.Random(i))
+        assert ids(ranked)[0] == "b"
+        assert ranked[1].worker_id == "a"  # a's match (4/5) ranks it next
+        p.on_dispatched(q([*doc, 100 + i], f"h{i}"), "b")
+    assert p.load("b") == 65
+    assert ids(p.rank(q([*doc, 999]), workers, random.Random(0)))[0] == "a"  # 65 > 64: imbalanced
+
+
+def test_the_sticky_tenant_passes_on_when_evicted_or_gone() -> None:
+    p = policy(max_tree_tokens=2 * BS)  # 2 blocks per worker
+    p.on_dispatched(q([1, 2], "r0", now=0.0), "a")
+    p.on_dispatched(q([1, 2], "r1", now=1.0), "b")
+    workers = [WorkerView("a"), WorkerView("b")]
+    assert ids(p.rank(q([1, 2]), workers, random.Random(0)))[0] == "a"
+    # without a: the next holder; a's blocks stay in the tree for when it comes back
+    assert ids(p.rank(q([1, 2]), [WorkerView("b")], random.Random(0))) == ["b"]
+    p.on_dispatched(q([7, 8], "r2", now=2.0), "a")
+    p.on_dispatched(q([], "r3", now=61.0), "b")  # trim: a keeps [7, 8], b keeps [1, 2]
+    assert p.matched_blocks("a", [1, 2]) == 0
+    assert ids(p.rank(q([1, 2]), workers, random.Random(0)))[0] == "b"
+    p.on_dispatched(q([1, 2], "r4", now=62.0), "a")  # a takes it again, behind b
+    assert ids(p.rank(q([1, 2]), workers, random.Random(0)))[0] == "b"
 
 
 def test_trees_evict_lru_from_the_leaves_every_interval() -> None:
