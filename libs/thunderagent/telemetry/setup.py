@@ -68,17 +68,19 @@ def setup_telemetry(service_name: str, *, metrics_port: int | None = None) -> Te
     if metrics_port is not None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from opentelemetry.sdk.metrics import MeterProvider
-        from prometheus_client import start_http_server
+
+        from thunderagent.telemetry.endpoint import start_metrics_server
 
         # Loopback by default; containers set THUNDERAGENT_METRICS_ADDR=0.0.0.0 for Prometheus.
         addr = os.environ.get("THUNDERAGENT_METRICS_ADDR", "127.0.0.1")
-        server, _thread = start_http_server(metrics_port, addr=addr)
+        server, _thread = start_metrics_server(metrics_port, addr)
         reader = PrometheusMetricReader()
         provider = MeterProvider(resource=resource, metric_readers=[reader])
         metrics.set_meter_provider(provider)
         tel.metrics_port = server.server_port
         tel._shutdowns.append(provider.shutdown)
         tel._shutdowns.append(server.shutdown)
+        tel._shutdowns.append(server.server_close)
         service = service_name.removeprefix("thunderagent-")
         tel._shutdowns.append(export_gc_pauses(meter("thunderagent.process"), service))
     return tel
