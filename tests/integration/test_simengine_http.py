@@ -100,6 +100,38 @@ async def test_openai_endpoints(nats_server):
     assert bad.status == 400
 
 
+async def test_openai_endpoints_end_before_a_stop_string(nats_server):
+    """The engine's own OpenAI routes took `stop` and ignored it (the gateway's honoured it)."""
+    hello = [{"role": "user", "content": "hello"}]
+    prompt = {"prompt": "x" * 40, "max_tokens": 20}
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False)
+        async with aiohttp.ClientSession() as s:
+
+            async def post(path: str, body: dict):
+                async with s.post(url + path, json=body) as r:
+                    return r.status, await (sse(r) if body.get("stream") else r.json())
+
+            _, comp = await post("/v1/completions", {**prompt, "stop": ["output", "nowhere"]})
+            chat_body = {"messages": hello, "max_tokens": 20, "stop": "output"}
+            _, chat = await post("/v1/chat/completions", chat_body)
+            _, stream = await post("/v1/chat/completions", {**chat_body, "stream": True})
+            _, unmet = await post("/v1/completions", {**prompt, "max_tokens": 3, "stop": "output"})
+            bad = [await post("/v1/completions", {**prompt, "stop": v}) for v in (3, ["a", 1])]
+    assert (comp["choices"][0]["text"], comp["choices"][0]["finish_reason"]) == (
+        "Simulated ",
+        "stop",
+    )
+    assert comp["usage"]["completion_tokens"] == len("Simulated ")
+    assert chat["choices"][0]["message"]["content"] == "Simulated "
+    assert chat["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in stream) == "Simulated "
+    assert stream[-1]["choices"][0]["finish_reason"] == "stop"
+    assert unmet["choices"][0]["finish_reason"] == "length"  # "output" lies past 3 tokens
+    assert [status for status, _ in bad] == [400] * 2
+    assert all("stop must be" in body["error"]["message"] for _, body in bad)
+
+
 @pytest.mark.slow
 async def test_sglang_router_fronts_simulated_engines(nats_server, tmp_path):
     pytest.importorskip(

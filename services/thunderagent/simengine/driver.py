@@ -58,6 +58,15 @@ class GenerateInput:
     """The stop string the output reaches first (``max_new_tokens`` then ends before it)."""
 
 
+def stop_strings(value: object) -> list[str] | None:
+    """A request's ``stop`` (absent, a string or a list of strings) as a list; None if it is
+    anything else."""
+    stops = [value] if isinstance(value, str) else (value or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        return None
+    return stops
+
+
 def first_stop(stops: list[str], max_new_tokens: int) -> tuple[int, str] | None:
     """Where the simulated output meets the first of ``stops`` within ``max_new_tokens``:
     (tokens before it, the string). The output is fixed text, one byte per token."""

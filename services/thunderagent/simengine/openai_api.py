@@ -16,7 +16,13 @@ from typing import Any
 
 from aiohttp import web
 
-from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput
+from thunderagent.simengine.driver import (
+    EngineDriver,
+    EngineRejected,
+    GenerateInput,
+    first_stop,
+    stop_strings,
+)
 from thunderagent.tokenizer import ByteTokenizer, render_chat
 
 log = logging.getLogger(__name__)
@@ -82,9 +88,21 @@ class OpenAIRoutes:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             return _bad("max_tokens must be a positive integer")
+        stops = stop_strings(body.get("stop"))
+        if stops is None:
+            return _bad("stop must be a string or a list of strings")
+        # the output is fixed text: it ends before the first stop string it meets (which
+        # OpenAI leaves out of the answer), finish_reason "stop"
+        hit = first_stop(stops, max_tokens)
+        finish = "length" if hit is None else "stop"
         rid = uuid.uuid4().hex
         events = self.engine.generate(
-            GenerateInput(rid=rid, input_ids=ids, max_new_tokens=max_tokens)
+            GenerateInput(
+                rid=rid,
+                input_ids=ids,
+                max_new_tokens=max_tokens if hit is None else max(hit[0], 1),
+                stop_matched=None if hit is None else hit[1],
+            )
         )
         try:
             first = await anext(events)
@@ -94,20 +112,27 @@ class OpenAIRoutes:
         kind = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
             kind += ".chunk" if chat else ""
-            return await self._stream(request, events, first, kind, rid, created, chat)
+            return await self._stream(request, events, first, kind, rid, created, chat, finish)
         out: list[int] = list(first.token_ids)
         last = first
         async for ev in events:
             out.extend(ev.token_ids)
             last = ev
-        result = self._choice(
-            kind, rid, created, self.tokenizer.decode(out), last.finish_reason, chat
-        )
+        reason = finish if last.finish_reason == "length" else last.finish_reason
+        result = self._choice(kind, rid, created, self.tokenizer.decode(out), reason, chat)
         result["usage"] = _usage(last)
         return web.json_response(result)
 
     async def _stream(
-        self, request: web.Request, events, first, kind: str, rid: str, created: int, chat: bool
+        self,
+        request: web.Request,
+        events,
+        first,
+        kind: str,
+        rid: str,
+        created: int,
+        chat: bool,
+        finish: str,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         try:  # aclosing: a client gone mid-stream aborts the run now, as SGLang does
@@ -121,7 +146,8 @@ class OpenAIRoutes:
                         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     last = ev
                     ev = await anext(events, None)
-            final = self._choice(kind, rid, created, "", "length", chat, delta=True)
+            reason = finish if last.finish_reason == "length" else last.finish_reason
+            final = self._choice(kind, rid, created, "", reason, chat, delta=True)
             final["usage"] = _usage(last)
             await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
             await resp.write_eof()

@@ -23,7 +23,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from thunderagent.simengine import instant
-from thunderagent.simengine.driver import EngineDriver, EngineRejected, GenerateInput, first_stop
+from thunderagent.simengine.driver import (
+    EngineDriver,
+    EngineRejected,
+    GenerateInput,
+    first_stop,
+    stop_strings,
+)
 from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
 from thunderagent.telemetry import extract_context, start_span_if_sampled
@@ -208,9 +214,8 @@ class SimEngineApp:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return _bad("cache_salt must be a string (batches are not supported)")
-        stop = params.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        stop = stop_strings(params.get("stop"))
+        if stop is None:
             return _bad("sampling_params.stop must be a string or a list of strings")
         # the output is fixed text: it ends before the first stop string it meets, and the
         # run reports that string, as SGLang does (which also generates the string's tokens)
