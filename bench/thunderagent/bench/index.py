@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -47,187 +46,31 @@ import statistics
 import sys
 import time
 from array import array
-from collections.abc import Callable
-
-import msgspec
 
 from thunderagent.bench.cli import bench_parser
+from thunderagent.bench.index_sides import Dynamo, Ours, latency, pct, set_affinity
 from thunderagent.bench.index_workload import (
     BULK_BLOCKS,
-    EVENT_DT_S,
     QUERY_BLOCKS,
     WORKERS,
     Workload,
     build_bulk,
     build_workload,
-    dynamo_payloads,
-    our_payloads,
 )
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex, encode
-from thunderagent.schemas import KvEventBatch
 from thunderagent.shell.argtypes import at_least, name_list, output_file
 
-__all__ = ["build_workload", "main"]
+__all__ = ["Dynamo", "Ours", "build_workload", "main"]
 
-EXPIRE_EVERY = 1_000
 HOT_QUERIES = 500
 HOT_REPEATS = 20
 HANDOFF_CALLS = 20_000
 """Calls per hand-off measurement (``--handoff-calls``)."""
 HASH_TOKENS = 8192
 HASH_BLOCK_SIZE = 16
-NAMES = [f"worker-{i}" for i in range(WORKERS)]
 DYNAMO_VERSION = "1.6.1"
-
-
-def _pct(values: list[int], q: float) -> float:
-    """Percentile of ns samples, in µs."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] / 1_000
-
-
-def _lat(call: Callable[[], object], n: int) -> dict:
-    clock = time.perf_counter_ns
-    ns = []
-    for _ in range(n):
-        t = clock()
-        call()
-        ns.append(clock() - t)
-    return {"p50_us": _pct(ns, 0.5), "p99_us": _pct(ns, 0.99)}
-
-
-def _start() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def _stop(t: tuple[float, float]) -> tuple[float, float]:
-    """Wall and CPU seconds since ``_start``. CPU time is the whole process's (Dynamo's
-    background thread included): what the work cost, whatever else ran on the machine."""
-    return time.perf_counter() - t[0], time.process_time() - t[1]
-
-
-def set_affinity(cpus: set[int]) -> None:
-    """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass  # a thread that just exited
-
-
-# ----------------------------------------------------------------------------- the two sides
-
-
-class Ours:
-    name = "thunderagent"
-
-    def __init__(self, w: Workload, bulk: list) -> None:
-        self.args = [
-            (NAMES[e[0]], e[1], (e[2], e[3]), e[4], i * EVENT_DT_S) for i, e in enumerate(w.events)
-        ]
-        self.blobs = our_payloads(w.events)
-        self.bulk = [(NAMES[e[0]], e[1], (e[2], e[3]), None, 0.0) for e in bulk]
-        self.index = PrefixIndex()
-
-    def ingest(self, decoded: bool | str = False, bulk: bool = False) -> tuple[float, float]:
-        """Wall and CPU seconds to apply every event to a fresh index (TTL on, expire every
-        1,000 events): from the pre-built lists, or (``decoded``) decoding each event's
-        ``KvEventBatch`` first, or (``decoded="only"``) decoding alone."""
-        self.index = None  # type: ignore[assignment]  # free the last one before timing
-        gc.collect()
-        ix = self.index = PrefixIndex()
-        apply, expire = ix.apply_stored, ix.expire
-        if bulk:
-            t = _start()
-            for args in self.bulk:
-                apply(*args)
-            return _stop(t)
-        if decoded == "only":  # the decode alone: what the decoded run spends outside the index
-            decode = msgspec.msgpack.Decoder(KvEventBatch).decode
-            t = _start()
-            for blob in self.blobs:
-                decode(blob)
-            return _stop(t)
-        if decoded:
-            decode = msgspec.msgpack.Decoder(KvEventBatch).decode
-            t = _start()
-            for i, blob in enumerate(self.blobs):
-                b = decode(blob)
-                ev = b.events[0]
-                apply(b.worker_id, b.seq, (ev.hashes, ev.check_hashes), ev.parent_hash, b.ts)
-                if i % EXPIRE_EVERY == 0:
-                    expire(b.ts)
-            return _stop(t)
-        t = _start()
-        for i, args in enumerate(self.args):
-            apply(*args)
-            if i % EXPIRE_EVERY == 0:
-                expire(args[4])
-        return _stop(t)
-
-    def query(self, q: tuple) -> dict[int, int]:
-        return self.index.overlap(q[0], q[1])
-
-    def answer(self, q: tuple) -> dict[int, int]:
-        return {int(k.rsplit("-", 1)[1]): v for k, v in self.query(q).items()}
-
-    def handoff(self, calls: int) -> dict:
-        ix = PrefixIndex()
-        events = iter([("w", seq, ([7], [7]), None, 0.0) for seq in range(calls)])
-        apply = ix.apply_stored
-        return {
-            "trivial_call": _lat(lambda: ix.overlap((), None), calls),
-            "event_1_block": _lat(lambda: apply(*next(events)), calls),
-        }
-
-
-class Dynamo:
-    name = "dynamo"
-
-    def __init__(self, w: Workload, bulk: list) -> None:
-        from dynamo.llm import RadixTree  # type: ignore[import-not-found]
-
-        self.cls = RadixTree
-        self.payloads = dynamo_payloads(w.events)
-        self.bulk = dynamo_payloads(bulk)
-        self.tree = RadixTree()
-
-    def ingest(self, decoded: bool = False, bulk: bool = False) -> tuple[float, float]:
-        self.tree = None
-        gc.collect()
-        tree = self.tree = self.cls()
-        apply = tree.apply_event
-        t = _start()
-        for wid, data in self.bulk if bulk else self.payloads:
-            apply(wid, data)
-        return _stop(t)
-
-    def query(self, q: tuple) -> dict:
-        return self.tree.find_matches(q[2]).scores
-
-    def answer(self, q: tuple) -> dict[int, int]:
-        return {wid: depth for (wid, _dp), depth in self.query(q).items() if depth}
-
-    def handoff(self, calls: int) -> dict:
-        """Per-call cost through the binding: a trivial call, and a 1-block event (bytes
-        encoded beforehand, as ours gets its lists)."""
-        tree = self.cls()
-        blocks = [{"block_hash": 7, "tokens_hash": 7}]
-        events = iter(
-            [
-                json.dumps(
-                    {"event_id": seq, "dp_rank": 0, "data": {"stored": {"blocks": blocks}}}
-                ).encode()
-                for seq in range(calls)
-            ]
-        )
-        apply = tree.apply_event
-        return {
-            "trivial_call": _lat(lambda: tree.find_matches([]), calls),
-            "event_1_block": _lat(lambda: apply(0, next(events)), calls),
-        }
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -248,8 +91,8 @@ def _queries(side, qs: list, order: list[int]) -> tuple[dict, dict]:
             side.query(q)
             hot.append(clock() - t)
     return (
-        {"p50_us": _pct(cold, 0.5), "p99_us": _pct(cold, 0.99)},
-        {"p50_us": _pct(hot, 0.5), "p99_us": _pct(hot, 0.99)},
+        {"p50_us": pct(cold, 0.5), "p99_us": pct(cold, 0.99)},
+        {"p50_us": pct(hot, 0.5), "p99_us": pct(hot, 0.99)},
     )
 
 
@@ -316,7 +159,7 @@ def bench_hashing(seed: int, repeats: int = 300) -> dict:
     hasher = BlockHasher(HASH_BLOCK_SIZE)
     out: dict = {"tokens": HASH_TOKENS, "block_size": HASH_BLOCK_SIZE}
     for name, inp in (("list", tokens), ("array", array("I", tokens))):
-        out[f"{name}_p50_us"] = _lat(lambda inp=inp: hasher.hash_tokens(inp), repeats)["p50_us"]
+        out[f"{name}_p50_us"] = latency(lambda inp=inp: hasher.hash_tokens(inp), repeats)["p50_us"]
     out["blocks_per_s"] = (HASH_TOKENS // HASH_BLOCK_SIZE) / (out["array_p50_us"] / 1e6)
     return out
 
