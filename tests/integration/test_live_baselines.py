@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.integration.inproc import inproc_stack
+from thunderagent.bench import baseline_routers as routers
 from thunderagent.bench import live
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -16,20 +17,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.mark.parametrize("baseline", ["sglang-router", "smg"])
 async def test_baseline_serves_the_load_generator(nats_server, tmp_path, baseline: str) -> None:
-    if live.baseline_missing(baseline):
-        pytest.skip(live.baseline_missing(baseline))
+    if routers.baseline_missing(baseline):
+        pytest.skip(routers.baseline_missing(baseline))
     prompt = live.block_tokens(1, 64) + live.block_tokens(2, 64)
     requests = [live.LiveRequest(i, i * 0.02, prompt, 3) for i in range(6)]
     async with inproc_stack(nats_server.url) as stack:
         urls = [await stack.start_engine(f"e{i}", kv_events=False) for i in range(2)]
         results = {}
         for mode in live.CONNECTIONS:
-            proc, url = live.start_router(baseline, urls, tmp_path / f"{baseline}.log")
+            proc, url = routers.start_router(baseline, urls, tmp_path / f"{baseline}.log")
             try:
-                await live.wait_http(url)
+                await routers.wait_http(url)
                 results[mode] = (await live.run_http(url, baseline, requests, mode)).summary()
             finally:
-                await asyncio.to_thread(live.stop_router, proc)
+                await asyncio.to_thread(routers.stop_router, proc)
             assert proc.poll() is not None
     log = (tmp_path / f"{baseline}.log").read_text()[-2000:]
     for summary in results.values():

@@ -30,9 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,10 +37,20 @@ from pathlib import Path
 
 import aiohttp
 
+from thunderagent.bench.baseline_routers import (
+    BASELINES,
+    baseline_missing,
+    flush_all,
+    parse_baselines,
+    start_router,
+    stop_router,
+    system_name,
+    wait_http,
+)
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
-from thunderagent.embedded import free_port, nats_gomaxprocs
+from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.schemas import ErrorReply, FinalReply, GenerateRequest, TokenChunk
@@ -52,11 +59,7 @@ from thunderagent.stack.up import ENTRY_POINTS, Stack, StackConfig, entry_point_
 from thunderagent.stats import percentile
 
 VOCAB = 32_000
-BASELINES = ("sglang-router", "smg")
-"""HTTP routers ``--baseline`` can put in front of the engines (the pip package named)."""
 CONNECTIONS = ("keepalive", "fresh")
-FRESH_SUFFIX = "/fresh-connections"
-"""System-name suffix of a baseline measured with a new client connection per request."""
 
 
 def block_tokens(block_id: int, n: int) -> list[int]:
@@ -261,102 +264,6 @@ async def run_http(
 
         result.wall_s = await _open_loop(requests, send)
     return result
-
-
-def router_argv(baseline: str, port: int, metrics_port: int, engine_urls: list[str]) -> list[str]:
-    """The baseline's launch command: ``--policy cache_aware`` and nothing tuned; only the
-    listening and metrics ports are set (both routers default their metrics to 0.0.0.0:29000)."""
-    launcher = {
-        "sglang-router": ["-m", "sglang_router.launch_router"],
-        "smg": ["-m", "smg", "launch"],
-    }[baseline]
-    return [
-        sys.executable, *launcher, "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--policy", "cache_aware", "--worker-urls", *engine_urls,
-    ]  # fmt: skip
-
-
-def start_router(
-    baseline: str, engine_urls: list[str], log_path: Path
-) -> tuple[subprocess.Popen, str]:
-    """Start the baseline in its own process group (its launcher may fork the router)."""
-    port = free_port()
-    argv = router_argv(baseline, port, free_port(), engine_urls)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_router(proc: subprocess.Popen) -> None:
-    """Stop the baseline's whole process group (the group this benchmark created)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def baseline_missing(baseline: str) -> str | None:
-    """Why the baseline cannot run here, or None."""
-    module = {"sglang-router": "sglang_router", "smg": "smg"}[baseline]
-    try:
-        __import__(module)
-    except ImportError:
-        return f"{baseline} is not installed: pip install 'thunderagent[baseline]'"
-    return None
-
-
-def parse_baselines(text: str) -> list[str]:
-    """``--baseline``: comma-separated names from ``BASELINES``, in order, no repeats."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(BASELINES))
-    if unknown or not names:
-        bad = ", ".join(unknown) or repr(text)
-        raise argparse.ArgumentTypeError(
-            f"unknown baseline {bad}; choose from {', '.join(BASELINES)}"
-        )
-    return list(dict.fromkeys(names))
-
-
-def system_name(baseline: str, connections: str) -> str:
-    """The key a baseline run gets in ``systems`` (keep-alive runs keep the plain name)."""
-    return baseline if connections == "keepalive" else baseline + FRESH_SUFFIX
-
-
-async def wait_http(url: str, timeout_s: float = 60, *, openai: bool = False) -> None:
-    """Until ``url`` answers a one-token ``/generate`` (or, ``openai``, lists a model)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                if openai:
-                    async with s.get(url + "/v1/models") as r:
-                        if r.status == 200 and (await r.json()).get("data"):
-                            return
-                    await asyncio.sleep(0.3)
-                    continue
-                body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
-                async with s.post(url + "/generate", json=body) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, OSError):
-                pass
-            await asyncio.sleep(0.3)
-    raise TimeoutError(f"{url} did not serve within {timeout_s}s")
-
-
-async def flush_all(engine_urls: list[str]) -> None:
-    async with aiohttp.ClientSession() as s:
-        for url in engine_urls:
-            for _ in range(50):  # refused while requests still run
-                async with s.post(url + "/flush_cache") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.1)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import uvloop
 
-from thunderagent.bench import live, loadgen, profile
+from thunderagent.bench import baseline_routers as routers
+from thunderagent.bench import loadgen, profile
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.client import ThunderClient
@@ -168,7 +169,7 @@ async def run_gateway(stack: Stack, sweep: Sweep) -> list[dict]:
     streamed, keep-alive), as the HTTP routers get theirs; the gateway is metered with the
     services (with ``--via gateway-embedded`` it is the router too)."""
     model, url = stack.config.model, stack.gateway_url
-    await live.wait_http(url, openai=True)
+    await routers.wait_http(url, openai=True)
     async with loadgen.http_session() as session:
 
         def sender(bodies: list[list[int]]) -> loadgen.Send:
@@ -189,14 +190,14 @@ async def run_gateway(stack: Stack, sweep: Sweep) -> list[dict]:
 
 def run_baseline(stack: Stack, sweep: Sweep, name: str) -> dict:
     """One HTTP router over the engines (the control plane already stopped)."""
-    missing = live.baseline_missing(name)
+    missing = routers.baseline_missing(name)
     if missing:
         print(missing, file=sys.stderr)
         return {"skipped": missing}
     print(f"{name} ...", file=sys.stderr)
-    proc, url = live.start_router(name, stack.engine_urls, stack.run_dir / f"{name}.log")
+    proc, url = routers.start_router(name, stack.engine_urls, stack.run_dir / f"{name}.log")
     try:
-        asyncio.run(live.wait_http(url))
+        asyncio.run(routers.wait_http(url))
         engines = {k: v for k, v in profile.stack_pids(stack).items() if k.startswith("engine-")}
         sweep.pids = {**engines, name: proc.pid}
         sweep.idle = uvloop.run(profile.idle_rates(sweep.pids, 1.5))
@@ -207,7 +208,7 @@ def run_baseline(stack: Stack, sweep: Sweep, name: str) -> dict:
         rows = uvloop.run(sweep.sweep(through_router))
         return {"rates": rows, "max_rate": max_rate(rows, sweep.args.bound_ms)}
     finally:
-        live.stop_router(proc)
+        routers.stop_router(proc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,9 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--baseline",
-        type=live.parse_baselines,
+        type=routers.parse_baselines,
         default=["smg", "sglang-router"],
-        help=f"HTTP routers to measure after the stack: {', '.join(live.BASELINES)}",
+        help=f"HTTP routers to measure after the stack: {', '.join(routers.BASELINES)}",
     )
     p.add_argument("--no-baseline", dest="baseline", action="store_const", const=[])
     p.add_argument(

@@ -5,16 +5,17 @@ import argparse
 
 import pytest
 
+from thunderagent.bench import baseline_routers as routers
 from thunderagent.bench import live
 from thunderagent.replay.traces import TraceRequest
 
 
 def test_parse_baselines_accepts_a_comma_separated_list() -> None:
-    assert live.parse_baselines("sglang-router,smg") == ["sglang-router", "smg"]
-    assert live.parse_baselines(" smg , smg ") == ["smg"]
+    assert routers.parse_baselines("sglang-router,smg") == ["sglang-router", "smg"]
+    assert routers.parse_baselines(" smg , smg ") == ["smg"]
     for bad in ("nginx", "smg,nginx", ",", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="choose from sglang-router, smg"):
-            live.parse_baselines(bad)
+            routers.parse_baselines(bad)
     args = live._parser().parse_args(["--trace", "t", "--baseline", "sglang-router,smg"])
     assert args.baseline == ["sglang-router", "smg"] and args.client_connections == "both"
     assert live._parser().parse_args(["--trace", "t"]).baseline == []
@@ -22,7 +23,7 @@ def test_parse_baselines_accepts_a_comma_separated_list() -> None:
 
 @pytest.mark.parametrize("baseline", ["sglang-router", "smg"])
 def test_router_argv_is_cache_aware_with_defaults(baseline: str) -> None:
-    argv = live.router_argv(baseline, 8000, 9000, ["http://e0", "http://e1"])
+    argv = routers.router_argv(baseline, 8000, 9000, ["http://e0", "http://e1"])
     assert argv[argv.index("--policy") + 1] == "cache_aware"
     assert argv[argv.index("--worker-urls") + 1 :] == ["http://e0", "http://e1"]
     flags = {a for a in argv if a.startswith("--")}
@@ -37,8 +38,8 @@ def test_router_argv_is_cache_aware_with_defaults(baseline: str) -> None:
 
 
 def test_system_names_keep_the_plain_name_for_keepalive() -> None:
-    assert live.system_name("sglang-router", "keepalive") == "sglang-router"
-    assert live.system_name("smg", "fresh") == "smg/fresh-connections"
+    assert routers.system_name("sglang-router", "keepalive") == "sglang-router"
+    assert routers.system_name("smg", "fresh") == "smg/fresh-connections"
 
 
 def test_build_requests_equal_blocks_equal_tokens() -> None:
