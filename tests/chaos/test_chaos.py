@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
@@ -30,6 +31,7 @@ from thunderagent.schemas import (
     FinalReply,
     GenerateRequest,
     ProgressBatch,
+    RouteDecisionBatch,
     TokenChunk,
     subjects,
 )
@@ -196,18 +198,41 @@ async def test_engine_killed_mid_stream_resumes_as_continuation(nats_server):
            recover_s=round(max(o.ended_at for o in outcomes) - killed_at, 2))  # fmt: skip
 
 
+async def until_the_second_replica_routes(client: ThunderClient, nats_url: str, policy: str):
+    """Send requests until one is routed by the replica running ``policy`` (it has started
+    and subscribed): its decisions name its policy."""
+    watcher = await connect(nats_url, name="chaos-decisions")
+    seen: list[str] = []
+
+    async def on_batch(msg) -> None:
+        seen.extend(
+            d.policy for d in msgspec.json.decode(msg.data, type=RouteDecisionBatch).decisions
+        )
+
+    await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
+    await watcher.flush()
+    try:
+        for i in range(600):
+            await client.generate(GenerateRequest(model=MODEL, token_ids=[3, i], max_tokens=1))
+            if policy in seen:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no request was routed by the {policy} replica")
+    finally:
+        await watcher.close()
+
+
 async def test_router_replica_killed_with_requests_in_flight(nats_server):
     """Two router replicas; one is SIGKILLed in a burst. Clients resend what got no answer
     (same id): everything completes, and no request is generated twice."""
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=2, profile="tiny", block_size=16)
         starts, watch = await count_starts(nats_server.url)
-        second = thunderagent("router", "--nats", nats_server.url, "--policy", "least_loaded")
+        second = thunderagent("router", "--nats", nats_server.url, "--policy", "round_robin")
         try:
             client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30,
                                                  retry_after_s=1.0)  # fmt: skip
-            for i in range(20):  # until the second replica takes requests too
-                await client.generate(GenerateRequest(model=MODEL, token_ids=[3, i], max_tokens=1))
+            await until_the_second_replica_routes(client, nats_server.url, "round_robin")
             burst = [asyncio.create_task(run(client, slow(100 + i, out=8))) for i in range(40)]
             await asyncio.sleep(0.005)
             os.kill(second.pid, signal.SIGKILL)
@@ -394,3 +419,50 @@ async def test_frozen_adapter_is_dropped_then_rejoins(nats_server):
     report("worker adapter frozen (SIGSTOP) past its lease, then thawed", requests=6,
            completed=6, lost=0, dropped_after_s=round(dropped_s, 2),
            rejoined_after_s=round(rejoined_s, 2))  # fmt: skip
+
+
+async def test_a_frozen_router_replica_costs_a_resend_not_the_idle_timeout(nats_server):
+    """Two router replicas, one frozen (SIGSTOP): it still holds its subscription, so NATS
+    keeps giving it requests, which it reads and never answers. A client resends what it has
+    not heard of within ``retry_after_s``; a request every send of which went to the frozen
+    replica is answered ``unavailable`` after the last resend's wait (it waited out the idle
+    timeout before: 120 s at the gateway). Thawed, the replica serves again."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", block_size=16)
+        starts, watch = await count_starts(nats_server.url)
+        second = thunderagent("router", "--nats", nats_server.url, "--policy", "round_robin")
+        try:
+            client = await ThunderClient.connect(nats_server.url, idle_timeout_s=60,
+                                                 retries=3, retry_after_s=1.0)  # fmt: skip
+            await until_the_second_replica_routes(client, nats_server.url, "round_robin")
+            os.kill(second.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(run(client, slow(200 + i, out=8)) for i in range(40))), 30
+            )
+            worst_s = max(o.ended_at for o in outcomes) - frozen_at
+            os.kill(second.pid, signal.SIGCONT)
+            probes = [
+                GenerateRequest(model=MODEL, token_ids=[5, i], max_tokens=1) for i in range(10)
+            ]
+            after = [await client.generate(p) for p in probes]
+        finally:
+            os.kill(second.pid, signal.SIGCONT)
+            second.kill()
+            second.wait()
+        await client.close()
+        await asyncio.sleep(0.2)
+        await watch.close()
+    done = [o for o in outcomes if isinstance(o.end, FinalReply)]
+    unheard = [o for o in outcomes if isinstance(o.end, ErrorReply)]
+    assert len(done) + len(unheard) == 40
+    for o in unheard:  # all four sends met the frozen replica: about one request in 16
+        assert o.end.code == ErrorCode.UNAVAILABLE and o.end.service == "router", o.end
+        assert "no router answered" in o.end.message
+    assert len(unheard) <= 12, "most requests are resent to the live replica"
+    assert worst_s < 10, "no request waits for the idle timeout (60 s here)"
+    assert all(starts[f"r{200 + i}"] <= 1 for i in range(40)), "none generated twice"
+    assert all(a.final is not None for a in after), "the thawed replica serves again"
+    report("router replica frozen (SIGSTOP) with requests arriving", requests=40,
+           completed=len(done), unavailable=len(unheard), lost=0,
+           worst_s=round(worst_s, 2))  # fmt: skip

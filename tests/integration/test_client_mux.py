@@ -17,6 +17,7 @@ from thunderagent.schemas import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
+    HeldReply,
     TokenChunk,
     Usage,
     subjects,
@@ -27,24 +28,47 @@ MODEL = "sim/mux-test"
 enc = msgspec.json.Encoder()
 
 
-async def _router(nats_url: str, *, answer: bool = True, final: bool = True):
-    """Answers every request with one chunk per prompt token (its id), then a final reply."""
+async def _router(
+    nats_url: str,
+    *,
+    answer: bool = True,
+    final: bool = True,
+    seen: list[GenerateRequest] | None = None,
+    hold_s: float = 0.0,
+):
+    """Answers every request with one chunk per prompt token (its id), then a final reply.
+    ``hold_s``: a first send is kept that long before the answer, and a resend is answered
+    ``HeldReply`` at once (what the router does when the scheduler accepted a resend)."""
     nc = await connect(nats_url, name="fake-router")
+    held: set[asyncio.Task] = set()
 
     async def on_request(msg) -> None:
         req = msgspec.json.decode(msg.data, type=GenerateRequest)
+        if seen is not None:
+            seen.append(req)
         if not answer:
             return
+        if hold_s and req.retry:
+            await nc.publish(msg.reply, enc.encode(HeldReply(request_id=req.request_id)))
+        elif hold_s:  # answered later, from a task: the next message is read meanwhile
+            task = asyncio.ensure_future(reply(req, msg.reply, hold_s))
+            held.add(task)
+            task.add_done_callback(held.discard)
+        else:
+            await reply(req, msg.reply, 0.0)
+
+    async def reply(req: GenerateRequest, subject: str, after_s: float) -> None:
+        await asyncio.sleep(after_s)
         for i, tok in enumerate(req.token_ids or []):
             chunk = TokenChunk(request_id=req.request_id, index=i, token_ids=[tok], text="x")
-            await nc.publish(msg.reply, enc.encode(chunk))
+            await nc.publish(subject, enc.encode(chunk))
             await asyncio.sleep(0)
         if final:
             usage = Usage(prompt_tokens=len(req.token_ids or []), cached_tokens=0,
                           completion_tokens=len(req.token_ids or []))  # fmt: skip
             done = FinalReply(request_id=req.request_id, worker_id="w", usage=usage,
                               ttft_ms=0.1, e2e_ms=0.2)  # fmt: skip
-            await nc.publish(msg.reply, enc.encode(done))
+            await nc.publish(subject, enc.encode(done))
 
     await nc.subscribe(subjects.requests(MODEL), cb=on_request)
     await nc.flush()
@@ -102,6 +126,49 @@ async def test_a_router_restarting_is_waited_for_by_the_retries(nats_server):
     assert done.token_ids == [4, 5] and done.final is not None
     await client.close()
     await router.close()
+
+
+async def test_a_hung_router_is_an_error_after_the_retries_not_the_idle_timeout(nats_server):
+    """A router that reads requests and never answers (stopped with SIGSTOP) held a request
+    for the whole idle timeout (120 s at the gateway) after the retries had run out."""
+    seen: list[GenerateRequest] = []
+    hung = await _router(nats_server.url, answer=False, seen=seen)
+    client = await ThunderClient.connect(
+        nats_server.url, idle_timeout_s=30, retries=2, retry_after_s=0.2
+    )
+    request = GenerateRequest(model=MODEL, token_ids=[1], max_tokens=1, request_id="r-h")
+    started = asyncio.get_running_loop().time()
+    replies = await asyncio.wait_for(_collect(client.stream(request)), 10)
+    waited = asyncio.get_running_loop().time() - started
+    assert len(replies) == 1 and isinstance(replies[0], ErrorReply)
+    error = replies[0]
+    assert (error.code, error.service) == (ErrorCode.UNAVAILABLE, "router")
+    assert "no router answered the request" in error.message and "(3 sends)" in error.message
+    assert [r.retry for r in seen] == [0, 1, 2]
+    assert 0.6 <= waited < 5  # three silences of 0.2 s, nowhere near the 30 s idle timeout
+    await client.close()
+    await hung.close()
+
+
+async def test_a_held_resend_waits_for_its_answer_without_resending(nats_server):
+    """A request queued for longer than ``retry_after_s`` is resent once, answered held, and
+    then only waited for, however long it takes (up to the idle timeout)."""
+    seen: list[GenerateRequest] = []
+    router = await _router(nats_server.url, seen=seen, hold_s=1.0)
+    client = await ThunderClient.connect(
+        nats_server.url, idle_timeout_s=5, retries=3, retry_after_s=0.2
+    )
+    done = await asyncio.wait_for(
+        client.generate(GenerateRequest(model=MODEL, token_ids=[7, 8], max_tokens=2)), 10
+    )
+    assert done.token_ids == [7, 8] and done.final is not None
+    assert [r.retry for r in seen] == [0, 1]  # held at the first resend: no more sends
+    await client.close()
+    await router.close()
+
+
+async def _collect(stream) -> list:
+    return [r async for r in stream]
 
 
 async def test_an_abandoned_stream_is_cancelled_when_asked(nats_server):

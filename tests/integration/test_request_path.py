@@ -200,3 +200,40 @@ async def test_a_model_whose_workers_left_is_unavailable_not_unknown(nats_server
         await client.close()
     assert failed.code == ErrorCode.UNAVAILABLE and failed.service == "router"
     assert "no live worker serves model" in failed.message
+
+
+async def test_a_resend_of_a_running_request_is_answered_held_and_runs_once(nats_server):
+    """The client resends a request it has heard nothing of; the router tells it the request
+    is held (else a client can't tell a queued request from one a hung router swallowed)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2)
+        client = await _routable_client(stack, nats_server.url)
+        await client.close()
+        nc = await connect(nats_server.url, name="resender")
+        inbox = nc.new_inbox()
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def on_reply(msg) -> None:
+            replies.put_nowait(REPLY_DECODER.decode(msg.data))
+
+        await nc.subscribe(inbox, cb=on_reply)
+        request = GenerateRequest(model=MODEL, token_ids=list(range(40, 140)), max_tokens=256,
+                                  request_id="r-resent")  # fmt: skip
+        subject = subjects.requests(MODEL)
+        await nc.publish(subject, msgspec.json.encode(request), reply=inbox)
+        first = await asyncio.wait_for(replies.get(), 10)
+        assert isinstance(first, TokenChunk)
+        resend = msgspec.structs.replace(request, retry=1)
+        await nc.publish(subject, msgspec.json.encode(resend), reply=inbox)
+        got = [first]
+        while not isinstance(got[-1], FinalReply | ErrorReply):
+            got.append(await asyncio.wait_for(replies.get(), 10))
+        await asyncio.sleep(0.3)  # anything trailing the final reply
+        while not replies.empty():
+            got.append(replies.get_nowait())
+        await nc.close()
+    kinds = [type(r).__name__ for r in got]
+    assert kinds.count("HeldReply") == 1 and kinds.count("FinalReply") == 1, kinds
+    assert "ErrorReply" not in kinds
+    tokens = [t for r in got if isinstance(r, TokenChunk) for t in r.token_ids]
+    assert len(tokens) == 256  # generated once

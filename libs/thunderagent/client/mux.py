@@ -15,6 +15,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from thunderagent.schemas import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
+    HeldReply,
     ReplyMessage,
     subjects,
 )
@@ -189,15 +191,26 @@ class Call:
 
     async def start(self, headers: dict[str, str] | None = None) -> ReplyMessage:
         """Publish the request (with ``headers``, else the current trace context) and wait for
-        its first reply."""
+        its first reply. With retries, a send heard by nobody within ``retry_after_s`` is sent
+        again; once a resend is answered ``HeldReply`` (a live router handed it to the
+        scheduler) the request just waits. If no send was heard at all, the answer is the
+        router's ``unavailable`` after the last one's ``retry_after_s``, not the idle timeout:
+        a router replica that is hung (stopped, swapping) holds what it reads without a word."""
         error = await self.publish(headers)
         if error is not None:
             self.finished = True
             return error
+        if not self.retries:
+            return await self.next()
+        sends, started = 1, time.monotonic()
         while True:
-            reply = await self._first(self.retry_after_s if self.retries else None)
-            if not self.retries or not _worth_retrying(reply):
-                return reply if reply is not None else await self.next()
+            reply = await self._first(self.retry_after_s)
+            if isinstance(reply, HeldReply):
+                return await self.next()
+            if not _worth_retrying(reply):
+                return reply  # not None: silence is worth retrying
+            if not self.retries:
+                return reply if reply is not None else self._unheard(sends, started)
             self.retries -= 1
             pause = RETRY_PAUSE_S * 2**self.request.retry  # 0.5, 1, 2 s...
             await asyncio.sleep(pause if reply is not None else 0.0)
@@ -209,11 +222,22 @@ class Call:
             if error is not None:
                 self.finished = True
                 return error
+            sends += 1
 
-    async def _first(self, within_s: float | None) -> ReplyMessage | None:
-        """The first reply; None when ``within_s`` passed without one."""
-        if within_s is None:
-            return await self.next()
+    def _unheard(self, sends: int, started: float) -> ErrorReply:
+        """Every send went unanswered: no live router took the request."""
+        waited = time.monotonic() - started
+        self.cancel_reason = f"no router answered in {waited:.0f}s"
+        return ErrorReply(
+            code=ErrorCode.UNAVAILABLE,
+            message=f"no router answered the request in {waited:.0f} s ({sends} sends): "
+            f"a router replica may be hung",
+            request_id=self.request.request_id,
+            service="router",
+        )
+
+    async def _first(self, within_s: float) -> ReplyMessage | None:
+        """The first reply (a ``HeldReply`` included); None when ``within_s`` passed without."""
         try:
             msg = await self._inbox.get(within_s)
         except TimeoutError:
@@ -256,18 +280,27 @@ class Call:
         return None
 
     def next_nowait(self) -> ReplyMessage | None:
-        msg = self._inbox.pop()
-        return None if msg is None else self._decode(msg)
+        """The next reply already here, or None (a ``HeldReply`` is not one: it is skipped)."""
+        while (msg := self._inbox.pop()) is not None:
+            reply = self._decode(msg)
+            if not isinstance(reply, HeldReply):
+                return reply
+        return None
 
     async def next(self) -> ReplyMessage:
-        msg = self._inbox.pop()
-        if msg is None:
-            try:
-                msg = await self._inbox.get(self.idle_timeout_s)
-            except TimeoutError:
-                self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
-                return self._error(self.timeout_code, self.cancel_reason)
-        return self._decode(msg)
+        """The next reply, ``HeldReply`` skipped (one may trail a resend the first token beat);
+        the ``timeout_code`` error after ``idle_timeout_s`` without one."""
+        while True:
+            msg = self._inbox.pop()
+            if msg is None:
+                try:
+                    msg = await self._inbox.get(self.idle_timeout_s)
+                except TimeoutError:
+                    self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
+                    return self._error(self.timeout_code, self.cancel_reason)
+            reply = self._decode(msg)
+            if not isinstance(reply, HeldReply):
+                return reply
 
     def _decode(self, msg) -> ReplyMessage:
         headers = msg.headers

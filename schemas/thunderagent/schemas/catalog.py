@@ -17,6 +17,7 @@ from thunderagent.schemas.generate import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
+    HeldReply,
     ReplyMessage,
     TokenChunk,
 )
@@ -59,6 +60,7 @@ MESSAGES: Final[dict[str, Any]] = {
     "TokenChunk": TokenChunk,
     "FinalReply": FinalReply,
     "ErrorReply": ErrorReply,
+    "HeldReply": HeldReply,
     "ReplyMessage": ReplyMessage,
     "KvEventBatch": KvEventBatch,
     "ResyncRequest": ResyncRequest,

@@ -177,7 +177,19 @@ class ErrorReply(Struct, frozen=True, kw_only=True, tag="error", tag_field="type
     """With ``overloaded``: when a retry is likely to be admitted (seconds from now)."""
 
 
-ReplyMessage = TokenChunk | FinalReply | ErrorReply
+class HeldReply(Struct, frozen=True, kw_only=True, tag="held", tag_field="type"):
+    """A resent request (``retry`` > 0) is in the control plane's hands (queued or running): the
+    sender stops resending and waits for its answer. Sent by the router only in answer to a
+    resend the scheduler accepted, never on a first send, so the common path pays nothing; a
+    client that resent and heard nothing knows no live router took the request."""
+
+    request_id: str
+    """The request that is held."""
+    service: str = "router"
+    """The service that says so."""
+
+
+ReplyMessage = TokenChunk | FinalReply | ErrorReply | HeldReply
 """Everything a client may receive on its reply subject."""
 
 REPLY_DECODER = msgspec.json.Decoder(ReplyMessage)

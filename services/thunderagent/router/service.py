@@ -36,6 +36,7 @@ from thunderagent.schemas import (
     ErrorCode,
     ErrorReply,
     GenerateRequest,
+    HeldReply,
     ProgressBatch,
     RequestProgress,
     RouteDecision,
@@ -291,6 +292,9 @@ class Router:
             code = ack.code or ErrorCode.UNAVAILABLE
             message = f"scheduler refused: {ack.reason}"
             await self._reject(submit, code, message, retry_after_s=ack.retry_after_s)
+        elif submit.request.retry:  # a resend: tell the sender it is held, so it stops resending
+            held = HeldReply(request_id=submit.request.request_id)
+            await self.bus.publish(submit.reply_subject, held)
 
     async def _reject(
         self,
