@@ -21,7 +21,7 @@ WsgiApp = Callable[[dict, StartResponse], Iterable[bytes]]
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: object) -> None:
         """A scrape every few seconds is not worth a log line."""
 
 
