@@ -9,6 +9,7 @@ Each test appends its figures (fault, requests, lost, time to recover) to the JS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -198,6 +199,28 @@ async def test_engine_killed_mid_stream_resumes_as_continuation(nats_server):
            recover_s=round(max(o.ended_at for o in outcomes) - killed_at, 2))  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def two_router_replicas(nats_url: str, **client_settings):
+    """A full in-process stack (its router runs ``least_loaded``), a second router replica in
+    its own process running ``round_robin``, and a client that has seen the second route: yields
+    (client, the second's process, request id -> runs started)."""
+    async with inproc_stack(nats_url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", block_size=16)
+        starts, watch = await count_starts(nats_url)
+        second = thunderagent("router", "--nats", nats_url, "--policy", "round_robin")
+        client = await ThunderClient.connect(nats_url, **client_settings)
+        try:
+            await until_the_second_replica_routes(client, nats_url, "round_robin")
+            yield client, second, starts
+        finally:
+            os.kill(second.pid, signal.SIGCONT)
+            second.kill()
+            second.wait()
+            await client.close()
+            await asyncio.sleep(0.2)
+            await watch.close()
+
+
 async def until_the_second_replica_routes(client: ThunderClient, nats_url: str, policy: str):
     """Send requests until one is routed by the replica running ``policy`` (it has started
     and subscribed): its decisions name its policy."""
@@ -225,25 +248,16 @@ async def until_the_second_replica_routes(client: ThunderClient, nats_url: str, 
 async def test_router_replica_killed_with_requests_in_flight(nats_server):
     """Two router replicas; one is SIGKILLed in a burst. Clients resend what got no answer
     (same id): everything completes, and no request is generated twice."""
-    async with inproc_stack(nats_server.url) as stack:
-        await start_full_stack(stack, workers=2, profile="tiny", block_size=16)
-        starts, watch = await count_starts(nats_server.url)
-        second = thunderagent("router", "--nats", nats_server.url, "--policy", "round_robin")
-        try:
-            client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30,
-                                                 retry_after_s=1.0)  # fmt: skip
-            await until_the_second_replica_routes(client, nats_server.url, "round_robin")
-            burst = [asyncio.create_task(run(client, slow(100 + i, out=8))) for i in range(40)]
-            await asyncio.sleep(0.005)
-            os.kill(second.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            outcomes = await asyncio.wait_for(asyncio.gather(*burst), 30)
-        finally:
-            second.kill()
-            second.wait()
-        await client.close()
-        await asyncio.sleep(0.2)
-        await watch.close()
+    async with two_router_replicas(nats_server.url, idle_timeout_s=30, retry_after_s=1.0) as (
+        client,
+        second,
+        starts,
+    ):
+        burst = [asyncio.create_task(run(client, slow(100 + i, out=8))) for i in range(40)]
+        await asyncio.sleep(0.005)
+        os.kill(second.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        outcomes = await asyncio.wait_for(asyncio.gather(*burst), 30)
     assert all(isinstance(o.end, FinalReply) for o in outcomes), [o.end for o in outcomes]
     ran = Counter({rid: n for rid, n in starts.items() if rid.startswith("r1")})
     assert all(starts[f"r{100 + i}"] == 1 for i in range(40)), "each generated exactly once"
@@ -427,32 +441,17 @@ async def test_a_frozen_router_replica_costs_a_resend_not_the_idle_timeout(nats_
     not heard of within ``retry_after_s``; a request every send of which went to the frozen
     replica is answered ``unavailable`` after the last resend's wait (it waited out the idle
     timeout before: 120 s at the gateway). Thawed, the replica serves again."""
-    async with inproc_stack(nats_server.url) as stack:
-        await start_full_stack(stack, workers=2, profile="tiny", block_size=16)
-        starts, watch = await count_starts(nats_server.url)
-        second = thunderagent("router", "--nats", nats_server.url, "--policy", "round_robin")
-        try:
-            client = await ThunderClient.connect(nats_server.url, idle_timeout_s=60,
-                                                 retries=3, retry_after_s=1.0)  # fmt: skip
-            await until_the_second_replica_routes(client, nats_server.url, "round_robin")
-            os.kill(second.pid, signal.SIGSTOP)
-            frozen_at = time.monotonic()
-            outcomes = await asyncio.wait_for(
-                asyncio.gather(*(run(client, slow(200 + i, out=8)) for i in range(40))), 30
-            )
-            worst_s = max(o.ended_at for o in outcomes) - frozen_at
-            os.kill(second.pid, signal.SIGCONT)
-            probes = [
-                GenerateRequest(model=MODEL, token_ids=[5, i], max_tokens=1) for i in range(10)
-            ]
-            after = [await client.generate(p) for p in probes]
-        finally:
-            os.kill(second.pid, signal.SIGCONT)
-            second.kill()
-            second.wait()
-        await client.close()
-        await asyncio.sleep(0.2)
-        await watch.close()
+    settings = {"idle_timeout_s": 60, "retries": 3, "retry_after_s": 1.0}
+    async with two_router_replicas(nats_server.url, **settings) as (client, second, starts):
+        os.kill(second.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(run(client, slow(200 + i, out=8)) for i in range(40))), 30
+        )
+        worst_s = max(o.ended_at for o in outcomes) - frozen_at
+        os.kill(second.pid, signal.SIGCONT)
+        probes = [GenerateRequest(model=MODEL, token_ids=[5, i], max_tokens=1) for i in range(10)]
+        after = [await client.generate(p) for p in probes]
     done = [o for o in outcomes if isinstance(o.end, FinalReply)]
     unheard = [o for o in outcomes if isinstance(o.end, ErrorReply)]
     assert len(done) + len(unheard) == 40
