@@ -28,7 +28,7 @@ from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench.jsonfile import write_json
-from thunderagent.bench.replay_args import parse_args, scheduler_for
+from thunderagent.bench.replay_args import load_interval_for, parse_args, scheduler_for
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.replay import (
@@ -134,7 +134,7 @@ def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:
         policy_params=args.params.get(policy, {}),
         scheduler=scheduler_for(policy, args.scheduler),
         seed=args.seed,
-        load_interval=args.load_interval,
+        load_interval=load_interval_for(policy, args.load_interval),
         index_ttl=args.index_ttl,
         scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
     )
@@ -156,7 +156,7 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window) -
         "scheduler": args.scheduler or "as deployed",
         "schedulers": {p: scheduler_for(p, args.scheduler) for p in args.policy_list},
         "slo_ttft_p99_ms": round(slo_ms, 1),
-        "load_interval_s": args.load_interval,
+        "load_interval_s": {p: load_interval_for(p, args.load_interval) for p in args.policy_list},
         "index_ttl_s": args.index_ttl,
         "policy_params": args.params,
         "scheduler_params": args.sched_params,
@@ -289,6 +289,14 @@ def _rule() -> str:
     return "|" + "---|" * (COLUMNS.count("|") - 1)
 
 
+def _intervals(by_policy: dict[str, float]) -> str:
+    """ "every 0.1 s", or with the policies that see loads on another schedule named."""
+    values = list(by_policy.values())
+    common = min(set(values), key=lambda v: (-values.count(v), v))  # the most shared, then the finest
+    others = [f"{p} every {v:g} s" for p, v in by_policy.items() if v != common]
+    return f"every {common:g} s" + (f" ({', '.join(others)})" if others else "")
+
+
 def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> None:
     c = doc["cluster"]
     head = [
@@ -298,7 +306,7 @@ def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> N
         "",
         f"{doc['trace_requests']} requests; {c['workers']} workers x {c['profile']} "
         f"({c['kv_blocks_per_worker']} KV blocks of {c['block_size']} tokens each); "
-        f"schedulers {doc['scheduler']}; load reports every {doc['load_interval_s']} s; "
+        f"schedulers {doc['scheduler']}; load reports {_intervals(doc['load_interval_s'])}; "
         f"seed {doc['seed']}; code {doc['code_version']}.",
         "",
         "Latencies in ms; `wait` = TTFT minus the request's prefill alone on an idle engine; "

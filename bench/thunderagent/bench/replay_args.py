@@ -92,7 +92,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TTFT SLO for capacity and goodput (default: the trace's p99 no-cache prefill "
         "time + 3 s)",
     )  # fmt: skip
-    p.add_argument("--load-interval", type=positive, default=0.1, help="virtual s between reports")
+    p.add_argument(
+        "--load-interval",
+        type=positive,
+        default=None,
+        help="virtual s between the engines' load reports, for every policy (default: as each "
+        f"ships: {SHIPPED_LOAD_INTERVAL_S['smg_cache_aware']:g} s for smg_cache_aware, SMG's "
+        f"--load-monitor-interval; {LOAD_INTERVAL_S:g} s otherwise, ThunderAgent's adapters)",
+    )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
     _override_arguments(p)
@@ -162,3 +169,19 @@ straight to the engines (their queues do the waiting)."""
 
 def scheduler_for(policy: str, override: str | None) -> str:
     return override or DEPLOYED_SCHEDULER.get(policy, "direct")
+
+
+LOAD_INTERVAL_S = 0.1
+"""How often a ThunderAgent worker adapter publishes its engine's load (virtual seconds)."""
+SHIPPED_LOAD_INTERVAL_S = {"smg_cache_aware": 10.0}
+"""Peers that read engine load on their own schedule: SMG 1.13 polls an HTTP worker's
+``/v1/loads`` every ``--load-monitor-interval`` (10 s; pushed loads exist for gRPC workers
+only), so between polls it knows only its own dispatches. dynamo_kv and sglang_cache_aware
+read no engine load at all."""
+
+
+def load_interval_for(policy: str, override: float | None) -> float:
+    """Virtual seconds between the load reports ``policy`` sees, as it ships unless overridden."""
+    if override is not None:
+        return override
+    return SHIPPED_LOAD_INTERVAL_S.get(policy, LOAD_INTERVAL_S)

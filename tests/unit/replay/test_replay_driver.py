@@ -379,3 +379,29 @@ def test_cli_writes_the_json_before_printing(tmp_path: Path, monkeypatch) -> Non
         main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
               "--policies", "round_robin", "--quiet", "--json", str(out)])  # fmt: skip
     assert json.loads(out.read_text())["results"]
+
+
+def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: Path) -> None:
+    """SMG polls an HTTP worker's load every 10 s; the replay gave it the adapters' 0.1 s."""
+    from thunderagent.bench.replay import main
+    from thunderagent.bench.replay_args import load_interval_for
+
+    assert load_interval_for("smg_cache_aware", None) == 10.0
+    assert load_interval_for("thunder", None) == load_interval_for("dynamo_kv", None) == 0.1
+    assert load_interval_for("smg_cache_aware", 0.5) == 0.5
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 10 * i, "input_length": 9, "output_length": 3, "hash_ids": [0, i]}
+            for i in range(20)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "thunder,smg_cache_aware", "--speed", "1", "--quiet"]  # fmt: skip
+    shipped, forced = tmp_path / "a.json", tmp_path / "b.json"
+    report = tmp_path / "a.md"
+    main([*common, "--json", str(shipped), "--report", str(report)])
+    main([*common, "--load-interval", "0.2", "--json", str(forced)])
+    assert json.loads(shipped.read_text())["load_interval_s"] == {
+        "thunder": 0.1,
+        "smg_cache_aware": 10.0,
+    }
+    assert "load reports every 0.1 s (smg_cache_aware every 10 s)" in report.read_text()
+    assert set(json.loads(forced.read_text())["load_interval_s"].values()) == {0.2}
