@@ -290,9 +290,10 @@ def _rule() -> str:
 
 
 def _intervals(by_policy: dict[str, float]) -> str:
-    """ "every 0.1 s", or with the policies that see loads on another schedule named."""
+    """'every 0.1 s' (the most shared interval, then the finest), with the policies that see
+    loads on another schedule named."""
     values = list(by_policy.values())
-    common = min(set(values), key=lambda v: (-values.count(v), v))  # the most shared, then the finest
+    common = min(set(values), key=lambda v: (-values.count(v), v))
     others = [f"{p} every {v:g} s" for p, v in by_policy.items() if v != common]
     return f"every {common:g} s" + (f" ({', '.join(others)})" if others else "")
 
