@@ -18,7 +18,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from thunderagent.bus import Bucket, Bus, BusError, Delivery
+from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.fleet import AcceptedRuns, load_report
 from thunderagent.schemas import (
     AbortRequest,
@@ -40,8 +40,10 @@ from thunderagent.telemetry.setup import meter
 from thunderagent.tokenizer import BYTES_SPEC, load_tokenizer
 from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.generation import Generation
+from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.migration import WorkerMigration
+from thunderagent.worker.waits import sleep_or_stop, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,8 @@ class WorkerAdapter:
         self.runs = AcceptedRuns()
         self.engine_healthy = asyncio.Event()
         self.engine_healthy.set()  # it answered /server_info before we registered
-        self.id_taken: str | None = None
-        """Why this adapter gave up its worker id to another live adapter (then it exits)."""
+        self.lease = IdLease(None, config.worker_id)
+        """Its hold on the worker id (the bucket is bound in ``run``)."""
         self._health_changed = asyncio.Event()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
@@ -148,8 +150,9 @@ class WorkerAdapter:
         self.registration = await self._wait_for_engine(stop)
         if self.registration is None:
             return
-        bucket = await workers_bucket(self.bus)
-        await self._claim_worker_id(bucket, stop)  # before taking any of the id's messages
+        self.lease.bucket = await workers_bucket(self.bus)
+        self.lease.registration = self.registration
+        await self.lease.claim(stop)  # before taking any of the id's messages
         await self._subscribe()
         events = await self._kv_event_source()
         relay = None
@@ -167,14 +170,14 @@ class WorkerAdapter:
                 if relay is not None:
                     tg.create_task(relay.run(*events, stop))
                     tg.create_task(relay.refresh_loop(self.config.kv_refresh_s, stop))
-                tg.create_task(self._lease_loop(bucket, stop))
+                tg.create_task(self._lease_loop(stop))
                 tg.create_task(self._load_loop(stop))
         finally:
             if relay is not None:
                 await relay.close()
-            await self._deregister(bucket)
-        if self.id_taken is not None:
-            raise SystemExit(self.id_taken)
+            await self.lease.release()
+        if self.lease.taken is not None:
+            raise SystemExit(self.lease.taken)
 
     async def _subscribe(self) -> None:
         wid = self.config.worker_id
@@ -185,61 +188,6 @@ class WorkerAdapter:
         await self.bus.subscribe(
             subjects.worker_kv_import(wid), KvTransfer, self.on_kv_import, concurrent=True
         )
-
-    async def _deregister(self, bucket: Bucket) -> None:
-        if self.id_taken is not None:  # the key is the other adapter's
-            return
-        try:
-            await bucket.delete(subjects.worker_key(self.config.worker_id))
-        except Exception:
-            log.warning("could not deregister %s", self.config.worker_id, exc_info=True)
-
-    async def _claim_worker_id(self, bucket: Bucket, stop: asyncio.Event) -> None:
-        """Refuse to start when another live adapter holds this worker id: two adapters on one
-        id both take every request sent to it (each answer streamed twice, interleaved) and
-        overwrite each other's registration and KV events. A registration left by an adapter
-        that died is not renewed: it is taken over after half a lease (renewals come every
-        third of one)."""
-        key = subjects.worker_key(self.config.worker_id)
-        seen = await bucket.get(key)
-        if seen is None:
-            return
-        other = _registration(seen[1])
-        lease_s = other.lease_s if other is not None else 0.0
-        log.info("%s is registered: waiting %.1f s to see if its adapter renews it", key,
-                 lease_s / 2)  # fmt: skip
-        await _sleep_or_stop(stop, lease_s / 2)
-        now = await bucket.get(key)
-        if now is not None and now[0] != seen[0]:
-            raise SystemExit(_id_in_use(self.config.worker_id, now[1]))
-
-    async def _renew(
-        self, bucket: Bucket, key: str, payload: bytes, revision: int | None
-    ) -> int | None:
-        """Write the registration unless another adapter took the id since our last write
-        (then None, and ``id_taken`` says why): a compare-and-set on our last revision, so the
-        common renewal is one round trip; only a conflict reads the key."""
-        if revision is not None:
-            written = await bucket.update(key, payload, revision)
-            if written is not None:
-                return written
-            if not self._still_ours(await bucket.get(key), revision):
-                return None
-        return await bucket.put(key, payload)
-
-    def _still_ours(self, current: tuple[int, bytes] | None, revision: int | None) -> bool:
-        """False when another adapter wrote this worker's key since our last renewal and it
-        registered first (two started at once: the later one leaves, the first keeps it)."""
-        if current is None or revision is None or current[0] == revision:
-            return True
-        other, mine = _registration(current[1]), self.registration
-        if other is None or (other.registered_at, other.engine_url) >= (
-            mine.registered_at,
-            mine.engine_url,
-        ):
-            return True
-        self.id_taken = _id_in_use(self.config.worker_id, current[1])
-        return False
 
     async def _kv_event_source(self) -> tuple[str, str | None, str] | None:
         """(endpoint, replay endpoint, topic) of the engine's KV events, or None when off.
@@ -271,32 +219,28 @@ class WorkerAdapter:
                 return await self.describe_engine()
             except (TimeoutError, OSError, EngineError) as err:
                 log.info("engine %s not ready (%s)", self.engine.base_url, err)
-            await _sleep_or_stop(stop, delay)
+            await sleep_or_stop(stop, delay)
             delay = min(delay * 2, 2.0)
         return None
 
-    async def _lease_loop(self, bucket: Bucket, stop: asyncio.Event) -> None:
+    async def _lease_loop(self, stop: asyncio.Event) -> None:
         """Renew the lease while the engine answers; leave the fleet at once when it stops
         answering (routers stop sending work here) and come back when it answers again."""
         payload = msgspec.json.encode(self.registration)
-        key = subjects.worker_key(self.config.worker_id)
         registered = False
-        revision: int | None = None
         renewal_failures = 0
         while not stop.is_set():
             healthy = self.engine_healthy.is_set()
             try:
                 if healthy:
-                    revision = await self._renew(bucket, key, payload, revision)
-                    if revision is None:
-                        log.error("%s", self.id_taken)
+                    if not await self.lease.renew(payload):
+                        log.error("%s", self.lease.taken)
                         stop.set()
                         return
                 elif registered:
-                    log.warning("%s: engine not answering: leaving the fleet", key)
+                    log.warning("%s: engine not answering: leaving the fleet", self.lease.key)
                     await self._hand_back_runs("the engine stopped answering")
-                    await bucket.delete(key)
-                    revision = None
+                    await self.lease.withdraw()
                 registered = healthy
             except Exception as err:  # NATS away: the traceback once, then one line
                 renewal_failures += 1
@@ -306,7 +250,7 @@ class WorkerAdapter:
             else:
                 renewal_failures = 0
             self._health_changed.clear()
-            await _wait_any(stop, self._health_changed, self.config.lease_s / 3)
+            await wait_any(stop, self._health_changed, self.config.lease_s / 3)
 
     async def _load_loop(self, stop: asyncio.Event) -> None:
         subject = subjects.worker_load(self.config.worker_id)
@@ -331,7 +275,7 @@ class WorkerAdapter:
                     await self.bus.publish(subject, report)
                 except BusError as err:  # NATS away: the next poll reports again
                     log.warning("load report not published: %s", err)
-            await _sleep_or_stop(stop, self.config.load_interval_s)
+            await sleep_or_stop(stop, self.config.load_interval_s)
 
     async def _hand_back_runs(self, reason: str) -> None:
         """Every run on the dead engine goes back to the scheduler (before we leave the fleet,
@@ -460,41 +404,6 @@ def _doubled(failures: int) -> bool:
     """Log the 1st, 2nd, 4th, 8th... failure in a row: an engine or NATS away for minutes is
     a few lines, not several a second."""
     return failures & (failures - 1) == 0
-
-
-def _registration(payload: bytes) -> WorkerRegistration | None:
-    """Another adapter's registration; None when it does not decode (it then counts as stale:
-    it never wins the id)."""
-    try:
-        return msgspec.json.decode(payload, type=WorkerRegistration)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
-def _id_in_use(worker_id: str, registration: bytes) -> str:
-    other = _registration(registration)
-    engine = other.engine_url if other is not None else "an engine it does not name"
-    return (
-        f"worker id {worker_id!r} is in use by a live adapter in front of {engine}: "
-        "give this one another --worker-id"
-    )
-
-
-async def _wait_any(stop: asyncio.Event, other: asyncio.Event, seconds: float) -> None:
-    """Sleep ``seconds``, or less when either event is set."""
-    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(other.wait())}
-    try:
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
 
 
 async def main(ctx: ServiceContext, config: AdapterConfig) -> None:

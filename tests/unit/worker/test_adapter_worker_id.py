@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from thunderagent.schemas import WorkerRegistration
-from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
+from thunderagent.worker.id_lease import IdLease
 
 
 def registration(engine_url: str, registered_at: float) -> WorkerRegistration:
@@ -15,10 +15,11 @@ def registration(engine_url: str, registered_at: float) -> WorkerRegistration:
     )  # fmt: skip
 
 
-def adapter(engine_url: str, registered_at: float) -> WorkerAdapter:
-    a = WorkerAdapter(AdapterConfig(worker_id="w0", engine_url=engine_url), None, None)  # type: ignore[arg-type]
-    a.registration = registration(engine_url, registered_at)
-    return a
+def adapter(engine_url: str, registered_at: float) -> IdLease:
+    """The worker-id hold of an adapter in front of ``engine_url``."""
+    lease = IdLease(None, "w0")
+    lease.registration = registration(engine_url, registered_at)
+    return lease
 
 
 def test_the_later_adapter_leaves_and_the_first_keeps_the_id() -> None:
@@ -26,9 +27,9 @@ def test_the_later_adapter_leaves_and_the_first_keeps_the_id() -> None:
     wrote_first = (7, msgspec.json.encode(first.registration))
     wrote_later = (8, msgspec.json.encode(later.registration))
     # each sees the other's write since its own last renewal (revision 5)
-    assert first._still_ours(wrote_later, 5) and first.id_taken is None
-    assert not later._still_ours(wrote_first, 5)
-    assert later.id_taken == (
+    assert first.still_ours(wrote_later, 5) and first.taken is None
+    assert not later.still_ours(wrote_first, 5)
+    assert later.taken == (
         "worker id 'w0' is in use by a live adapter in front of http://a:1: "
         "give this one another --worker-id"
     )
@@ -36,6 +37,6 @@ def test_the_later_adapter_leaves_and_the_first_keeps_the_id() -> None:
 
 def test_its_own_last_write_or_an_empty_key_or_garbage_keep_the_id() -> None:
     a = adapter("http://a:1", 100.0)
-    assert a._still_ours((5, msgspec.json.encode(a.registration)), 5)
-    assert a._still_ours(None, 5) and a._still_ours((9, b"x"), None)
-    assert a._still_ours((9, b"not json"), 5) and a.id_taken is None
+    assert a.still_ours((5, msgspec.json.encode(a.registration)), 5)
+    assert a.still_ours(None, 5) and a.still_ours((9, b"x"), None)
+    assert a.still_ours((9, b"not json"), 5) and a.taken is None
