@@ -12,10 +12,17 @@ from thunderagent.fleet.runs import (
     continuation,
     engine_request_id,
 )
-from thunderagent.fleet.views import load_report, sched_request, worker_room, worker_view
+from thunderagent.fleet.views import (
+    LOAD_REPORT_INTERVAL_S,
+    load_report,
+    sched_request,
+    worker_room,
+    worker_view,
+)
 from thunderagent.fleet.workers import WorkerRegistry, WorkerState
 
 __all__ = [
+    "LOAD_REPORT_INTERVAL_S",
     "AcceptedRuns",
     "Run",
     "WorkerRegistry",

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING
 
 from thunderagent.engine import AllCleared, EngineCore, Profile, Removed
 from thunderagent.engine.core import StepOutcome
-from thunderagent.fleet import AcceptedRuns, Run, load_report, sched_request, worker_room
+from thunderagent.fleet import (
+    LOAD_REPORT_INTERVAL_S,
+    AcceptedRuns,
+    Run,
+    load_report,
+    sched_request,
+    worker_room,
+)
 from thunderagent.hashing import BlockHasher, BlockHashes
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.replay.actions import SchedulerActions
@@ -79,8 +86,8 @@ class ReplayConfig:
     policy_params: dict = field(default_factory=dict)
     scheduler: str = "direct"
     seed: int = 0
-    load_interval: float = 0.1
-    """Virtual seconds between load reports (the live adapters publish every ~0.2 s)."""
+    load_interval: float = LOAD_REPORT_INTERVAL_S
+    """Virtual seconds between load reports: the live adapter's beat unless a study changes it."""
     feedback_interval: float = 1.0
     """Virtual seconds between ``observe`` calls on the policy (and index TTL expiry)."""
     timeline_interval: float = 10.0

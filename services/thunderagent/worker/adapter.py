@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import AcceptedRuns, load_report
+from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, load_report
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -60,7 +60,7 @@ class AdapterConfig:
     model: str = ""
     """Override the model name the engine reports."""
     lease_s: float = 10.0
-    load_interval_s: float = 0.2
+    load_interval_s: float = LOAD_REPORT_INTERVAL_S
     role: WorkerRole = WorkerRole.BOTH
     tokenizer: str = BYTES_SPEC
     kv_refresh_s: float = 120.0

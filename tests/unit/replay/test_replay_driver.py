@@ -382,12 +382,18 @@ def test_cli_writes_the_json_before_printing(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: Path) -> None:
-    """SMG polls an HTTP worker's load every 10 s; the replay gave it the adapters' 0.1 s."""
+    """SMG polls an HTTP worker's load every 10 s; the replay gave it the adapters' 0.1 s. And
+    the replay gave ThunderAgent 0.1 s while its live adapter reports every 0.2 s."""
     from thunderagent.bench.replay import main
     from thunderagent.bench.replay_args import load_interval_for
+    from thunderagent.worker.adapter import AdapterConfig
 
     assert load_interval_for("smg_cache_aware", None) == 10.0
-    assert load_interval_for("thunder", None) == load_interval_for("dynamo_kv", None) == 0.1
+    # ThunderAgent and the peers that read its reports get them at the live adapter's beat.
+    adapter_beat = AdapterConfig(worker_id="w", engine_url="http://x").load_interval_s
+    assert adapter_beat == ReplayConfig(profile=get_profile("tiny"), policy="thunder").load_interval
+    assert load_interval_for("thunder", None) == adapter_beat
+    assert load_interval_for("dynamo_kv", None) == adapter_beat
     assert load_interval_for("smg_cache_aware", 0.5) == 0.5
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": 10 * i, "input_length": 9, "output_length": 3, "hash_ids": [0, i]}
@@ -398,10 +404,11 @@ def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: P
     shipped, forced = tmp_path / "a.json", tmp_path / "b.json"
     report = tmp_path / "a.md"
     main([*common, "--json", str(shipped), "--report", str(report)])
-    main([*common, "--load-interval", "0.2", "--json", str(forced)])
+    main([*common, "--load-interval", "0.5", "--json", str(forced)])
     assert json.loads(shipped.read_text())["load_interval_s"] == {
-        "thunder": 0.1,
+        "thunder": adapter_beat,
         "smg_cache_aware": 10.0,
     }
-    assert "load reports every 0.1 s (smg_cache_aware every 10 s)" in report.read_text()
-    assert set(json.loads(forced.read_text())["load_interval_s"].values()) == {0.2}
+    said = f"load reports every {adapter_beat:g} s (smg_cache_aware every 10 s)"
+    assert said in report.read_text()
+    assert set(json.loads(forced.read_text())["load_interval_s"].values()) == {0.5}
