@@ -330,6 +330,39 @@ async def test_scheduler_stopping_answers_its_queue_and_clients_retry(nats_serve
            recover_s=round(max(o.ended_at for o in outcomes) - stopped_at, 2))  # fmt: skip
 
 
+async def test_a_quiet_run_is_held_and_runs_once_across_a_scheduler_restart(nats_server):
+    """A run that has sent its client nothing yet (its answer is not streamed) outlasts the
+    client's ``retry_after_s`` while the scheduler that dispatched it is replaced. The worker
+    tells the client the request is held, so it is not resent: a resend would reach the new
+    scheduler, which does not know the run, and run it a second time on the other worker
+    (without the held reply this test fails so: two starts)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", block_size=16, speedup=0.1,
+                               scheduler="fcfs", adapter={"held_after_s": 0.4})  # fmt: skip
+        starts, watch = await count_starts(nats_server.url)
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30,
+                                             retry_after_s=1.5)  # fmt: skip
+        await client.generate(GenerateRequest(model=MODEL, token_ids=[3], max_tokens=1))
+        sent_at = time.monotonic()
+        task = asyncio.create_task(run(client, slow(500, out=60, stream=False)))
+        await wait_for(lambda: starts["r500"] >= 1, "the run's first token")
+        await stack.stop_service("scheduler")
+        from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
+
+        config = SchedulerConfig(scheduler="fcfs")
+        await stack.start_service("scheduler", lambda ctx, svc: svc.run_service(ctx),
+                                  build=lambda ctx: SchedulerService(config, ctx.bus))  # fmt: skip
+        outcome = await asyncio.wait_for(task, 30)
+        await client.close()
+        await watch.close()
+    assert isinstance(outcome.end, FinalReply), outcome.end
+    assert outcome.end.usage.completion_tokens == 60
+    assert outcome.ended_at - sent_at > 1.5 + 0.5, "the run outlasted the client's resend timer"
+    assert starts["r500"] == 1, "generated once"
+    report("scheduler replaced while a quiet run (not streamed) outlasts the resend timer",
+           requests=1, completed=1, lost=0, generated_twice=0)  # fmt: skip
+
+
 async def test_nats_restart(nats_server, redis_server):
     """NATS restarts (same port, same JetStream store): every service reconnects, requests flow
     again, and the KV stream resumes where it was (no resync needed)."""

@@ -192,10 +192,11 @@ class Call:
     async def start(self, headers: dict[str, str] | None = None) -> ReplyMessage:
         """Publish the request (with ``headers``, else the current trace context) and wait for
         its first reply. With retries, a send heard by nobody within ``retry_after_s`` is sent
-        again; once a resend is answered ``HeldReply`` (a live router handed it to the
-        scheduler) the request just waits. If no send was heard at all, the answer is the
-        router's ``unavailable`` after the last one's ``retry_after_s``, not the idle timeout:
-        a router replica that is hung (stopped, swapping) holds what it reads without a word."""
+        again; once a send is answered ``HeldReply`` (a live router handed a resend to the
+        scheduler, or the worker running it has nothing to send yet) the request just waits.
+        If no send was heard at all, the answer is the router's ``unavailable`` after the last
+        one's ``retry_after_s``, not the idle timeout: a router replica that is hung (stopped,
+        swapping) holds what it reads without a word."""
         error = await self.publish(headers)
         if error is not None:
             self.finished = True

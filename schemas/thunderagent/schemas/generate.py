@@ -178,15 +178,17 @@ class ErrorReply(Struct, frozen=True, kw_only=True, tag="error", tag_field="type
 
 
 class HeldReply(Struct, frozen=True, kw_only=True, tag="held", tag_field="type"):
-    """A resent request (``retry`` > 0) is in the control plane's hands (queued or running): the
-    sender stops resending and waits for its answer. Sent by the router only in answer to a
-    resend the scheduler accepted, never on a first send, so the common path pays nothing; a
-    client that resent and heard nothing knows no live router took the request."""
+    """The request is in the control plane's hands (queued or running): the sender stops
+    resending and waits for its answer. The router sends it in answer to a resend (``retry`` >
+    0) the scheduler accepted; a worker sends it for a run that has told its client nothing
+    for a second (a first token still to come, or an answer that is not streamed), so a
+    resend cannot reach a scheduler that does not know the run. A request answered sooner
+    gets none; a client that resent and heard nothing knows no live router took it."""
 
     request_id: str
     """The request that is held."""
     service: str = "router"
-    """The service that says so."""
+    """The service that says so (``worker/<id>`` from a worker)."""
 
 
 ReplyMessage = TokenChunk | FinalReply | ErrorReply | HeldReply

@@ -24,6 +24,7 @@ from thunderagent.schemas import (
     AbortRequest,
     Ack,
     FinalReply,
+    HeldReply,
     KvTransfer,
     LoadReport,
     Preempted,
@@ -71,6 +72,12 @@ class AdapterConfig:
     client told why; ten minutes covers any sane generation, a runaway one is caught."""
     kv_events_endpoint: str | None = None
     """Engine's ZMQ KV-event PUB endpoint; None: take it from the engine's ``/server_info``."""
+    held_after_s: float = 1.0
+    """A run that has sent its client nothing for this long (no token yet, or an answer that
+    is not streamed) tells it ``HeldReply``, so the client stops resending. A resend goes
+    through the scheduler, and one that does not know the run (restarted since, or never told
+    of a router's direct dispatch) would run it a second time. Under the clients' 5 s
+    ``retry_after_s``; runs that answer sooner send nothing extra."""
 
 
 class WorkerAdapter:
@@ -172,6 +179,7 @@ class WorkerAdapter:
                     tg.create_task(relay.refresh_loop(self.config.kv_refresh_s, stop))
                 tg.create_task(self._lease_loop(stop))
                 tg.create_task(self._load_loop(stop))
+                tg.create_task(self._held_loop(stop))
         finally:
             if relay is not None:
                 await relay.close()
@@ -276,6 +284,21 @@ class WorkerAdapter:
                 except BusError as err:  # NATS away: the next poll reports again
                     log.warning("load report not published: %s", err)
             await sleep_or_stop(stop, self.config.load_interval_s)
+
+    async def _held_loop(self, stop: asyncio.Event) -> None:
+        """Tell the clients of quiet runs that their request is held here (``held_after_s``)."""
+        after_s = self.config.held_after_s
+        while not stop.is_set():
+            await sleep_or_stop(stop, after_s / 4)
+            now = time.monotonic()
+            for generation in [g for g in self.running.values() if g.owes_held_reply(now, after_s)]:
+                generation.held = True
+                held = HeldReply(request_id=generation.request_id,
+                                 service=f"worker/{self.config.worker_id}")  # fmt: skip
+                try:
+                    await self.bus.publish(generation.work.reply_subject, held)
+                except BusError as err:  # NATS away: the client's resend still runs it once
+                    log.warning("held reply for %s not published: %s", generation.request_id, err)
 
     async def _hand_back_runs(self, reason: str) -> None:
         """Every run on the dead engine goes back to the scheduler (before we leave the fleet,

@@ -69,6 +69,9 @@ class Generation:
     drains) has nothing more to tell anyone."""
     held_start: RequestProgress | None = None
     """The start of a run whose first token is also its last: it goes with the run's end."""
+    accepted_at: float = field(default_factory=time.monotonic)
+    held: bool = False
+    """The client was told ``HeldReply`` (once per run)."""
 
     @property
     def request_id(self) -> str:
@@ -77,6 +80,13 @@ class Generation:
     @property
     def engine_rid(self) -> str:
         return engine_request_id(self.request_id, self.work.output_offset)
+
+    def owes_held_reply(self, now: float, after_s: float) -> bool:
+        """Accepted ``after_s`` ago or more and nothing has reached the client yet (a streamed
+        continuation's client has the earlier runs' tokens)."""
+        if self.held or self.final is not None or now - self.accepted_at < after_s:
+            return False
+        return not (self.work.request.stream and (self.output or self.work.output_offset))
 
     def all_output(self) -> list[int]:
         """Every output token the client has: earlier runs' and this one's."""
