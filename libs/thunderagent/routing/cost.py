@@ -69,12 +69,6 @@ def by_key(
     return [items[i] for i in order]
 
 
-def pick_among_best(items: Sequence[T], value: Callable[[T], float], rng: random.Random) -> T:
-    """One of the items with the largest ``value``, uniformly at random among ties."""
-    best = max(value(item) for item in items)
-    return rng.choice([item for item in items if value(item) == best])
-
-
 def softmax_index(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
     """Sample an index with probability ~ exp(-normalized cost / temperature).
 
