@@ -12,7 +12,9 @@ of the parameter (per combination when ``--param`` is given more than once) and 
 swept speed meeting the SLO with nothing lost), goodput, and its TTFT p99 misses: swept speeds
 where some peer meets the SLO and thunder's TTFT p99 is more than 5% above the best such peer's.
 The recommended value maximises the worst capacity ratio to the best peer across workloads, then
-has the fewest p99 misses, then the larger sum of goodputs.
+has the fewest p99 misses, then the larger capacity ratios over all workloads (the sum of their
+logarithms: one workload where every candidate is level with the best peer makes the worst
+ratio a tie, not the capacity everywhere else), then the larger sum of goodputs.
 The real traces are for judging a default chosen here, not for choosing it.
 """
 
@@ -162,15 +164,18 @@ def workload(path: str, profile, cands: list[Candidate], speeds, peers) -> dict:
     }
 
 
-def scores(workloads: dict, name: str, peers: list[str]) -> tuple[float, int, float]:
-    """(worst capacity ratio to the best peer, -p99 misses, summed goodput): larger is better."""
+def scores(workloads: dict, name: str, peers: list[str]) -> tuple[float, int, float, float]:
+    """(worst capacity ratio to the best peer, -p99 misses, summed log capacity ratios, summed
+    goodput): larger is better, compared in that order. A workload with no capacity (nothing
+    met the SLO) counts as a ratio of 0: the worst possible, and -inf in the log sum."""
     ratios = [
         w["capacity"][name] / w["best_peer_capacity"] if w["best_peer_capacity"] else 0.0
         for w in workloads.values()
     ]
+    logs = sum(math.log(r) if r > 0 else -math.inf for r in ratios)
     goodput = sum(sum(w["goodput"][name]) for w in workloads.values())
     misses = sum(p99_misses(w, name, peers) for w in workloads.values())
-    return min(ratios), -misses, goodput
+    return min(ratios), -misses, logs, goodput
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     score = {name: scores(report["workloads"], name, peers) for name in names}
     best = max(names, key=lambda name: score[name])
     report["scores"] = {
-        name: {"worst_ratio": s[0], "p99_misses": -s[1], "goodput": s[2]}
+        name: {"worst_ratio": s[0], "p99_misses": -s[1], "log_ratio_sum": s[2], "goodput": s[3]}
         for name, s in score.items()
     }
     report["recommended"] = best

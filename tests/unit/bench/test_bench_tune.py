@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -81,8 +82,33 @@ def test_ranking_is_worst_capacity_ratio_then_misses_then_goodput() -> None:
     # capacity
     assert [tune.p99_misses(w, n, ["peer"]) for n in "abc"] == [1, 0, 1]
     scores = {n: tune.scores({"t": w}, n, ["peer"]) for n in "abc"}
-    assert scores == {"a": (1.0, -1, 3.0), "b": (1.0, 0, 2.0), "c": (0.5, -1, 10.0)}
+    assert scores == {
+        "a": (1.0, -1, 0.0, 3.0),
+        "b": (1.0, 0, 0.0, 2.0),
+        "c": (0.5, -1, math.log(0.5), 10.0),
+    }
     assert max("abc", key=scores.__getitem__) == "b"
+
+
+def test_a_tie_on_the_worst_ratio_and_misses_goes_to_capacity_before_goodput() -> None:
+    """One workload where every candidate is level with the best peer must not leave goodput
+    to decide: the capacity ratios elsewhere do, once worst ratio and misses tie."""
+
+    def workload(caps: dict, goodput: float) -> dict:
+        return {
+            "slo_ms": 1000.0,
+            "capacity": {**caps, "peer": 2.0},
+            "best_peer_capacity": 2.0,
+            "ttft_p99_ms": {n: [900] for n in (*caps, "peer")},
+            "goodput": {n: [goodput if n == "a" else 1.0] for n in (*caps, "peer")},
+        }
+
+    level = workload({"a": 2.0, "b": 2.0}, goodput=9.0)  # both 1.00 x, a with more goodput
+    apart = workload({"a": 2.0, "b": 3.0}, goodput=1.0)  # a 1.00 x, b 1.50 x
+    scores = {n: tune.scores({"level": level, "apart": apart}, n, ["peer"]) for n in "ab"}
+    assert scores["a"][:3] == (1.0, 0, 0.0)
+    assert scores["b"][:3] == (1.0, 0, pytest.approx(math.log(1.5)))
+    assert max("ab", key=scores.__getitem__) == "b"
 
 
 def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path, capsys) -> None:
