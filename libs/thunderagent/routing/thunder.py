@@ -91,7 +91,7 @@ class Thunder(PolicyHooks):
     overflow_weight: float = 1.0
     """Each KV token past the threshold costs this many tokens of prefill (1: it is computed
     once more after a retraction)."""
-    recompute_gain: float = 4.0
+    recompute_gain: float = 8.0
     """How fast recompute grows expensive with cluster load. The request's own uncached
     prefill is weighted ``1 + recompute_gain * q``, with ``q`` the prefill queued on the least
     loaded worker in units of a typical request's prefill (measured each decision): while some
@@ -103,7 +103,10 @@ class Thunder(PolicyHooks):
     not finish) and with every value in an earlier sweep to 8x, before the scheduler's
     admission fix, that tied every value. 4 is the only value level with the best peer on all
     three. Re-checked with ``busy_kv_share`` on three seeds (see there): at 0.2, 2 / 4 / 8 tie
-    on capacity with 3 / 1 / 3 TTFT p99 misses."""
+    on capacity with 3 / 1 / 3 TTFT p99 misses. Since stop 43 the replay's load reports come at
+    the live adapter's 0.2 s (they came every 0.1 s), and on the same grid ``bench tune``
+    ranks 8 with ``busy_kv_share`` 0.1 first: worst ratio 1.00 for every cell, 2 TTFT p99
+    misses against 3-6 for every other cell, hot spot seed 1 16x against 4 / 0.2's 14x."""
     no_hit_sample: int = 0
     """Workers compared when none holds any of the prompt: 0 ranks them all on the cost (it
     already counts what this router sent since the last load report, so the cheapest is not a
@@ -118,7 +121,7 @@ class Thunder(PolicyHooks):
     max_recompute_weight: float = 16.0
     """Bound on ``recompute_gain * q``: a queue this long already means overload, and the
     affinity it buys is complete."""
-    busy_kv_share: float = 0.2
+    busy_kv_share: float = 0.1
     """The other way no worker has room: even the least held worker's KV is filling with
     running requests (and what was sent since its report), so new work anywhere will wait for
     KV to free, with or without a prefill queue. Past this share the recompute weight rises
@@ -130,7 +133,9 @@ class Thunder(PolicyHooks):
     for 0.7 / 0.5 / 0.3 / 0.2 / 0.1 / 0 was 0.86 / 0.86 / 1.00 / 1.00 / 1.00 / 1.00 (hot spot
     seed 1: 12x against sglang_cache_aware's 14x from 0.4 up), TTFT p99 misses 3 / 2 / 2 / 1 /
     1 / 2, and 0.2 has more goodput than 0.1 (lower shares stack decodes on holders: longer
-    makespans past the peers' capacity). 1 turns it off."""
+    makespans past the peers' capacity). At stop 43, with load reports every 0.2 s as the
+    live adapter sends them, the grid with ``recompute_gain`` 2 / 4 / 8 chose 0.1 with 8 (see
+    ``recompute_gain``); 0.2 with 4 had been first at 0.1 s reports. 1 turns it off."""
     evict_weight: float = 0.25
     """Cost of each cached token a request's new blocks push out of a full cache, in tokens of
     prefill: the chance an evicted prefix is asked for again. New blocks that land in free
