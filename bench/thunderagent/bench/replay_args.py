@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="virtual s between the engines' load reports, for every policy (default: as each "
         f"ships: {SHIPPED_LOAD_INTERVAL_S['smg_cache_aware']:g} s for smg_cache_aware, SMG's "
-        f"--load-monitor-interval; {LOAD_INTERVAL_S:g} s otherwise, the worker adapter's)",
+        f"--load-monitor-interval; {LOAD_REPORT_INTERVAL_S:g} s otherwise, the worker adapter's)",
     )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
@@ -172,9 +172,6 @@ def scheduler_for(policy: str, override: str | None) -> str:
     return override or DEPLOYED_SCHEDULER.get(policy, "direct")
 
 
-LOAD_INTERVAL_S = LOAD_REPORT_INTERVAL_S
-"""The replay's load-report interval for ThunderAgent and the peers that read our reports
-(virtual seconds): the live worker adapter's own beat. Until stop 43 the replay used 0.1 s."""
 SHIPPED_LOAD_INTERVAL_S = {"smg_cache_aware": 10.0}
 """Peers that read engine load on their own schedule: SMG 1.13 polls an HTTP worker's
 ``/v1/loads`` every ``--load-monitor-interval`` (10 s; pushed loads exist for gRPC workers
@@ -183,7 +180,8 @@ read no engine load at all."""
 
 
 def load_interval_for(policy: str, override: float | None) -> float:
-    """Virtual seconds between the load reports ``policy`` sees, as it ships unless overridden."""
+    """Virtual seconds between the load reports ``policy`` sees, as it ships unless overridden
+    (ThunderAgent and the peers reading its reports: the worker adapter's beat)."""
     if override is not None:
         return override
-    return SHIPPED_LOAD_INTERVAL_S.get(policy, LOAD_INTERVAL_S)
+    return SHIPPED_LOAD_INTERVAL_S.get(policy, LOAD_REPORT_INTERVAL_S)
