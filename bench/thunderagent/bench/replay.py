@@ -28,9 +28,10 @@ from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench.jsonfile import write_json
-from thunderagent.bench.replay_args import load_interval_for, parse_args, scheduler_for
+from thunderagent.bench.replay_args import loads_seen_every, parse_args, scheduler_for
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
+from thunderagent.fleet import LOAD_REPORT_INTERVAL_S
 from thunderagent.replay import (
     Replay,
     ReplayConfig,
@@ -134,7 +135,7 @@ def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:
         policy_params=args.params.get(policy, {}),
         scheduler=scheduler_for(policy, args.scheduler),
         seed=args.seed,
-        load_interval=load_interval_for(policy, args.load_interval),
+        load_interval=args.load_interval or LOAD_REPORT_INTERVAL_S,
         index_ttl=args.index_ttl,
         scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
     )
@@ -156,7 +157,10 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window) -
         "scheduler": args.scheduler or "as deployed",
         "schedulers": {p: scheduler_for(p, args.scheduler) for p in args.policy_list},
         "slo_ttft_p99_ms": round(slo_ms, 1),
-        "load_interval_s": {p: load_interval_for(p, args.load_interval) for p in args.policy_list},
+        "load_interval_s": {
+            p: loads_seen_every(p, args.params.get(p, {}), args.load_interval)
+            for p in args.policy_list
+        },
         "index_ttl_s": args.index_ttl,
         "policy_params": args.params,
         "scheduler_params": args.sched_params,

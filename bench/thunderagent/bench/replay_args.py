@@ -97,9 +97,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--load-interval",
         type=positive,
         default=None,
-        help="virtual s between the engines' load reports, for every policy (default: as each "
-        f"ships: {SHIPPED_LOAD_INTERVAL_S['smg_cache_aware']:g} s for smg_cache_aware, SMG's "
-        f"--load-monitor-interval; {LOAD_REPORT_INTERVAL_S:g} s otherwise, the worker adapter's)",
+        help="virtual s between the engines' load reports (default: "
+        f"{LOAD_REPORT_INTERVAL_S:g} s, the worker adapter's). A policy that polls loads on its "
+        "own schedule reads one report per poll: smg_cache_aware every 10 s, SMG's "
+        "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every one)",
     )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
@@ -172,16 +173,10 @@ def scheduler_for(policy: str, override: str | None) -> str:
     return override or DEPLOYED_SCHEDULER.get(policy, "direct")
 
 
-SHIPPED_LOAD_INTERVAL_S = {"smg_cache_aware": 10.0}
-"""Peers that read engine load on their own schedule: SMG 1.13 polls an HTTP worker's
-``/v1/loads`` every ``--load-monitor-interval`` (10 s; pushed loads exist for gRPC workers
-only), so between polls it knows only its own dispatches. dynamo_kv and sglang_cache_aware
-read no engine load at all."""
-
-
-def load_interval_for(policy: str, override: float | None) -> float:
-    """Virtual seconds between the load reports ``policy`` sees, as it ships unless overridden
-    (ThunderAgent and the peers reading its reports: the worker adapter's beat)."""
-    if override is not None:
-        return override
-    return SHIPPED_LOAD_INTERVAL_S.get(policy, LOAD_REPORT_INTERVAL_S)
+def loads_seen_every(policy: str, params: dict, reports_s: float | None) -> float:
+    """Virtual seconds between the engine loads ``policy`` reads: the adapters' reports
+    (``reports_s``, default the live beat), or its own poll where it polls less often (SMG's
+    ``--load-monitor-interval``; the router core takes one report per poll, live and in the
+    replay alike)."""
+    reports = LOAD_REPORT_INTERVAL_S if reports_s is None else reports_s
+    return max(reports, POLICIES.create(policy, **params).load_poll_s())

@@ -29,7 +29,7 @@ from pathlib import Path
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms
-from thunderagent.bench.replay_args import load_interval_for, scheduler_for
+from thunderagent.bench.replay_args import scheduler_for
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
@@ -104,7 +104,6 @@ def run_one(
     cfg = ReplayConfig(
         profile=profile, policy=policy, policy_params=params,
         scheduler=scheduler_for(policy, None), scheduler_params=sched or {},
-        load_interval=load_interval_for(policy, None),
     )  # fmt: skip
     started = time.perf_counter()
     result = Replay(cfg, profile.engine.block_size).run(trace, speed)

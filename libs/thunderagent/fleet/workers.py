@@ -42,6 +42,8 @@ class WorkerState:
     looks busy with work it has done."""
     carried_running: dict[str, int] = field(default_factory=dict)
     """request id -> KV tokens of those started since the report and still running."""
+    taken_at: float | None = None
+    """When ``load`` was taken (a poller's registry takes fewer reports than it gets)."""
 
     @property
     def worker_id(self) -> str:
@@ -90,6 +92,7 @@ class WorkerState:
         """A report covers everything sent before it; what had not started is in its backlog."""
         self.load = load
         self.renewed_at = now
+        self.taken_at = now
         if load.prefill_backlog_tokens <= 0:  # nothing queued: all carried has started, seen or not
             self.carried.clear()
         elif len(self.carried) >= CARRIED_LIMIT:  # starts never heard of: begin afresh
@@ -105,8 +108,13 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self) -> None:
+    def __init__(self, load_poll_s: float = 0.0) -> None:
+        """``load_poll_s`` > 0: the reader polls the fleet's loads every ``load_poll_s``
+        seconds, every worker at once on the boundaries of its clock (SMG's load monitor), so a
+        report is taken only when it is the worker's first since the last boundary; the others
+        renew the lease and nothing else. 0: every report is taken."""
         self._workers: dict[str, WorkerState] = {}
+        self.load_poll_s = load_poll_s
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -128,10 +136,15 @@ class WorkerRegistry:
         return True
 
     def report(self, load: LoadReport, now: float) -> bool:
-        """Record a load report and renew the lease; False when the worker is not registered."""
+        """Record a load report (or only renew the lease between polls, see ``__init__``);
+        False when the worker is not registered."""
         state = self._workers.get(load.worker_id)
         if state is None:
             return False
+        poll = self.load_poll_s
+        if poll > 0 and state.taken_at is not None and state.taken_at >= now // poll * poll:
+            state.renewed_at = now
+            return True
         state.take_report(load, now)
         return True
 

@@ -103,10 +103,11 @@ class RouterCore:
         passes ``time.perf_counter``); None records 0."""
         self.params = p = params or RouterParams()
         self.timer = timer
-        self.fleet = WorkerRegistry()
         self.feeder = IndexFeeder(PrefixIndex(p.index_ttl_s))
         self.inflight = InflightPrefixes(p.inflight_ttl_s)
         self.policy = POLICIES.create(p.policy, **p.policy_params)
+        # a peer that polls engine load (SMG, every 10 s) sees it as it would, live and replayed
+        self.fleet = WorkerRegistry(load_poll_s=self.policy.load_poll_s())
         self.rng = random.Random(p.seed)
         self.verifier = Verifier(p.verify_capacity)
         self.window = FeedbackWindow()

@@ -115,6 +115,11 @@ class RoutingPolicy(Protocol):
         """Once per feedback window: what the fleet measured (online tuning)."""
         ...
 
+    def load_poll_s(self) -> float:
+        """Seconds between the engine loads this policy reads: a peer that polls the engines
+        on its own schedule sees a report only once per poll (0: every report, as it comes)."""
+        ...
+
 
 @dataclass
 class PolicyHooks:
@@ -131,6 +136,9 @@ class PolicyHooks:
 
     def observe(self, feedback: RoutingFeedback) -> None:
         pass
+
+    def load_poll_s(self) -> float:
+        return 0.0
 
 
 @dataclass(slots=True, frozen=True)

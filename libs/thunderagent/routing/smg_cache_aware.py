@@ -99,6 +99,11 @@ class SmgCacheAware(PolicyHooks):
     mode) count as overlap for this long."""
     eviction_interval_s: float = 60.0
     """``--eviction-interval-secs`` (60): the tree is trimmed this often (caller's clock)."""
+    load_monitor_interval_s: float = 10.0
+    """``--load-monitor-interval`` (10 s): SMG polls an HTTP worker's ``/v1/loads`` this often
+    (pushed loads exist for gRPC workers only); between polls it knows its own dispatches. The
+    router core gives this policy one load report per poll (``load_poll_s``), live and in the
+    replay alike; 0 reads every report."""
     max_tree_size: int = 2**26
     """``--max-tree-size`` (2**26 tokens, tree-wide: the sum over every worker)."""
     warmup_share: float = 0.25
@@ -139,6 +144,7 @@ class SmgCacheAware(PolicyHooks):
         require(_P, "worker_overload_token_usage", u, u is None or 0 < u <= 1, "None or (0, 1]")
         for name in ("default_throughput", "eviction_interval_s"):
             finite_positive(_P, name, getattr(self, name))
+        finite_at_least(_P, "load_monitor_interval_s", self.load_monitor_interval_s, 0.0)
         require(
             _P,
             "mean_prefill_tokens",
@@ -147,6 +153,9 @@ class SmgCacheAware(PolicyHooks):
             "must be >= 1",
         )
         require(_P, "max_tree_size", self.max_tree_size, self.max_tree_size >= 1, "must be >= 1")
+
+    def load_poll_s(self) -> float:
+        return self.load_monitor_interval_s
 
     # ---- what SMG reads of a worker ---------------------------------------------------------
     def inflight(self, worker_id: str) -> int:

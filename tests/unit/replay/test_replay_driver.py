@@ -383,18 +383,20 @@ def test_cli_writes_the_json_before_printing(tmp_path: Path, monkeypatch) -> Non
 
 def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: Path) -> None:
     """SMG polls an HTTP worker's load every 10 s; the replay gave it the adapters' 0.1 s. And
-    the replay gave ThunderAgent 0.1 s while its live adapter reports every 0.2 s."""
+    the replay gave ThunderAgent 0.1 s while its live adapter reports every 0.2 s. The poll is
+    SMG's own setting (a policy parameter the router core applies), not the reports' interval."""
     from thunderagent.bench.replay import main
-    from thunderagent.bench.replay_args import load_interval_for
+    from thunderagent.bench.replay_args import loads_seen_every
     from thunderagent.worker.adapter import AdapterConfig
 
-    assert load_interval_for("smg_cache_aware", None) == 10.0
     # ThunderAgent and the peers that read its reports get them at the live adapter's beat.
     adapter_beat = AdapterConfig(worker_id="w", engine_url="http://x").load_interval_s
     assert adapter_beat == ReplayConfig(profile=get_profile("tiny"), policy="thunder").load_interval
-    assert load_interval_for("thunder", None) == adapter_beat
-    assert load_interval_for("dynamo_kv", None) == adapter_beat
-    assert load_interval_for("smg_cache_aware", 0.5) == 0.5
+    assert loads_seen_every("thunder", {}, None) == adapter_beat
+    assert loads_seen_every("dynamo_kv", {}, None) == adapter_beat
+    assert loads_seen_every("smg_cache_aware", {}, None) == 10.0
+    assert loads_seen_every("smg_cache_aware", {}, 0.5) == 10.0
+    assert loads_seen_every("smg_cache_aware", {"load_monitor_interval_s": 0}, 0.5) == 0.5
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": 10 * i, "input_length": 9, "output_length": 3, "hash_ids": [0, i]}
             for i in range(20)]  # fmt: skip
@@ -404,7 +406,8 @@ def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: P
     shipped, forced = tmp_path / "a.json", tmp_path / "b.json"
     report = tmp_path / "a.md"
     main([*common, "--json", str(shipped), "--report", str(report)])
-    main([*common, "--load-interval", "0.5", "--json", str(forced)])
+    main([*common, "--load-interval", "0.5", "--param", "smg_cache_aware.load_monitor_interval_s=0",
+          "--json", str(forced)])  # fmt: skip
     assert json.loads(shipped.read_text())["load_interval_s"] == {
         "thunder": adapter_beat,
         "smg_cache_aware": 10.0,

@@ -219,3 +219,35 @@ def test_the_policy_sees_how_full_each_cache_is_from_the_index() -> None:
         routed = route(c, "a", PROMPT)
         assert routed.query.overlaps == {"w0": 1}
         assert routed.decision.worker_id == expected, weight
+
+
+def _load(c: RouterCore, worker: str, now: float, queued: int) -> None:
+    c.report(LoadReport(worker_id=worker, ts=now, running=0, queued=queued, kv_used_blocks=0,
+                        kv_total_blocks=1000, prefill_backlog_tokens=0), now)  # fmt: skip
+
+
+def test_a_policy_that_polls_engine_load_reads_one_report_per_poll() -> None:
+    """SMG polls engine load every 10 s (``--load-monitor-interval``): a router running its
+    policy, live or replayed, takes the first report after each 10 s boundary; the reports in
+    between renew the worker's lease and nothing else, and what it sent meanwhile stays counted
+    as its own dispatches (SMG's since-poll work)."""
+    c = core(policy="smg_cache_aware")
+    sent = route(c, "a", PROMPT, now=1.0).decision.worker_id
+    c.on_dispatched("a", sent, 1.0)
+    for w in ("w0", "w1"):
+        _load(c, w, 5.0, queued=9)
+    assert [c.fleet.get(w).load.queued for w in ("w0", "w1")] == [0, 0], "between polls"
+    assert c.fleet.get(sent).assigned_since_report == 1
+    assert c.expire(12.0) == [], "the unread reports still renewed the 10 s leases"
+    for w in ("w0", "w1"):
+        _load(c, w, 10.1, queued=7)
+    assert [c.fleet.get(w).load.queued for w in ("w0", "w1")] == [7, 7], "the poll at 10 s"
+    assert c.fleet.get(sent).assigned_since_report == 0
+    _load(c, "w0", 19.9, queued=3)
+    assert c.fleet.get("w0").load.queued == 7
+
+
+def test_policies_that_do_not_poll_read_every_report() -> None:
+    for c in (core(), core(policy="smg_cache_aware", policy_params={"load_monitor_interval_s": 0})):
+        _load(c, "w0", 5.0, queued=9)
+        assert c.fleet.get("w0").load.queued == 9, c.policy.name
