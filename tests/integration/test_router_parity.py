@@ -12,6 +12,7 @@ and the verifier must follow the worker that actually got the request.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 
@@ -269,3 +270,43 @@ async def test_online_tuner_moves_in_the_live_router(nats_server):
             await asyncio.sleep(0.05)
         await nc.close()
     assert core.policy.load_scale < start_scale
+
+
+@pytest.mark.parametrize(("policy", "params"), [
+    ("smg_cache_aware", {"load_monitor_interval_s": 1.0}),
+    ("thunder", {}),
+])  # fmt: skip
+async def test_the_live_router_reads_loads_as_its_policy_ships(nats_server, policy, params):
+    """SMG polls engine load (every 10 s as shipped; 1 s here): the running router with its
+    policy takes one report per poll, as the replay does, while ThunderAgent's policy takes
+    every report the adapters send."""
+    config = RouterConfig(params=RouterParams(policy=policy, seed=1, policy_params=params))
+    async with inproc_stack(nats_server.url) as stack:
+        running = await stack.start_service(
+            "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, config)
+        )
+        core: RouterCore = running.runtime.core
+        nc = await connect(nats_server.url, name="poll")
+        bus = Bus(nc, service="poll")
+        bucket = await bus.bucket(subjects.WORKERS_BUCKET)
+        await bucket.put("w0", msgspec.json.encode(registration("w0")))
+        await wait_for(lambda: "w0" in core.fleet, "the registration")
+        seen: set[int] = set()
+        renewed: set[float] = set()
+        started = time.time()
+        for queued in range(1, 51):  # 2.5 s of reports, 20 a second
+            report = LoadReport(worker_id="w0", ts=time.time(), running=0, queued=queued,
+                                kv_used_blocks=0, kv_total_blocks=400)  # fmt: skip
+            await bus.publish(subjects.worker_load("w0"), report)
+            await asyncio.sleep(0.05)
+            state = core.fleet.get("w0")
+            if state is not None and state.load is not None:
+                seen.add(state.load.queued)
+                renewed.add(state.renewed_at)
+        polls = math.ceil(time.time() - started) + 1  # boundaries crossed, and the first
+        await nc.close()
+    if policy == "smg_cache_aware":
+        assert 2 <= len(seen) <= polls, f"one report per 1 s poll, took {sorted(seen)}"
+    else:
+        assert len(seen) > 10, f"every report, took {len(seen)}"
+    assert len(renewed) > 10, "every report renews the lease"
