@@ -25,9 +25,11 @@ class MigrationParams:
     kv_bytes_per_token: int = 131_072
     """KV bytes per token: 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes (Llama-3.1-8B
     in bf16). A 16-token block is 2 MiB."""
-    prefill_tokens_per_s: float = 30_000.0
-    """Prefill throughput of one worker: 2 x 8.03e9 FLOP per token at half of an H100's 989
-    TFLOP/s. A hit on a prefix saves its tokens / this."""
+    prefill_tokens_per_s: float = 20_000.0
+    """Prefill throughput of one worker, the router's estimate (``routing.cost.
+    PREFILL_S_PER_TOKEN``, Llama-3.1-8B on an H100; a test keeps the two equal). A hit on a
+    prefix saves its tokens / this. It was 30,000 until stop 44 (half of the H100's peak): on
+    the warm hot spot and agent workloads the same copies were made either way."""
     link_bytes_per_s: float = 25e9
     """Worker-to-worker KV link: one 200 Gb/s RDMA NIC. ~2 GB/s measured over NIXL/UCX on this
     machine's loopback; the live service sets it from its flag."""

@@ -62,13 +62,20 @@ def test_cost_estimate_is_exact() -> None:
     est = estimate(MigrationParams(), blocks=BLOCKS, block_size=16, rate=2.0, holders=1)
     assert est.bytes == MIB_128
     assert est.transfer_s == pytest.approx(0.005 + MIB_128 / 25e9)
-    assert est.prefill_s == pytest.approx(1024 / 30_000)
+    assert est.prefill_s == pytest.approx(1024 / 20_000)
     assert est.hits == pytest.approx(2.0 * (30.0 - est.transfer_s) / 2)
     assert est.benefit_s == pytest.approx(est.hits * est.prefill_s)
     assert est.pays(2.0)
     waited = estimate(MigrationParams(), blocks=BLOCKS, block_size=16, rate=2.0, holders=1,
                       link_wait_s=1.5)  # fmt: skip
     assert waited.transfer_s == pytest.approx(est.transfer_s + 1.5)
+
+
+def test_the_planner_and_the_router_assume_one_prefill_rate() -> None:
+    """A hit saves the same prefill time in the planner's cost as in the router's."""
+    from thunderagent.routing.cost import PREFILL_S_PER_TOKEN
+
+    assert MigrationParams().prefill_tokens_per_s == pytest.approx(1.0 / PREFILL_S_PER_TOKEN)
 
 
 def test_a_hot_prefix_is_copied_to_the_least_loaded_worker_with_room() -> None:
@@ -200,7 +207,7 @@ def test_replica_cap_bounds_the_holders() -> None:
     assert [(a.source, a.target) for a in actions] == [("w0", "w3")]
     # the estimate credits the new replica with a third of the demand
     assert actions[0].benefit_s == pytest.approx(
-        2.0 * (30.0 - actions[0].transfer_s) / 3 * 1024 / 30_000
+        2.0 * (30.0 - actions[0].transfer_s) / 3 * 1024 / 20_000
     )
 
 
