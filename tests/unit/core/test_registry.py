@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from thunderagent.fleet import WorkerRegistry, worker_room, worker_view
 from thunderagent.schemas import LoadReport, WorkerRegistration
 
@@ -71,3 +74,35 @@ def test_for_model_filters():
     r.register(reg("b", model="y"), now=0)
     assert [s.worker_id for s in r.for_model("y")] == ["b"]
     assert r.models() == {"x", "y"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    poll=st.sampled_from([0.5, 1.0, 8.0]),  # powers of two: window arithmetic is exact
+    gaps=st.lists(st.floats(min_value=0.001, max_value=4.0), min_size=1, max_size=60),
+)
+def test_a_polling_registry_takes_the_first_report_after_each_boundary(poll, gaps):
+    """With ``load_poll_s``, a report is taken iff no report was taken since the last poll
+    boundary (``now // poll * poll``); every report renews the lease; what was sent since the
+    taken report keeps counting until the next one is taken."""
+    r = WorkerRegistry(load_poll_s=poll)
+    r.register(reg("a", lease_s=1e9), now=0.0)
+    now, taken_at, taken_queued, since = 0.0, None, None, 0
+    times, taken = [], []
+    for i, gap in enumerate(gaps):
+        now += gap
+        times.append(now)
+        r.get("a").assign(f"q{i}", 10, 10)
+        since += 1
+        assert r.report(load("a", queued=i), now)
+        if taken_at is None or taken_at < now // poll * poll:
+            taken_at, taken_queued, since = now, i, 0
+        if r.get("a").taken_at == now:
+            taken.append(now)
+        state = r.get("a")
+        assert (state.taken_at, state.load.queued) == (taken_at, taken_queued)
+        assert state.renewed_at == now
+        assert state.assigned_since_report == since
+    # the same, counted another way: the first report in each poll window, and no other
+    firsts = [t for k, t in enumerate(times) if k == 0 or t // poll != times[k - 1] // poll]
+    assert taken == firsts
