@@ -118,6 +118,11 @@ class SchedParams:
     preempt_min_remaining_tokens: int = 256
     """Victims must have at least this much decode left (short ones free a slot soon anyway)."""
     prefill_tokens_per_s: float = 10000.0
+    """The scheduler's prefill-rate estimate: the spill rule's wait, prefill backlogs, SRPT's
+    service times, preemption gain. Half the router's and the migration planner's 20,000 on
+    purpose: it is a knob checked on results, not the engine's rate. At 20,000 or 30,000 the
+    generated agent workload (seed 0) loses its 5x capacity (docs/benchmarks.md, "The other
+    defaults re-checked at 0.2 s reports")."""
     decode_tokens_per_s: float = 40.0
     """Per request; estimates only (service times, preemption gain, deadline feasibility)."""
     resume_recompute_fraction: float = 0.1
