@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-import msgspec
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
@@ -90,8 +89,8 @@ class WorkerAdapter:
         self.runs = AcceptedRuns()
         self.engine_healthy = asyncio.Event()
         self.engine_healthy.set()  # it answered /server_info before we registered
-        self.lease = IdLease(None, config.worker_id)
-        """Its hold on the worker id (the bucket is bound in ``run``)."""
+        self.lease: IdLease | None = None
+        """Its hold on the worker id, taken in ``run`` once the engine has described itself."""
         self._health_changed = asyncio.Event()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
@@ -157,8 +156,7 @@ class WorkerAdapter:
         self.registration = await self._wait_for_engine(stop)
         if self.registration is None:
             return
-        self.lease.bucket = await workers_bucket(self.bus)
-        self.lease.registration = self.registration
+        self.lease = IdLease(await workers_bucket(self.bus), self.registration)
         await self.lease.claim(stop)  # before taking any of the id's messages
         await self._subscribe()
         events = await self._kv_event_source()
@@ -234,14 +232,13 @@ class WorkerAdapter:
     async def _lease_loop(self, stop: asyncio.Event) -> None:
         """Renew the lease while the engine answers; leave the fleet at once when it stops
         answering (routers stop sending work here) and come back when it answers again."""
-        payload = msgspec.json.encode(self.registration)
         registered = False
         renewal_failures = 0
         while not stop.is_set():
             healthy = self.engine_healthy.is_set()
             try:
                 if healthy:
-                    if not await self.lease.renew(payload):
+                    if not await self.lease.renew():
                         log.error("%s", self.lease.taken)
                         stop.set()
                         return

@@ -21,12 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class IdLease:
-    def __init__(self, bucket: Bucket | None, worker_id: str) -> None:
+    def __init__(self, bucket: Bucket, registration: WorkerRegistration) -> None:
         self.bucket = bucket
-        self.worker_id = worker_id
-        self.key = subjects.worker_key(worker_id)
-        self.registration: WorkerRegistration | None = None
-        """What this adapter writes under the key (set once its engine has described itself)."""
+        self.registration = registration
+        """What this adapter writes under the key."""
+        self.worker_id = registration.worker_id
+        self.key = subjects.worker_key(self.worker_id)
+        self._payload = msgspec.json.encode(registration)
         self.taken: str | None = None
         """Why the id is another adapter's (the later of two started at once), else None."""
         self._revision: int | None = None
@@ -47,18 +48,18 @@ class IdLease:
         if now is not None and now[0] != seen[0]:
             raise SystemExit(_id_in_use(self.worker_id, now[1]))
 
-    async def renew(self, payload: bytes) -> bool:
+    async def renew(self) -> bool:
         """Write the registration unless another adapter took the id since our last write (then
         False, and ``taken`` says why): a compare-and-set on our last revision, so the common
         renewal is one round trip; only a conflict reads the key."""
         if self._revision is not None:
-            written = await self.bucket.update(self.key, payload, self._revision)
+            written = await self.bucket.update(self.key, self._payload, self._revision)
             if written is not None:
                 self._revision = written
                 return True
             if not self.still_ours(await self.bucket.get(self.key), self._revision):
                 return False
-        self._revision = await self.bucket.put(self.key, payload)
+        self._revision = await self.bucket.put(self.key, self._payload)
         return True
 
     def still_ours(self, current: tuple[int, bytes] | None, revision: int | None) -> bool:

@@ -17,9 +17,7 @@ def registration(engine_url: str, registered_at: float) -> WorkerRegistration:
 
 def adapter(engine_url: str, registered_at: float) -> IdLease:
     """The worker-id hold of an adapter in front of ``engine_url``."""
-    lease = IdLease(None, "w0")
-    lease.registration = registration(engine_url, registered_at)
-    return lease
+    return IdLease(None, registration(engine_url, registered_at))  # type: ignore[arg-type]
 
 
 def test_the_later_adapter_leaves_and_the_first_keeps_the_id() -> None:
