@@ -2,7 +2,7 @@
 setting, against every peer as it ships, on every workload given.
 
     thunderagent bench tune --traces A.jsonl,B.jsonl --speeds 1,2,3,4 \\
-        --param thunder.recompute_gain=0.5,1,2,4 [--json F]
+        --param thunder.recompute_gain=0.5,1,2,4 [--workers 8] [--json F]
         --param scheduler.kv_watermark=0.9,0.95,1          # a knob of thunder's scheduler
         --param thunder.recompute_gain=2,4 --param thunder.busy_kv_share=0.2,0.7   # a grid
 
@@ -99,10 +99,10 @@ def p99_misses(workload: dict, name: str, peers: list[str], slack: float = 1.05)
 
 def run_one(
     trace, profile, policy: str, params: dict, speed: float, slo_ms: float,
-    sched: dict | None = None,
+    sched: dict | None = None, workers: int = 8,
 ) -> dict:  # fmt: skip
     cfg = ReplayConfig(
-        profile=profile, policy=policy, policy_params=params,
+        profile=profile, policy=policy, policy_params=params, workers=workers,
         scheduler=scheduler_for(policy, None), scheduler_params=sched or {},
     )  # fmt: skip
     started = time.perf_counter()
@@ -136,12 +136,18 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--block-size", type=at_least(1), default=512)
+    p.add_argument(
+        "--workers", type=at_least(1), default=8,
+        help="simulated engines per run (default: 8, as bench replay); e.g. 4 for a workload "
+        "whose caches should fill",
+    )  # fmt: skip
     p.add_argument("--json", type=output_file, default=None, help="JSON report file")
     return p
 
 
-def workload(path: str, profile, cands: list[Candidate], speeds, peers) -> dict:
-    """One trace: thunder with every candidate setting and every peer, at every speed."""
+def workload(path: str, profile, cands: list[Candidate], speeds, peers, workers: int = 8) -> dict:
+    """One trace: thunder with every candidate setting and every peer, at every speed, on
+    ``workers`` simulated engines."""
     try:
         trace = load_trace(path, block_size=profile.engine.block_size)
     except TraceError as err:
@@ -150,9 +156,11 @@ def workload(path: str, profile, cands: list[Candidate], speeds, peers) -> dict:
     slo = default_slo_ms(trace, timing, profile.engine.chunked_prefill_size)
     runs: dict[str, list[dict]] = {}
     for name, route, sched in cands:
-        runs[name] = [run_one(trace, profile, "thunder", route, s, slo, sched) for s in speeds]
+        runs[name] = [
+            run_one(trace, profile, "thunder", route, s, slo, sched, workers) for s in speeds
+        ]
     for peer in peers:
-        runs[peer] = [run_one(trace, profile, peer, {}, s, slo) for s in speeds]
+        runs[peer] = [run_one(trace, profile, peer, {}, s, slo, None, workers) for s in speeds]
     caps = {name: capacity(entries) for name, entries in runs.items()}
     return {
         "slo_ms": slo,
@@ -192,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     names = [name for name, _, _ in cands]
     report: dict = {"params": [f"{p}.{f}" for p, f, _ in params], "candidates": names}
+    report["workers"] = args.workers
     report["workloads"] = {}
     for path in args.traces.split(","):
-        w = workload(path, profile, cands, speeds, peers)
+        w = workload(path, profile, cands, speeds, peers, args.workers)
         report["workloads"][Path(path).stem] = w
         print(
             f"{Path(path).stem}: SLO {w['slo_ms'] / 1000:.2f} s, capacity {w['capacity']}",

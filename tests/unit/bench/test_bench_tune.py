@@ -139,3 +139,26 @@ def test_a_grid_runs_end_to_end_and_every_candidate_reaches_the_router(tmp_path,
         )  # fmt: skip
     assert info.value.code == 2
     assert "--param (thunder@1.5): thunder.busy_kv_share=1.5" in capsys.readouterr().err
+
+
+def test_the_worker_count_reaches_every_run(tmp_path, monkeypatch) -> None:
+    """A default chosen where caches fill (fewer workers) is tuned with the same command."""
+    seen: list[int] = []
+    real = tune.Replay
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def __init__(self, config, block_size: int) -> None:
+            seen.append(config.workers)
+            super().__init__(config, block_size)
+
+    monkeypatch.setattr(tune, "Replay", Spy)
+    trace = tmp_path / "b.jsonl"
+    made = gen.main(["--kind", "bursty", "--out", str(trace), "--seed", "3", "--duration", "10"])
+    assert made == 0
+    out = tmp_path / "tune.json"
+    tune.main(
+        ["--traces", str(trace), "--speeds", "1,2", "--peers", "dynamo_kv", "--workers", "3",
+         "--param", "thunder.recompute_gain=4", "--json", str(out)]
+    )  # fmt: skip
+    assert seen == [3, 3, 3, 3]  # thunder and the peer, at each speed
+    assert json.loads(out.read_text())["workers"] == 3
