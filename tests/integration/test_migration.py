@@ -113,6 +113,9 @@ async def test_a_migrated_prefix_arrives_intact_and_the_router_follows_it(nats_s
             src, dst = engines[source].driver, engines[target].driver
             assert (report.transport, report.moved_blocks, report.verified) == ("nixl", 8, True)
             assert report.bytes == 8 * dst.kv_pool.slot_bytes and report.gbps > 0
+            status = await engine_json(engines[target].url, "/kv/status")
+            pulled = (status["pulled_blocks"], status["pulled_bytes"], status["failed_pulls"])
+            assert pulled == (8, report.bytes, 0)
             engine_keys = list(dst.kv_pool.slot_of)  # the target held nothing before
             assert len(engine_keys) == 8 and dst.core.cache.tokens_of(engine_keys) == tokens
             for key in engine_keys:

@@ -13,7 +13,8 @@ docs/migration.md). These endpoints are what the worker adapter's migration hand
   block_bytes, checksums, timeout_s}``: reserve room, NIXL-read the missing blocks into staged
   slots, check each block's checksum, then insert the prefix (``BlockStored`` follows through
   the normal event path). Any failure gives everything back: no half-inserted prefix.
-* ``GET /kv/status``: exports and imports in flight, pool occupancy.
+* ``GET /kv/status``: exports and imports in flight, pool occupancy, blocks filled by prefill
+  and blocks / bytes pulled over NIXL.
 
 Cache changes run between engine steps (``EngineDriver.between_steps``) so their events keep
 their order; the copy itself runs while the engine keeps stepping.
@@ -87,7 +88,9 @@ class KvMover:
             "imports": len(self.imports),
             "slots": self.pool.slots,
             "used_slots": self.pool.used,
+            "filled_blocks": self.pool.stats.filled_blocks,
             "pulled_blocks": self.pool.stats.pulled_blocks,
+            "pulled_bytes": self.pool.stats.pulled_bytes,
             "failed_pulls": self.pool.stats.failed_pulls,
         }
 
