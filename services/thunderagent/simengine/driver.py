@@ -69,9 +69,20 @@ def stop_strings(value: object) -> list[str] | None:
 
 def first_stop(stops: list[str], max_new_tokens: int) -> tuple[int, str] | None:
     """Where the simulated output meets the first of ``stops`` within ``max_new_tokens``:
-    (tokens before it, the string). The output is fixed text, one byte per token."""
-    text = bytes(output_token(i) - 4 for i in range(max_new_tokens)).decode("latin-1")
-    hits = [(at, s) for s in stops if s and (at := text.find(s)) >= 0]
+    (tokens before it, the string). The output is fixed text, one byte per token.
+
+    The text repeats every ``len(_OUTPUT_TEXT)`` bytes, so a string found at all is found first
+    within one period of the start: only that much text (plus the longest stop string) is
+    built. Building all ``max_new_tokens`` of it let one request asking for 10^9 tokens hold
+    the engine's event loop and gigabytes of memory before the context-length check refused
+    it (found by the long fuzz run)."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return None
+    period = len(_OUTPUT_TEXT)
+    n = min(max_new_tokens, period + max(map(len, stops)))
+    text = (_OUTPUT_TEXT * (n // period + 1))[:n].decode("latin-1")
+    hits = [(at, s) for s in stops if (at := text.find(s)) >= 0]
     return min(hits, key=lambda hit: hit[0] + len(hit[1])) if hits else None
 
 
