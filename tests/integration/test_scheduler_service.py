@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
@@ -14,10 +15,15 @@ from thunderagent.bus import connect
 from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed
 from thunderagent.schemas import (
+    Candidate,
+    DeadLetter,
+    DirectDispatch,
     ErrorCode,
     FinalReply,
     GenerateRequest,
     ProgramRelease,
+    RouteDecision,
+    ScheduleRequest,
     TokenChunk,
     subjects,
 )
@@ -196,3 +202,34 @@ async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nat
     queued = (after["submitted"] - after["direct"]) - (before["submitted"] - before["direct"])
     assert queued == 1, "the follower went through the queue, not on credit"
     assert follower.final.usage.cached_tokens == len(prefix)
+
+
+async def test_a_direct_dispatch_of_text_is_dead_lettered_not_booked(nats_server):
+    """The router tokenizes; a direct-dispatch notice whose request is text could never be
+    resumed (a preempted or failed run continues from token ids): the scheduler used to book
+    it and fail on the first continuation (found by the long fuzz run, seed 20261205)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        sched = stack.services["scheduler"].runtime
+        nc = await connect(nats_server.url, name="test-direct")
+        dead: list[DeadLetter] = []
+
+        async def on_dead(msg) -> None:
+            dead.append(msgspec.json.decode(msg.data, type=DeadLetter))
+
+        await nc.subscribe(subjects.dead_letter("scheduler"), cb=on_dead)
+        decision = RouteDecision(
+            request_id="text-1", model=MODEL, worker_id="w0", overlap_blocks=0, prompt_blocks=1,
+            candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
+        )  # fmt: skip
+        submit = ScheduleRequest(
+            request=GenerateRequest(request_id="text-1", model=MODEL, text="hello", max_tokens=4),
+            reply_subject="_INBOX.test.1", decision=decision, block_hashes=[1], router_id="r1",
+        )  # fmt: skip
+        await nc.publish(
+            subjects.sched_direct(MODEL), encode(DirectDispatch(submit=submit, worker_id="w0"))
+        )
+        await wait_for(lambda: dead, what="a dead letter")
+        await nc.close()
+    assert "carries token ids" in dead[0].reason
+    assert "text-1" not in sched.pending

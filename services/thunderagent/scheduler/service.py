@@ -151,9 +151,12 @@ class SchedulerService:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
         self.poll_now()  # no loop hop: a request with room goes out in this same callback
 
-    async def on_direct(self, direct: DirectDispatch, _: Delivery) -> None:
+    async def on_direct(self, direct: DirectDispatch, delivery: Delivery) -> None:
         """A router dispatched on credit: book the run as one of ours."""
         submit = direct.submit
+        if not submit.request.token_ids:  # as ``on_submit``: a run of text cannot be resumed
+            await self.bus.reject(delivery, "a direct dispatch carries token ids")
+            return
         rid = submit.request.request_id
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:
