@@ -223,12 +223,13 @@ async def test_a_direct_dispatch_of_text_is_dead_lettered_not_booked(nats_server
             candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
         )  # fmt: skip
         submit = ScheduleRequest(
-            request=GenerateRequest(request_id="text-1", model=MODEL, text="hello", max_tokens=4),
+            request=GenerateRequest(request_id="text-1", model=MODEL, token_ids=[5], max_tokens=4),
             reply_subject="_INBOX.test.1", decision=decision, block_hashes=[1], router_id="r1",
         )  # fmt: skip
-        await nc.publish(
-            subjects.sched_direct(MODEL), encode(DirectDispatch(submit=submit, worker_id="w0"))
-        )
+        notice = msgspec.to_builtins(DirectDispatch(submit=submit, worker_id="w0"))
+        del notice["submit"]["request"]["token_ids"]  # what a publisher that skipped it sends
+        notice["submit"]["request"]["text"] = "hello"
+        await nc.publish(subjects.sched_direct(MODEL), msgspec.json.encode(notice))
         await wait_for(lambda: dead, what="a dead letter")
         await nc.close()
     assert "carries token ids" in dead[0].reason

@@ -78,6 +78,11 @@ class ScheduleRequest(Struct, frozen=True, kw_only=True):
     router_id: RouterIdOrNone = ""
     """The router replica that routed it: the scheduler tells it where the request went."""
 
+    def __post_init__(self) -> None:
+        # a run of text could never be resumed: continuations extend the prompt's token ids
+        if self.request.token_ids is None:
+            raise ValueError("a scheduled request carries token ids (the router tokenizes)")
+
 
 class Dispatched(Struct, frozen=True, kw_only=True):
     """Scheduler -> the routing replica: a run of the request was handed to ``worker_id``

@@ -115,10 +115,7 @@ class SchedulerService:
     async def on_submit(self, submit: ScheduleRequest, delivery: Delivery) -> None:
         rid, model = submit.request.request_id, submit.request.model
         refusal = None
-        if not submit.request.token_ids:  # the router tokenizes: text here cannot be resumed
-            refusal = Ack(accepted=False, reason="a scheduled request carries token ids",
-                          code=ErrorCode.BAD_REQUEST)  # fmt: skip
-        elif rid in self.pending:
+        if rid in self.pending:
             same = self.pending[rid].submit.reply_subject == submit.reply_subject
             if same:  # the client's retry of a request that is here: it runs once
                 if delivery.reply:
@@ -151,12 +148,9 @@ class SchedulerService:
             await self.bus.publish(delivery.reply, Ack(accepted=True))
         self.poll_now()  # no loop hop: a request with room goes out in this same callback
 
-    async def on_direct(self, direct: DirectDispatch, delivery: Delivery) -> None:
+    async def on_direct(self, direct: DirectDispatch, _: Delivery) -> None:
         """A router dispatched on credit: book the run as one of ours."""
         submit = direct.submit
-        if not submit.request.token_ids:  # as ``on_submit``: a run of text cannot be resumed
-            await self.bus.reject(delivery, "a direct dispatch carries token ids")
-            return
         rid = submit.request.request_id
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:

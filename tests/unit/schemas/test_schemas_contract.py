@@ -12,6 +12,7 @@ from thunderagent.schemas import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,
+    Candidate,
     ChatMessage,
     ErrorCode,
     ErrorReply,
@@ -22,7 +23,9 @@ from thunderagent.schemas import (
     KvTransfer,
     LoadReport,
     Preempted,
+    RouteDecision,
     RunFailed,
+    ScheduleRequest,
     TokenChunk,
     Usage,
     WorkerRegistration,
@@ -194,3 +197,20 @@ def test_committed_message_reference_is_current():
 
     assert DOC_PATH.exists(), f"{DOC_PATH} missing: run `thunderagent schemas`"
     assert DOC_PATH.read_text() == markdown_reference(), "docs/messages.md is stale"
+
+
+def test_a_scheduled_request_carries_token_ids():
+    """Submissions and direct-dispatch notices are refused at decode when their request is text:
+    the scheduler continues a preempted or failed run from its token ids (a fuzzed notice of text
+    was once booked and its continuation raised)."""
+    decision = RouteDecision(request_id="r", model="m", worker_id="w0", overlap_blocks=0,
+                             prompt_blocks=0, candidates=[Candidate(worker_id="w0", score=1.0)],
+                             policy="thunder", decided_at=0.0)  # fmt: skip
+    ok = ScheduleRequest(request=GenerateRequest(request_id="r", model="m", token_ids=[1]),
+                         reply_subject="_INBOX.r", decision=decision)  # fmt: skip
+    payload = msgspec.to_builtins(ok)
+    assert msgspec.json.decode(msgspec.json.encode(payload), type=ScheduleRequest) == ok
+    del payload["request"]["token_ids"]
+    payload["request"]["text"] = "hello"
+    with pytest.raises(msgspec.ValidationError, match="carries token ids"):
+        msgspec.json.decode(msgspec.json.encode(payload), type=ScheduleRequest)
