@@ -157,10 +157,11 @@ def workload(path: str, profile, cands: list[Candidate], speeds, peers, workers:
     runs: dict[str, list[dict]] = {}
     for name, route, sched in cands:
         runs[name] = [
-            run_one(trace, profile, "thunder", route, s, slo, sched, workers) for s in speeds
+            run_one(trace, profile, "thunder", route, s, slo, sched, workers=workers)
+            for s in speeds
         ]
     for peer in peers:
-        runs[peer] = [run_one(trace, profile, peer, {}, s, slo, None, workers) for s in speeds]
+        runs[peer] = [run_one(trace, profile, peer, {}, s, slo, workers=workers) for s in speeds]
     caps = {name: capacity(entries) for name, entries in runs.items()}
     return {
         "slo_ms": slo,
