@@ -5,28 +5,38 @@ service, on top of ``InprocStack``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
-from tests.integration.inproc import MODEL, InprocStack
+from tests.integration.inproc import MODEL, InprocStack, inproc_stack
 from thunderagent.embedded import ChildProcess, free_port, spawn
 from thunderagent.engine import get_profile
 from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import subjects
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
-from thunderagent.simengine.kv_pool import pool_for
+from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl, pool_for
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
 BLOCK = 16
 KV_BLOCKS = 64
 PROFILE = "tiny"
 """64 KiB per block (4 layers x 2 KV heads x 128 dims x 2 bytes x 16 tokens), 64 blocks."""
+
+
+def skip_without_nixl() -> None:
+    """Skip the calling test module, saying why, where the nixl wheel cannot be loaded."""
+    try:
+        load_nixl()
+    except NixlUnavailable as err:  # pragma: no cover - depends on the machine
+        pytest.skip(f"NIXL moves need nixl: {err}", allow_module_level=True)
 
 
 def events_config() -> str:
@@ -176,6 +186,17 @@ async def prefill(url: str, tokens: list[int], rid: str) -> dict:
     """A request straight to an engine (no control plane): its meta_info."""
     body = {"rid": rid, "input_ids": tokens, "sampling_params": {"max_new_tokens": 1}}
     return (await engine_json(url, "/generate", body))["meta_info"]
+
+
+@contextlib.asynccontextmanager
+async def pooled_stack(nats_url: str):
+    """An ``InprocStack`` and the list its in-process engines go on, closed on the way out."""
+    runners: list = []
+    async with inproc_stack(nats_url) as stack:
+        try:
+            yield stack, runners
+        finally:
+            await close_runners(runners)
 
 
 async def close_runners(runners: list) -> None:

@@ -20,6 +20,7 @@ from tests.integration.migration_stack import (
     prefill,
     prefix_hash,
     prefix_tokens,
+    skip_without_nixl,
     spawn_pooled_engine,
     start_adapter,
     start_migration,
@@ -45,12 +46,8 @@ from thunderagent.schemas import (
     RouteDecisionBatch,
     subjects,
 )
-from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl
 
-try:
-    load_nixl()
-except NixlUnavailable as err:  # pragma: no cover - depends on the machine
-    pytest.skip(f"NIXL moves need nixl: {err}", allow_module_level=True)
+skip_without_nixl()
 
 pytestmark = pytest.mark.integration
 

@@ -10,17 +10,14 @@ import time
 import aiohttp
 import pytest
 
+from tests.integration.migration_stack import skip_without_nixl
 from tests.integration.otlp_receiver import OtlpReceiver
 from thunderagent.bus import Bus, connect
 from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import MigrationMode, MigrationOrder, MigrationReport, subjects
-from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl
 from thunderagent.stack.up import Stack, StackConfig
 
-try:
-    load_nixl()
-except NixlUnavailable as err:  # pragma: no cover - depends on the machine
-    pytest.skip(f"NIXL moves need nixl: {err}", allow_module_level=True)
+skip_without_nixl()
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BLOCK = 16

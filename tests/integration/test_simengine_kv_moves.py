@@ -14,16 +14,14 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from tests.integration.migration_stack import skip_without_nixl
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine.driver import EngineDriver
-from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl, pool_for
+from thunderagent.simengine.kv_pool import pool_for
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
-try:
-    load_nixl()
-except NixlUnavailable as err:  # pragma: no cover - depends on the machine
-    pytest.skip(f"NIXL moves need nixl: {err}", allow_module_level=True)
+skip_without_nixl()
 
 pytestmark = pytest.mark.integration
 BLOCK = 16

@@ -12,8 +12,9 @@ trace, cluster, profile, seed and code version; ``--report`` writes a markdown t
 service's planner in virtual time (``thunderagent.replay.migration``); with a hot window (the
 option, the generator's sidecar ``.meta.json``, or the trace's ``hot`` rows) each entry gets the
 TTFT of the hot requests and of the requests inside and outside the window, and, when the
-trace marks hot rows, ``floor_p99_ms``: the hot TTFT p99 no router or planner can beat, since
-nothing holds the hot prefix before a first prefill of it ends (``hot_ttft_floor_ms``).
+trace marks hot rows, ``floor_p99_ms``: the hot TTFT p99 no router or planner copying whole
+prefixes can beat, since nothing holds the hot prefix before a first prefill of it ends
+(``hot_ttft_floor_ms``).
 """
 
 from __future__ import annotations

@@ -97,7 +97,19 @@ class SchedulerActions:
             max_new_tokens=new_tokens,
         )
         predicted = min(overlaps.get(worker_id, 0), (run.context_tokens - 1) // self.block_size)
+        rec.worker = self.slot[worker_id]
+        pull = self.migration is not None and not pd and not run.output_offset
+        if pull and self.migration.pull(request, worker_id, self.decisions[rid].candidates, t):
+            rec.status = "pulling"
+            self.pulled_predicted[rid] = predicted * self.block_size
+            return
         self._add(rec, self.slot[worker_id], request, t, predicted * self.block_size)
+
+    def _pull_landed(self, rid: str, t: float) -> None:
+        """The prefix a dispatched run copies is on its worker: the run starts there."""
+        for request in self.migration.pull_landed(rid, t):
+            rec = self.records[request.request_id]
+            self._add(rec, rec.worker, request, t, self.pulled_predicted.pop(rec.request_id, 0))
 
     def _add(self, rec: Record, w: int, request: Request, t: float, predicted: int = 0) -> None:
         refused = self.cores[w].add(request, t)

@@ -225,6 +225,8 @@ class Replay(SchedulerActions):
         self.keys: dict[str, BlockHashes] = {}
         self.route_overlaps: dict[str, dict[str, int]] = {}
         """Per request, the index's belief at its latest routing (what a dispatch is judged by)."""
+        self.pulled_predicted: dict[str, int] = {}
+        """Runs waiting for a pull: the cached tokens the index predicted on their worker."""
         self.decisions: dict[str, RouteDecision] = {}
         """Per request, its routing decision (a continuation is queued with it, as live)."""
         self.session: dict[str, str | None] = {}
@@ -334,6 +336,8 @@ class Replay(SchedulerActions):
             self._arrive(payload, t)
         elif kind == "migration":
             self.migration.landed(str(payload), t)
+        elif kind == "pull":
+            self._pull_landed(str(payload), t)
         else:
             self._transfer_landed(str(payload), t)
 

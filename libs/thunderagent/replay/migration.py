@@ -13,6 +13,11 @@ actions carried out on the simulated engines.
 * ``landed``: a move's bytes arrived (a timer of kind ``TIMER``);
 * ``on_step``: an engine step ended (a warm-up finished; cache events made between steps go out).
 
+And, in the ``nixl`` mode, at every first run handed to a worker (``pull``): the sender's
+``PullHint`` (``thunderagent.migration.pull``, as the scheduler service computes it), then what
+the target's adapter does with it (join a copy already crossing, or copy the prefix before the
+run starts); ``pull_landed`` when the bytes arrive (a timer of kind ``PULL_TIMER``).
+
 Two ways to carry a move out, as live:
 
 * ``nixl``: the source pins the prefix (``pin_prefix``), the target reserves a block per missing
@@ -54,7 +59,8 @@ from thunderagent.migration import (
     RouteSeen,
     WorkerSeen,
 )
-from thunderagent.schemas import LoadReport, RouteDecision
+from thunderagent.migration.pull import PullPlanner
+from thunderagent.schemas import Candidate, LoadReport, PullHint, RouteDecision
 from thunderagent.stats import percentile
 
 if TYPE_CHECKING:
@@ -66,6 +72,8 @@ PLAN_INTERVAL_S = 0.5
 """How often the planner is asked: the live service's default (``MigrationConfig.interval_s``)."""
 TIMER = "migration"
 """The driver's timer kind for a move's landing."""
+PULL_TIMER = "pull"
+"""The driver's timer kind for a dispatch pull's landing."""
 WARMUP_PREFIX = "migration-warmup-"
 
 
@@ -93,6 +101,21 @@ class _Move:
 
 
 @dataclass(slots=True)
+class _Pull:
+    """A dispatched run waiting for its prefix to land (``ReplayMigration.pull``)."""
+
+    hint: PullHint
+    target: str
+    keys: list[int]
+    present: int
+    nbytes: int
+    started: float
+    request: Request
+    joined: list[Request] = field(default_factory=list)
+    """Runs dispatched to the target for the same prefix while it crosses: they wait too."""
+
+
+@dataclass(slots=True)
 class MoveStats:
     replications: int = 0
     migrations: int = 0
@@ -108,6 +131,14 @@ class MoveStats:
     durations: list[float] = field(default_factory=list)
     """Per finished copy, start to landing (link wait, or the warm-up's queueing, included)."""
     reasons: Counter = field(default_factory=Counter)
+    pulls: int = 0
+    """Dispatched runs that copied their prefix from another worker first."""
+    pulled_blocks: int = 0
+    pulled_bytes: int = 0
+    pulls_refused: int = 0
+    """Pulls planned but not started (the source lost the blocks, no room at the target)."""
+    pull_waits: list[float] = field(default_factory=list)
+    """Per pull, dispatch to landing (link wait included)."""
 
 
 class ReplayMigration:
@@ -132,6 +163,9 @@ class ReplayMigration:
         self._chains: dict[int, tuple[str, int]] = {}
         """Prefix hash -> (a request whose prompt has it, depth): its chain of block keys."""
         self._moves: dict[str, _Move] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self.pulls = PullPlanner(params)
+        """The sender's side of a pull at dispatch (the scheduler's, live)."""
         self._warmups: dict[str, _Move] = {}
         self._late_events: set[int] = set()
         self._next_plan = 0.0
@@ -236,6 +270,61 @@ class ReplayMigration:
         self._publish(src, t)
         self._done(action, t, move.nbytes, t - move.started)
 
+    def pull(self, request: Request, target: str, candidates: list[Candidate], t: float) -> bool:
+        """A first run handed to ``target``: the sender's ``PullHint`` (``PullPlanner``), then
+        what the target's adapter does with the run: wait for a copy of its prefix already on
+        its way there, or start the hinted copy (only while the source still holds the whole
+        prefix: an export names it by its deepest block). True when the run now waits for
+        ``pull_landed``."""
+        if self.mode != "nixl":
+            return False
+        r = self.replay
+        keys = request.block_hashes
+        hint = self.pulls.hint(candidates, target, keys, request.prompt_len, r.block_size, t)
+        for pull in self._pulls.values():
+            n = pull.hint.blocks
+            if pull.target == target and len(keys) >= n and keys[n - 1] == pull.hint.prefix_hash:
+                pull.joined.append(request)
+                return True
+        if hint is None:
+            return False
+        src, dst = r.slot[hint.source_worker], r.slot[target]
+        pinned, _ = r.cores[src].pin_prefix(list(keys[: hint.blocks]), need_tokens=False)
+        whole = len(pinned) == hint.blocks
+        present = r.cores[dst].begin_import(pinned) if whole else None
+        if present is None or present >= len(pinned):
+            if present is not None:
+                r.cores[dst].abort_import(pinned, present)
+            if pinned:
+                r.cores[src].unpin_prefix(pinned)
+            self.stats.pulls_refused += 1
+            return False
+        self._publish(dst, t)  # the reservation may have evicted blocks
+        p = self.planner.params
+        nbytes = (len(pinned) - present) * r.block_size * p.kv_bytes_per_token
+        ends = r.links.occupy((hint.source_worker, target), nbytes / p.link_bytes_per_s, t)
+        rid = request.request_id
+        self._pulls[rid] = _Pull(hint, target, pinned, present, nbytes, t, request)
+        r._push_timer(ends + p.link_latency_s, PULL_TIMER, rid)
+        return True
+
+    def pull_landed(self, request_id: str, t: float) -> list[Request]:
+        """A pull's bytes arrived: the blocks are cached at the target; returns the runs that
+        waited for them."""
+        pull = self._pulls.pop(request_id)
+        r = self.replay
+        src, dst = r.slot[pull.hint.source_worker], r.slot[pull.target]
+        r.cores[dst].commit_import(pull.keys, pull.present, None)
+        self._publish(dst, t)
+        r.cores[src].unpin_prefix(pull.keys)
+        self._publish(src, t)
+        s = self.stats
+        s.pulls += 1
+        s.pulled_blocks += len(pull.keys) - pull.present
+        s.pulled_bytes += pull.nbytes
+        s.pull_waits.append(t - pull.started)
+        return [pull.request, *pull.joined]
+
     def _warm_up(self, action: Move, keys: list[int], t: float) -> None:
         r = self.replay
         dst = r.slot[action.target]
@@ -338,6 +427,14 @@ def move_summary(
         "warmup_prefill_tokens": s.warmup_prefill_tokens,
         "ordered": dict(ps.ordered) if ps else {"replicate": 0, "migrate": 0, "drop": 0},
         "failure_reasons": dict(s.reasons),
+        "pulls": s.pulls,
+        "pulled_blocks": s.pulled_blocks,
+        "pulled_bytes": s.pulled_bytes,
+        "pulls_refused": s.pulls_refused,
+        "pull_wait_s": {
+            "p50": percentile(s.pull_waits, 50) if s.pull_waits else 0.0,
+            "p99": percentile(s.pull_waits, 99) if s.pull_waits else 0.0,
+        },
     }
 
 
@@ -387,10 +484,12 @@ def shared_prefix_blocks(trace: Sequence[TraceRequest]) -> int:
 
 
 def hot_ttft_floor_ms(arrivals: Sequence[float], prefix_prefill_s: float) -> float:
-    """A lower bound on the hot requests' TTFT p99 for any router and any planner: no worker
-    holds the hot prefix, and no copy of it can leave, before a first prefill of it ends
-    (``prefix_prefill_s`` after the first hot arrival), so a hot request arriving before then
-    waits at least until then; every later one is taken as served at once."""
+    """A lower bound on the hot requests' TTFT p99 for any router and any planner that copies
+    whole prefixes: no worker holds the hot prefix, and no copy of it can leave, before a first
+    prefill of it ends (``prefix_prefill_s`` after the first hot arrival), so a hot request
+    arriving before then waits at least until then; every later one is taken as served at
+    once. (A copy of the chunks already computed could leave earlier: docs/benchmarks.md,
+    "a pull at dispatch".)"""
     if not arrivals:
         return 0.0
     ready = min(arrivals) + prefix_prefill_s

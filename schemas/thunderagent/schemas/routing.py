@@ -130,6 +130,21 @@ class CreditGrant(Struct, frozen=True, kw_only=True):
     workers, and a router adds their grants up."""
 
 
+class PullHint(Struct, frozen=True, kw_only=True):
+    """With a run (``WorkerGenerate.pull``): another worker holds more of the prompt's prefix
+    than this one, and copying it is cheaper than computing it. An adapter whose engine can
+    import KV (NIXL) copies the prompt's leading ``blocks`` from ``source_worker`` before the
+    run starts (export there, pull here, release there); any other adapter, or a copy that
+    fails, leaves the run to compute them."""
+
+    source_worker: RouterId
+    """The worker holding the blocks (a worker id)."""
+    prefix_hash: int
+    """Our primary hash of the prompt's block ``blocks - 1``: names the prefix to the source."""
+    blocks: PositiveInt
+    """Leading prompt blocks to hold once the copy lands."""
+
+
 class WorkerGenerate(Struct, frozen=True, kw_only=True):
     """Scheduler -> adapter (request/reply: the adapter acks, then streams to ``reply_subject``)."""
 
@@ -147,6 +162,8 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
     decode_worker: str = ""
     """PD disaggregation: prefill here up to the first token, move the KV to this worker and
     hand it the rest of the request. Empty: run the whole request here."""
+    pull: PullHint | None = None
+    """Copy the prompt's prefix from another worker first (first runs only; None: no copy)."""
 
 
 class Ack(Struct, frozen=True, kw_only=True):

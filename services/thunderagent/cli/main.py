@@ -99,7 +99,7 @@ def _cmd_router(args: argparse.Namespace) -> None:
 
     params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
     _checked("router", lambda: _policy(params))
-    config = RouterConfig(params=params, redis_url=args.redis)
+    config = RouterConfig(params=params, redis_url=args.redis, pull=_pull_params(args))
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
@@ -108,11 +108,30 @@ def _cmd_scheduler(args: argparse.Namespace) -> None:
     from thunderagent.shell import run_service
 
     models = tuple(m for m in args.models.split(",") if m) if args.models else ()
-    config = SchedulerConfig(scheduler=args.policy, params=_params(args.param), models=models)
+    config = SchedulerConfig(
+        scheduler=args.policy, params=_params(args.param), models=models, pull=_pull_params(args)
+    )
     _checked("scheduler", lambda: _scheduler(config.scheduler, config.params))
     run_service(
         "scheduler", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port
     )
+
+
+def _pull_params(args: argparse.Namespace):
+    from thunderagent.migration import MigrationParams
+
+    return MigrationParams(pull_min_tokens=args.pull_min_tokens)
+
+
+def _pull_arg(p: argparse.ArgumentParser) -> None:
+    from thunderagent.shell.argtypes import at_least
+
+    p.add_argument(
+        "--pull-min-tokens", type=at_least(0), default=8192, metavar="N",
+        help="with a run, order a copy of its prompt's prefix from a worker holding at least N "
+        "more tokens of it than the one taking it (made only by engines with a NIXL KV pool; "
+        "0: never)",
+    )  # fmt: skip
 
 
 def _cmd_index(args: argparse.Namespace) -> None:
@@ -266,6 +285,7 @@ def _control_plane_commands(add) -> None:
     p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
     _param_arg(p, "routing policy")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
+    _pull_arg(p)
     p.add_argument(
         "--redis",
         default=os.environ.get("THUNDERAGENT_REDIS_URL"),
@@ -284,6 +304,7 @@ def _control_plane_commands(add) -> None:
         "per model group to partition the fleet",
     )  # fmt: skip
     _param_arg(p, "scheduling policy")
+    _pull_arg(p)
 
     p = add("index", "run the KV index service", _cmd_index)
     _nats_arg(p)

@@ -24,6 +24,8 @@ from opentelemetry import trace
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
 from thunderagent.bus.batches import BatchSender
 from thunderagent.fleet import WorkerState, check_limits, progress_refusal
+from thunderagent.migration import MigrationParams
+from thunderagent.migration.pull import PullPlanner
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
 from thunderagent.scheduling.credits import CreditWallet, Grant
@@ -84,6 +86,9 @@ class RouterConfig:
     """Where the index service keeps its snapshot; None starts from a full stream replay."""
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """This replica's name on the bus (the scheduler tells it where its requests went)."""
+    pull: MigrationParams = field(default_factory=MigrationParams)
+    """What a pull at dispatch is decided on, for the runs this replica hands to a worker
+    itself (the fast path; ``SchedulerConfig.pull``)."""
 
 
 class Router:
@@ -96,6 +101,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.wallet = CreditWallet()
         """Room the scheduler lent this replica (the fast path)."""
+        self.pulls = PullPlanner(config.pull)
         self.last_grant_at = 0.0
         self.served_models: set[str] = set()
         """Models some worker registered since start (the fleet watcher adds them): asked for
@@ -171,10 +177,15 @@ class Router:
         if not self.wallet.take(first):
             return False
         overlap = submit.decision.overlap_blocks
+        pull = self.pulls.hint(
+            submit.decision.candidates, first, submit.block_hashes,
+            routed.query.prompt_tokens, submit.block_size, time.monotonic(),
+        )  # fmt: skip
         work = WorkerGenerate(
             request=req,
             reply_subject=submit.reply_subject,
             predicted_cached_tokens=overlap * submit.block_size,
+            pull=pull,
         )
         ack = Ack(accepted=False)
         for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)

@@ -6,11 +6,13 @@ the service applies what comes back to its books and the scheduling core."""
 from __future__ import annotations
 
 import logging
+import time
 
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError
 from thunderagent.fleet import continuation
+from thunderagent.migration.pull import PullPlanner
 from thunderagent.scheduler.pending import Pending
 from thunderagent.schemas import (
     AbortRequest,
@@ -19,6 +21,7 @@ from thunderagent.schemas import (
     ErrorCode,
     ErrorReply,
     Preempted,
+    PullHint,
     ScheduleRequest,
     WorkerGenerate,
     subjects,
@@ -32,9 +35,11 @@ _tracer = trace.get_tracer("thunderagent.scheduler")
 class Handoff:
     """Bound to one bus; the ack timeout applies to every hand-off and abort."""
 
-    def __init__(self, bus: Bus, timeout_s: float) -> None:
+    def __init__(self, bus: Bus, timeout_s: float, pulls: PullPlanner | None = None) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
+        self.pulls = pulls
+        """Copies of a prompt's prefix ordered with its first run (None: none)."""
 
     async def dispatch(
         self, pending: Pending, worker_id: str, decode_worker: str = ""
@@ -70,13 +75,15 @@ class Handoff:
         rid = submit.request.request_id
         overlap = next((c.overlap_blocks for c in submit.decision.candidates
                         if c.worker_id == wid), 0)  # fmt: skip
+        decode = decode_worker if wid == chosen else ""
         work = WorkerGenerate(
             request=continuation(submit.request, pending.output),
             reply_subject=submit.reply_subject,
             predicted_cached_tokens=overlap * submit.block_size,
             attempt=attempt,
             output_offset=len(pending.output),
-            decode_worker=decode_worker if wid == chosen else "",
+            decode_worker=decode,
+            pull=self._pull(submit, wid) if not pending.output and not decode else None,
         )
         try:
             ack = await self.bus.request(
@@ -90,6 +97,13 @@ class Handoff:
                 pending.output = list(stray.output_token_ids)
             return f"{wid}: {err}"
         return None if ack.accepted else f"{wid}: refused ({ack.reason})"
+
+    def _pull(self, submit: ScheduleRequest, worker_id: str) -> PullHint | None:
+        if self.pulls is None:
+            return None
+        prompt = len(submit.request.token_ids or ())
+        return self.pulls.hint(submit.decision.candidates, worker_id, submit.block_hashes,
+                               prompt, submit.block_size, time.monotonic())  # fmt: skip
 
     async def _tell_router(self, submit: ScheduleRequest, worker_id: str) -> None:
         if submit.router_id:

@@ -25,6 +25,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bus, Delivery
 from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
+from thunderagent.migration import MigrationParams
+from thunderagent.migration.pull import PullPlanner
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.scheduler.handoff import Handoff
 from thunderagent.scheduler.pending import EarlyProgress, Pending
@@ -77,6 +79,9 @@ class SchedulerConfig:
     """The models this scheduler owns (empty: every model). Schedulers partitioned by model
     share nothing: each takes only its models' submissions, workers and credits."""
     scheduler_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    pull: MigrationParams = field(default_factory=MigrationParams)
+    """What a pull at dispatch is decided on (``migration.pull``: ``pull_min_tokens``, KV bytes
+    per token, link speed, prefill rate); the adapter makes the copy only with a NIXL pool."""
 
 
 class SchedulerService:
@@ -94,7 +99,7 @@ class SchedulerService:
         """Recent dispatch times: the drain rate behind a retry hint."""
         self.registry = WorkerRegistry()
         self.issuer = CreditIssuer()
-        self.handoff = Handoff(bus, config.handoff_timeout_s)
+        self.handoff = Handoff(bus, config.handoff_timeout_s, PullPlanner(config.pull))
         self._early = EarlyProgress()
         self.wake = asyncio.Event()
         self._tasks = TaskSet("scheduler")

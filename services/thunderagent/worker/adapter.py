@@ -95,6 +95,7 @@ class WorkerAdapter:
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
         self.running: dict[str, Generation] = {}
+        self.migration: WorkerMigration | None = None
         m = meter("thunderagent.worker")
         self._completed = m.create_counter(
             "thunderagent_requests_completed", description="Requests finished with a FinalReply"
@@ -117,6 +118,20 @@ class WorkerAdapter:
             unit="{block}",
             description="Engine KV blocks the adapter relayed to the index, or skipped and why",
         )
+        m.create_observable_counter(
+            "thunderagent_dispatch_pulls",
+            callbacks=[self._pulls],
+            description="Prefix copies made for runs before they started (PullHint), by outcome",
+        )
+
+    def _pulls(self, _options: CallbackOptions) -> list[Observation]:
+        if self.migration is None:
+            return []
+        wid = self.config.worker_id
+        return [
+            Observation(n, {"worker_id": wid, "outcome": outcome})
+            for outcome, n in self.migration.pulls.items()
+        ]
 
     def _mirror_blocks(self, _options: CallbackOptions) -> list[Observation]:
         """The mirror's counts: a block skipped here is one the router never learns of, so an
@@ -170,6 +185,7 @@ class WorkerAdapter:
                                     lambda: self.relay and self.relay.mirror,
                                     self.registration.block_size)  # fmt: skip
         await migration.start(relay)
+        self.migration = migration
         try:
             async with asyncio.TaskGroup() as tg:
                 if relay is not None:
@@ -344,6 +360,7 @@ class WorkerAdapter:
         generation = Generation(
             work, self.config.worker_id, self.bus, self.engine, self.runs,
             max_request_s=self.config.max_request_s,
+            prepare=self.migration.before_run if self.migration is not None else None,
         )  # fmt: skip
         self.running[rid] = generation
         context = len(work.request.token_ids or [])

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from thunderagent.bus import Bus, BusError
@@ -72,6 +73,9 @@ class Generation:
     accepted_at: float = field(default_factory=time.monotonic)
     held: bool = False
     """The client was told ``HeldReply`` (once per run)."""
+    prepare: Callable[[WorkerGenerate], Awaitable[None]] | None = None
+    """Run before the engine gets the run, inside its time limit (a prefix copied in first:
+    ``WorkerMigration.before_run``)."""
 
     @property
     def request_id(self) -> str:
@@ -124,6 +128,8 @@ class Generation:
         limit = self.time_limit_s()
         try:
             async with asyncio.timeout(max(limit, 0.0)):
+                if self.prepare is not None:
+                    await self.prepare(self.work)
                 if self.work.decode_worker and self.work.request.max_tokens > 1:
                     return await self._prefill_then_hand_off()
                 return await self._run()

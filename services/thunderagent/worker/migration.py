@@ -1,4 +1,5 @@
-"""The adapter's side of a KV move ordered by the migration service.
+"""The adapter's side of a KV move ordered by the migration service, and of a copy a run's
+``PullHint`` asks for before it starts (``before_run``: the same three steps, ordered here).
 
 * ``kv_export`` (source): find the prefix in the mirror of the engine's cache (our hash of its
   deepest block -> the engine's chain of block hashes), pin it at the engine and describe it.
@@ -18,19 +19,21 @@ Two transports, chosen per engine from ``/server_info``'s ``kv_transfer``:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import time
 import uuid
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from thunderagent.bus import Bus, Delivery
+from thunderagent.bus import Bus, BusError, Delivery
+from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import (
     KvExportOffer,
     KvExportRequest,
@@ -38,6 +41,8 @@ from thunderagent.schemas import (
     KvPullResult,
     KvRelease,
     KvReleaseResult,
+    PullHint,
+    WorkerGenerate,
     subjects,
 )
 from thunderagent.sglang import kv_wire
@@ -47,6 +52,9 @@ from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.kv_relay import KvRelay
 
 log = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 10.0
+"""A copy for a run gives up after this (each step), and the run prefills instead."""
 
 
 class TokenTap:
@@ -133,6 +141,10 @@ class WorkerMigration:
         """The engine's NIXL capability (``/server_info``), None: warm-up only."""
         self.tap: TokenTap | None = None
         self._chains: dict[str, list[int]] = {}
+        self._incoming: dict[tuple[int, int], asyncio.Future] = {}
+        """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done."""
+        self.pulls: Counter[str] = Counter()
+        """Copies made for runs: done, failed."""
 
     async def start(self, relay: KvRelay | None) -> None:
         """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (None: the
@@ -237,6 +249,71 @@ class WorkerMigration:
             released=got["released"],
             dropped_blocks=got["dropped_blocks"],
         )
+
+    # ---- a pull at dispatch (target) ---------------------------------------------------------
+    async def before_run(self, work: WorkerGenerate) -> None:
+        """Before a first run starts here: wait for a copy of its prefix already on its way
+        (another run's), or make the copy its ``PullHint`` asks for (``migration.pull``, as the
+        replay does). Only with a NIXL pool; a copy that fails leaves the run to prefill."""
+        if self.kv_transfer is None or work.output_offset:
+            return
+        tokens = work.request.token_ids or []
+        incoming = self._incoming_for(tokens)
+        if incoming is not None:
+            await asyncio.shield(incoming)
+        elif work.pull is not None and not work.request.cache_salt:
+            await self._fetch(work.pull, work.request.request_id)
+
+    def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
+        """The copy under way here whose prefix the prompt starts with, if any (hashed only
+        while copies are under way)."""
+        size = self.block_size
+        for (blocks, prefix_hash), done in self._incoming.items():
+            if len(tokens) >= blocks * size:
+                primary = BlockHasher(size).hash_tokens(tokens[: blocks * size]).primary
+                if primary and primary[-1] == prefix_hash:
+                    return done
+        return None
+
+    async def _fetch(self, hint: PullHint, request_id: str) -> None:
+        key = (hint.blocks, hint.prefix_hash)
+        done = self._incoming[key] = asyncio.get_running_loop().create_future()
+        mid = f"pull-{request_id}-{uuid.uuid4().hex[:6]}"
+        src = hint.source_worker
+        try:
+            export = KvExportRequest(migration_id=mid, prefix_hash=hint.prefix_hash,
+                                     blocks=hint.blocks, hold_s=PULL_TIMEOUT_S)  # fmt: skip
+            offer = await self.bus.request(
+                subjects.worker_kv_export(src), export, KvExportOffer, timeout=PULL_TIMEOUT_S
+            )
+            if offer.blocks < hint.blocks or offer.transport != "nixl":
+                why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
+                log.info("pull for %s from %s not made: %s", request_id, src, why)
+                if offer.blocks > 0:
+                    await self._release_at(src, mid, hint.prefix_hash)
+                return
+            try:
+                pull = KvPullRequest(
+                    migration_id=mid, source_worker=src, offer=offer, timeout_s=PULL_TIMEOUT_S
+                )
+                pulled = await self.pull(pull)
+            finally:
+                await self._release_at(src, mid, hint.prefix_hash)
+            self.pulls[("done" if pulled.ok else "failed")] += 1
+        except BusError as err:
+            self.pulls["failed"] += 1
+            log.info("pull for %s from %s failed: %s", request_id, src, err)
+        finally:
+            del self._incoming[key]
+            done.set_result(None)
+
+    async def _release_at(self, source: str, migration_id: str, prefix_hash: int) -> None:
+        release = KvRelease(migration_id=migration_id, prefix_hash=prefix_hash)
+        try:
+            await self.bus.request(subjects.worker_kv_release(source), release, KvReleaseResult,
+                                   timeout=PULL_TIMEOUT_S)  # fmt: skip
+        except BusError as err:  # the source unpins by itself after hold_s
+            log.info("release of %s at %s failed: %s", migration_id, source, err)
 
     # ---- target --------------------------------------------------------------------------
     async def on_pull(self, req: KvPullRequest, delivery: Delivery) -> None:

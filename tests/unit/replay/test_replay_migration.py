@@ -263,3 +263,57 @@ def test_moves_and_pd_transfers_queue_on_the_same_links() -> None:
     assert links.send("r", "w0", 3, now=1.0) == 5.0  # a PD send out of w0 waits for the move
     assert links.occupy(("w1", "w2"), 1.0, now=0.5) == 3.0  # w1 is busy until 2
     assert links.occupy(("w0", "w2"), 1.0, now=0.0) == 6.0  # both ends: w0 until 5, w2 until 3
+
+
+def round_robin(mode: str, overrides: dict | None = None, link: float = 25e9):
+    """Two workers taking requests in turn: every second request lands away from the holder;
+    copies of any size (``pull_min_tokens`` 1: these prefixes are 640 tokens)."""
+    overrides = {"pull_min_tokens": 1, **(overrides or {})}
+    cfg = ReplayConfig(profile=PROFILE, policy="round_robin", workers=2, scheduler="direct",
+                       seed=0, link_bytes_per_s=link)  # fmt: skip
+    r = Replay(cfg, BS)
+    return r, ReplayMigration.attach(r, mode, overrides)
+
+
+def shared_prefix_runs(times: list[float]) -> list[TraceRequest]:
+    prefix = list(range(1, 11))  # 10 blocks of 64 tokens
+    return [TraceRequest(f"q{i}", t, 10 * BS + 7, 4, [*prefix, 100 + i])
+            for i, t in enumerate(times)]  # fmt: skip
+
+
+def test_a_run_sent_away_from_the_holder_copies_the_prefix_first() -> None:
+    """q1 goes to the worker that does not hold the prefix: with NIXL it copies the 10 blocks
+    (84 MB at 25 GB/s + 5 ms, against 32 ms of prefill) and starts with them cached; without,
+    or over a link slower than prefill (1 GB/s: 84 ms), it prefills them."""
+    trace = shared_prefix_runs([0.0, 2.0])
+    r, mig = round_robin("nixl")
+    records = {rec.request_id: rec for rec in r.run(trace).records}
+    assert records["q0"].worker != records["q1"].worker
+    assert records["q1"].cached_tokens == 10 * BS
+    s = mig.summary()
+    nbytes = 10 * BS * 131_072
+    assert (s["pulls"], s["pulled_blocks"], s["pulled_bytes"], s["pulls_refused"]) == (
+        1, 10, nbytes, 0)  # fmt: skip
+    assert s["pull_wait_s"]["p50"] == pytest.approx(nbytes / 25e9 + 0.005)
+    assert records["q1"].first_token - records["q1"].arrival > nbytes / 25e9 + 0.005
+    assert r.cores[records["q0"].worker].cache.refcount(r.keys["q0"].primary[0]) == 0
+    for mode, overrides, link in (
+        ("off", None, 25e9), ("nixl", {"pull_min_tokens": 0}, 25e9), ("nixl", None, 1e9)
+    ):  # fmt: skip
+        r, mig = round_robin(mode, overrides, link)
+        records = {rec.request_id: rec for rec in r.run(trace).records}
+        assert records["q1"].cached_tokens == 0
+        assert mig is None or mig.summary()["pulls"] == 0
+
+
+def test_a_run_for_a_prefix_already_crossing_waits_for_that_copy() -> None:
+    """q1 and q3 both land on the worker without the prefix while q1's copy crosses: q3 waits
+    for it instead of prefilling (the adapter's ``before_run``); one copy in all."""
+    trace = shared_prefix_runs([0.0, 2.0, 2.001, 2.002])
+    r, mig = round_robin("nixl")
+    records = {rec.request_id: rec for rec in r.run(trace).records}
+    assert records["q1"].worker == records["q3"].worker != records["q0"].worker
+    assert records["q3"].cached_tokens == 10 * BS
+    assert records["q3"].first_token >= records["q1"].arrival + 10 * BS * 131_072 / 25e9 + 0.005
+    assert mig.summary()["pulls"] == 1
+    assert all(rec.status == "completed" for rec in records.values())

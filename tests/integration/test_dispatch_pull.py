@@ -1,0 +1,172 @@
+"""A pull at dispatch over real NATS: a run whose ``PullHint`` names the worker holding its
+prefix starts only once the adapter copied the prefix from there with NIXL (the bytes checked
+block by block), a second run for the same prefix waits for that copy instead of making
+another, a hint the source cannot honour leaves the run to prefill, and the scheduler service
+sends the hint with the run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from tests.integration.inproc import MODEL
+from tests.integration.migration_stack import (
+    BLOCK,
+    engine_json,
+    pooled_stack,
+    prefill,
+    prefix_hash,
+    prefix_tokens,
+    skip_without_nixl,
+    start_adapter,
+    start_pooled_engine,
+    wait_for,
+)
+from thunderagent.bus import Bus, connect
+from thunderagent.hashing import BlockHasher
+from thunderagent.schemas import (
+    Ack,
+    Candidate,
+    FinalReply,
+    GenerateRequest,
+    PullHint,
+    RouteDecision,
+    ScheduleRequest,
+    TokenChunk,
+    WorkerGenerate,
+    subjects,
+)
+from thunderagent.worker.migration import engine_chain
+
+skip_without_nixl()
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 8
+
+
+async def run_on(bus: Bus, nc, worker: str, rid: str, tokens: list[int], pull=None) -> FinalReply:
+    """Hand one run to ``worker``'s adapter as the scheduler does; its final reply."""
+    inbox = nc.new_inbox()
+    got: asyncio.Queue = asyncio.Queue()
+    sub = await nc.subscribe(inbox, cb=got.put)
+    request = GenerateRequest(model=MODEL, request_id=rid, token_ids=tokens, max_tokens=2)
+    work = WorkerGenerate(request=request, reply_subject=inbox, pull=pull)
+    ack = await bus.request(subjects.worker_generate(worker), work, Ack, timeout=5)
+    assert ack.accepted, ack.reason
+    try:
+        while True:
+            msg = await asyncio.wait_for(got.get(), 20)
+            reply = msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
+            if isinstance(reply, FinalReply):
+                return reply
+    finally:
+        await sub.unsubscribe()
+
+
+async def two_pooled_workers(stack, runners: list, pull_gbps: float = 0.0):
+    engines, adapters = {}, {}
+    for wid in ("w0", "w1"):
+        engines[wid] = await start_pooled_engine(stack, wid, runners=runners, pull_gbps=pull_gbps)
+        adapters[wid] = (await start_adapter(stack, wid, engines[wid].url)).runtime
+    await stack.wait_for_workers(2)
+    return engines, adapters
+
+
+async def test_a_run_copies_its_prefix_from_the_holder_before_it_starts(nats_server):
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        # 8 blocks of 64 KiB paced at 2 MB/s: the copy takes ~0.26 s
+        engines, adapters = await two_pooled_workers(stack, runners, pull_gbps=0.002)
+        tokens = prefix_tokens(BLOCKS, seed=3)
+        p = prefix_hash(tokens)
+        await prefill(engines["w0"].url, [*tokens, 9], "fill")
+        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
+                       what="w0's adapter to see the prefix")  # fmt: skip
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        hint = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS)
+        copying = asyncio.create_task(run_on(bus, nc, "w1", "r1", [*tokens, 5, 5], pull=hint))
+        await wait_for(lambda: adapters["w1"].migration._incoming, what="the copy to start")
+        joined = await run_on(bus, nc, "w1", "r2", [*tokens, 6, 6, 6])  # no hint: it waits
+        first = await copying
+        assert first.worker_id == joined.worker_id == "w1"
+        assert first.usage.cached_tokens == joined.usage.cached_tokens == BLOCKS * BLOCK
+        assert adapters["w1"].migration.pulls == {"done": 1}
+        src, dst = engines["w0"].driver, engines["w1"].driver
+        status = await engine_json(engines["w1"].url, "/kv/status")
+        assert (status["pulled_blocks"], status["failed_pulls"]) == (BLOCKS, 0)
+        copied = [k for k in dst.kv_pool.slot_of if k in src.kv_pool.slot_of]
+        assert len(copied) == BLOCKS
+        for key in copied:  # every block byte-equal to the source's
+            assert dst.kv_pool.checksum(dst.kv_pool.slot_of[key]) == (
+                src.kv_pool.expected_checksum(key)
+            )
+        assert src.core.cache.refcount(copied[0]) == 0  # the source was released
+        await nc.close()
+
+
+async def test_a_hint_the_source_cannot_honour_leaves_the_run_to_prefill(nats_server):
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        _, adapters = await two_pooled_workers(stack, runners)
+        tokens = prefix_tokens(BLOCKS, seed=5)  # nobody holds it
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        hint = PullHint(source_worker="w0", prefix_hash=prefix_hash(tokens), blocks=BLOCKS)
+        final = await run_on(bus, nc, "w1", "r1", [*tokens, 5], pull=hint)
+        assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 2
+        gone = PullHint(source_worker="w9", prefix_hash=prefix_hash(tokens), blocks=BLOCKS)
+        final = await run_on(bus, nc, "w0", "r2", [*tokens, 6], pull=gone)  # no such worker
+        assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 2
+        assert adapters["w0"].migration.pulls == {"failed": 1}
+        assert not adapters["w0"].migration._incoming and not adapters["w1"].migration._incoming
+        await nc.close()
+
+
+async def test_the_scheduler_orders_the_copy_with_the_run(nats_server):
+    """Through the scheduler service: a request whose decision names w1 first, w0 holding its
+    prefix, reaches w1 with a ``PullHint`` and is served there from the copied prefix."""
+    from thunderagent.migration import MigrationParams
+    from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
+
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        engines, adapters = await two_pooled_workers(stack, runners)
+        config = SchedulerConfig(scheduler="direct", pull=MigrationParams(pull_min_tokens=1))
+        await stack.start_service(
+            "scheduler", lambda ctx, svc: svc.run_service(ctx),
+            build=lambda ctx: SchedulerService(config, ctx.bus),
+        )  # fmt: skip
+        tokens = prefix_tokens(BLOCKS, seed=9)
+        p = prefix_hash(tokens)
+        await prefill(engines["w0"].url, [*tokens, 9], "fill")
+        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
+                       what="w0's adapter to see the prefix")  # fmt: skip
+        prompt = [*tokens, 4, 4]
+        hashes = BlockHasher(BLOCK).hash_tokens(prompt).primary
+        assert hashes[BLOCKS - 1] == p
+        decision = RouteDecision(
+            request_id="s1", model=MODEL, worker_id="w1", overlap_blocks=0,
+            prompt_blocks=len(hashes), policy="test", decided_at=time.time(),
+            candidates=[Candidate(worker_id="w1", score=1.0),
+                        Candidate(worker_id="w0", score=0.5, overlap_blocks=BLOCKS)],
+        )  # fmt: skip
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        inbox = nc.new_inbox()
+        got: asyncio.Queue = asyncio.Queue()
+        await nc.subscribe(inbox, cb=got.put)
+        request = GenerateRequest(model=MODEL, request_id="s1", token_ids=prompt, max_tokens=2)
+        submit = ScheduleRequest(request=request, reply_subject=inbox, decision=decision,
+                                 block_size=BLOCK, block_hashes=hashes)  # fmt: skip
+        ack = await bus.request(subjects.sched_submit(MODEL), submit, Ack, timeout=5)
+        assert ack.accepted, ack.reason
+        while True:
+            msg = await asyncio.wait_for(got.get(), 20)
+            final = msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
+            if isinstance(final, FinalReply):
+                break
+        assert final.worker_id == "w1" and final.usage.cached_tokens == BLOCKS * BLOCK
+        assert adapters["w1"].migration.pulls == {"done": 1}
+        await nc.close()
