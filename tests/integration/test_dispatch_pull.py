@@ -120,6 +120,7 @@ async def test_a_hint_the_source_cannot_honour_leaves_the_run_to_prefill(nats_se
         gone = PullHint(source_worker="w9", prefix_hash=prefix_hash(tokens), blocks=BLOCKS)
         final = await run_on(bus, nc, "w0", "r2", [*tokens, 6], pull=gone)  # no such worker
         assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 2
+        assert adapters["w1"].migration.pulls == {"refused": 1}
         assert adapters["w0"].migration.pulls == {"failed": 1}
         assert not adapters["w0"].migration._incoming and not adapters["w1"].migration._incoming
         await nc.close()

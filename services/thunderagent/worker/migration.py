@@ -144,7 +144,8 @@ class WorkerMigration:
         self._incoming: dict[tuple[int, int], asyncio.Future] = {}
         """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done."""
         self.pulls: Counter[str] = Counter()
-        """Copies made for runs: done, failed."""
+        """Copies for runs by outcome: done, refused (the source did not hold the whole prefix
+        in a pool like ours), failed (no answer, or the pull itself failed)."""
 
     async def start(self, relay: KvRelay | None) -> None:
         """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (None: the
@@ -286,9 +287,11 @@ class WorkerMigration:
             offer = await self.bus.request(
                 subjects.worker_kv_export(src), export, KvExportOffer, timeout=PULL_TIMEOUT_S
             )
-            if offer.blocks < hint.blocks or offer.transport != "nixl":
+            same_pool = offer.block_bytes == self.kv_transfer.get("block_bytes")
+            if offer.blocks < hint.blocks or offer.transport != "nixl" or not same_pool:
                 why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
                 log.info("pull for %s from %s not made: %s", request_id, src, why)
+                self.pulls["refused"] += 1
                 if offer.blocks > 0:
                     await self._release_at(src, mid, hint.prefix_hash)
                 return
