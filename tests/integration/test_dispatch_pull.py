@@ -1,8 +1,8 @@
 """A pull at dispatch over real NATS: a run whose ``PullHint`` names the worker holding its
 prefix starts only once the adapter copied the prefix from there with NIXL (the bytes checked
 block by block), a second run for the same prefix waits for that copy instead of making
-another, a hint the source cannot honour leaves the run to prefill, and the scheduler service
-sends the hint with the run."""
+another, a source holding part of the prefix gives that part, a hint the source cannot honour
+leaves the run to prefill, and the scheduler service sends the hint with the run."""
 
 from __future__ import annotations
 
@@ -105,6 +105,27 @@ async def test_a_run_copies_its_prefix_from_the_holder_before_it_starts(nats_ser
                 src.kv_pool.expected_checksum(key)
             )
         assert src.core.cache.refcount(copied[0]) == 0  # the source was released
+        await nc.close()
+
+
+async def test_a_source_holding_part_of_the_prefix_gives_that_part(nats_server):
+    """The source holds the first 4 of the hinted 8 blocks (as a prompt it is still prefilling
+    holds its finished chunks): the run copies those 4 and computes the rest."""
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        engines, adapters = await two_pooled_workers(stack, runners)
+        tokens = prefix_tokens(BLOCKS, seed=4)
+        await prefill(engines["w0"].url, tokens[: 4 * BLOCK + 1], "part")
+        half = prefix_hash(tokens[: 4 * BLOCK])
+        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, half),
+                       what="w0's adapter to see the first half")  # fmt: skip
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        hint = PullHint(source_worker="w0", prefix_hash=prefix_hash(tokens), blocks=BLOCKS)
+        final = await run_on(bus, nc, "w1", "r1", [*tokens, 5], pull=hint)
+        assert final.usage.cached_tokens == 4 * BLOCK
+        assert adapters["w1"].migration.pulls == {"done": 1}
+        status = await engine_json(engines["w1"].url, "/kv/status")
+        assert status["pulled_blocks"] == 4
         await nc.close()
 
 

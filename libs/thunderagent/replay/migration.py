@@ -273,9 +273,9 @@ class ReplayMigration:
     def pull(self, request: Request, target: str, candidates: list[Candidate], t: float) -> bool:
         """A first run handed to ``target``: the sender's ``PullHint`` (``PullPlanner``), then
         what the target's adapter does with the run: wait for a copy of its prefix already on
-        its way there, or start the hinted copy (only while the source still holds the whole
-        prefix: an export names it by its deepest block). True when the run now waits for
-        ``pull_landed``."""
+        its way there, or start the hinted copy of what the source holds of the prefix (the
+        leading run: a prefix it is still prefilling gives the chunks already computed). True
+        when the run now waits for ``pull_landed``."""
         if self.mode != "nixl":
             return False
         r = self.replay
@@ -290,8 +290,7 @@ class ReplayMigration:
             return False
         src, dst = r.slot[hint.source_worker], r.slot[target]
         pinned, _ = r.cores[src].pin_prefix(list(keys[: hint.blocks]), need_tokens=False)
-        whole = len(pinned) == hint.blocks
-        present = r.cores[dst].begin_import(pinned) if whole else None
+        present = r.cores[dst].begin_import(pinned) if pinned else None
         if present is None or present >= len(pinned):
             if present is not None:
                 r.cores[dst].abort_import(pinned, present)

@@ -107,6 +107,10 @@ class KvExportRequest(Struct, frozen=True, kw_only=True):
     """Primary hash of the prefix's deepest block."""
     blocks: int = 0
     """Expected blocks in the prefix (0: whatever the chain holds)."""
+    chain: list[int] = field(default_factory=list)
+    """Our primary hashes of the prefix's blocks, root first (a run's copy, ``PullHint``):
+    the source then offers the longest leading run of them it holds, so a prefix it is still
+    prefilling offers the chunks already computed. Empty: the whole prefix or nothing."""
     hold_s: float = 30.0
     """The source unpins by itself this long after the offer if no ``KvRelease`` came (a
     migration service that died mid-move does not pin KV forever)."""

@@ -123,6 +123,22 @@ def engine_chain(mirror: KvMirror, prefix_hash: int) -> list[int] | None:
     return chain or None
 
 
+def engine_run(mirror: KvMirror, chain: list[int]) -> list[int]:
+    """The engine's block hashes of the longest leading run of ``chain`` (ours, root first)
+    the mirror holds, each the child of the one before; empty when not even the first."""
+    wanted = set(chain)
+    ours = {b.primary: h for h, b in mirror.blocks.items() if b.primary in wanted}
+    run: list[int] = []
+    parent = None
+    for primary in chain:
+        h = ours.get(primary)
+        if h is None or mirror.blocks[h].parent_engine_hash != parent:
+            break
+        run.append(h)
+        parent = h
+    return run
+
+
 class WorkerMigration:
     def __init__(
         self,
@@ -144,8 +160,8 @@ class WorkerMigration:
         self._incoming: dict[tuple[int, int], asyncio.Future] = {}
         """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done."""
         self.pulls: Counter[str] = Counter()
-        """Copies for runs by outcome: done, refused (the source did not hold the whole prefix
-        in a pool like ours), failed (no answer, or the pull itself failed)."""
+        """Copies for runs by outcome: done (all or part of the prefix), refused (the source
+        held none of it, or not in a pool like ours), failed (no answer, or the pull failed)."""
 
     async def start(self, relay: KvRelay | None) -> None:
         """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (None: the
@@ -179,7 +195,12 @@ class WorkerMigration:
             )
 
         mirror = self.mirror()
-        chain = engine_chain(mirror, req.prefix_hash) if mirror is not None else None
+        if mirror is None:
+            chain = None
+        elif req.chain:
+            chain = engine_run(mirror, req.chain) or None
+        else:
+            chain = engine_chain(mirror, req.prefix_hash)
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
         if self.kv_transfer is not None:
@@ -263,7 +284,7 @@ class WorkerMigration:
         if incoming is not None:
             await asyncio.shield(incoming)
         elif work.pull is not None and not work.request.cache_salt:
-            await self._fetch(work.pull, work.request.request_id)
+            await self._fetch(work.pull, work.request.request_id, tokens)
 
     def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
         """The copy under way here whose prefix the prompt starts with, if any (hashed only
@@ -276,19 +297,25 @@ class WorkerMigration:
                     return done
         return None
 
-    async def _fetch(self, hint: PullHint, request_id: str) -> None:
+    async def _fetch(self, hint: PullHint, request_id: str, tokens: list[int]) -> None:
+        """Copy what the source holds of the hinted prefix: all of it, or the chunks of it
+        already computed there (the source offers the longest leading run it holds)."""
         key = (hint.blocks, hint.prefix_hash)
         done = self._incoming[key] = asyncio.get_running_loop().create_future()
         mid = f"pull-{request_id}-{uuid.uuid4().hex[:6]}"
         src = hint.source_worker
         try:
-            export = KvExportRequest(migration_id=mid, prefix_hash=hint.prefix_hash,
-                                     blocks=hint.blocks, hold_s=PULL_TIMEOUT_S)  # fmt: skip
+            size = self.block_size
+            chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
+            export = KvExportRequest(
+                migration_id=mid, prefix_hash=hint.prefix_hash, blocks=hint.blocks,
+                chain=chain, hold_s=PULL_TIMEOUT_S,
+            )  # fmt: skip
             offer = await self.bus.request(
                 subjects.worker_kv_export(src), export, KvExportOffer, timeout=PULL_TIMEOUT_S
             )
             same_pool = offer.block_bytes == self.kv_transfer.get("block_bytes")
-            if offer.blocks < hint.blocks or offer.transport != "nixl" or not same_pool:
+            if offer.blocks <= 0 or offer.transport != "nixl" or not same_pool:
                 why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
                 log.info("pull for %s from %s not made: %s", request_id, src, why)
                 self.pulls["refused"] += 1

@@ -7,7 +7,7 @@ from thunderagent.hashing import BlockHasher
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import Gap, Received, Restarted
-from thunderagent.worker.migration import TokenTap, engine_chain
+from thunderagent.worker.migration import TokenTap, engine_chain, engine_run
 
 BS = 4
 
@@ -33,6 +33,21 @@ def test_engine_chain_walks_from_our_deepest_hash_to_the_root() -> None:
     assert engine_chain(mirror, 12345) is None
     del mirror.blocks[12]  # a lost event broke the chain: nothing is moved
     assert engine_chain(mirror, ours[3]) is None
+
+
+def test_engine_run_is_the_longest_leading_run_the_mirror_holds() -> None:
+    """A run's copy names the whole chain; the source offers what it holds of it from the root
+    (a prompt still being prefilled there: its finished chunks)."""
+    mirror = KvMirror(BS)
+    tokens = list(range(200, 224))  # 6 blocks; the engine holds the first 4
+    mirror.apply([stored([21, 22], None, tokens[:8]), stored([23, 24], 22, tokens[8:16])])
+    chain = BlockHasher(BS).hash_tokens(tokens).primary
+    assert engine_run(mirror, chain) == [21, 22, 23, 24]
+    assert engine_run(mirror, chain[:2]) == [21, 22]
+    assert engine_run(mirror, chain[1:]) == []  # not from the root: nothing
+    assert engine_run(mirror, [12345, *chain]) == []
+    del mirror.blocks[22]  # a lost event: the run stops before the gap
+    assert engine_run(mirror, chain) == [21]
 
 
 def test_token_tap_follows_stores_removals_and_clears() -> None:

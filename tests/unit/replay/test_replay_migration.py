@@ -317,3 +317,17 @@ def test_a_run_for_a_prefix_already_crossing_waits_for_that_copy() -> None:
     assert records["q3"].first_token >= records["q1"].arrival + 10 * BS * 131_072 / 25e9 + 0.005
     assert mig.summary()["pulls"] == 1
     assert all(rec.status == "completed" for rec in records.values())
+
+
+def test_a_run_copies_the_chunks_a_prefill_elsewhere_has_finished() -> None:
+    """q0's 200-block prompt is prefilled in chunks of 128 blocks (8,192 tokens); q1, sent to
+    the other worker after the first chunk, copies those 128 blocks and computes the rest."""
+    prefix = list(range(1, 201))
+    trace = [TraceRequest("q0", 0.0, 200 * BS + 7, 4, [*prefix, 900]),
+             TraceRequest("q1", 0.2, 200 * BS + 9, 4, [*prefix, 901])]  # fmt: skip
+    r, mig = round_robin("nixl")
+    records = {rec.request_id: rec for rec in r.run(trace).records}
+    assert records["q0"].first_token > 0.2  # q0 was still prefilling when q1 came
+    assert records["q1"].cached_tokens == 128 * BS
+    s = mig.summary()
+    assert (s["pulls"], s["pulled_blocks"]) == (1, 128)
