@@ -1,8 +1,9 @@
 """A pull at dispatch over real NATS: a run whose ``PullHint`` names the worker holding its
 prefix starts only once the adapter copied the prefix from there with NIXL (the bytes checked
 block by block), a second run for the same prefix waits for that copy instead of making
-another, a source holding part of the prefix gives that part, a hint the source cannot honour
-leaves the run to prefill, and the scheduler service sends the hint with the run."""
+another, a source holding part of the prefix gives that part, a copy slower than its budget and
+a hint the source cannot honour leave the run to prefill, and the scheduler service sends the
+hint with the run."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from thunderagent.schemas import (
     Candidate,
     FinalReply,
     GenerateRequest,
+    HeldReply,
     PullHint,
     RouteDecision,
     ScheduleRequest,
@@ -60,7 +62,7 @@ async def run_on(bus: Bus, nc, worker: str, rid: str, tokens: list[int], pull=No
     try:
         while True:
             msg = await asyncio.wait_for(got.get(), 20)
-            reply = msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
+            reply = msgspec.json.decode(msg.data, type=TokenChunk | HeldReply | FinalReply)
             if isinstance(reply, FinalReply):
                 return reply
     finally:
@@ -76,15 +78,22 @@ async def two_pooled_workers(stack, runners: list, pull_gbps: float = 0.0):
     return engines, adapters
 
 
+async def held_by_w0(engines: dict, adapters: dict, seed: int) -> tuple[list[int], int]:
+    """A prefix of ``BLOCKS`` blocks prefilled on w0, once w0's adapter has seen it: its
+    tokens and our hash of its deepest block."""
+    tokens = prefix_tokens(BLOCKS, seed=seed)
+    p = prefix_hash(tokens)
+    await prefill(engines["w0"].url, [*tokens, 9], f"fill-{seed}")
+    await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
+                   what="w0's adapter to see the prefix")  # fmt: skip
+    return tokens, p
+
+
 async def test_a_run_copies_its_prefix_from_the_holder_before_it_starts(nats_server):
     async with pooled_stack(nats_server.url) as (stack, runners):
         # 8 blocks of 64 KiB paced at 2 MB/s: the copy takes ~0.26 s
         engines, adapters = await two_pooled_workers(stack, runners, pull_gbps=0.002)
-        tokens = prefix_tokens(BLOCKS, seed=3)
-        p = prefix_hash(tokens)
-        await prefill(engines["w0"].url, [*tokens, 9], "fill")
-        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
-                       what="w0's adapter to see the prefix")  # fmt: skip
+        tokens, p = await held_by_w0(engines, adapters, seed=3)
         nc = await connect(nats_server.url, name="pull-test")
         bus = Bus(nc, service="pull-test")
         hint = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS)
@@ -129,6 +138,29 @@ async def test_a_source_holding_part_of_the_prefix_gives_that_part(nats_server):
         await nc.close()
 
 
+async def test_a_copy_slower_than_its_budget_is_given_up_and_the_run_prefills(nats_server):
+    """The hint's budget is the prefill it saves: a copy paced to ~2.6 s (512 KiB at 200 KB/s)
+    with a 0.3 s budget is abandoned at the target's engine, nothing is inserted there, the
+    source is released, and the run prefills at once."""
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        engines, adapters = await two_pooled_workers(stack, runners, pull_gbps=0.0002)
+        tokens, p = await held_by_w0(engines, adapters, seed=6)
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        hint = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS, budget_s=0.3)
+        started = asyncio.get_running_loop().time()
+        final = await run_on(bus, nc, "w1", "r1", [*tokens, 5], pull=hint)
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert final.usage.cached_tokens == 0
+        assert adapters["w1"].migration.pulls == {"failed": 1}
+        status = await engine_json(engines["w1"].url, "/kv/status")
+        assert (status["pulled_blocks"], status["failed_pulls"]) == (0, 1)
+        src = engines["w0"].driver
+        await wait_for(lambda: all(src.core.cache.refcount(k) == 0 for k in src.kv_pool.slot_of),
+                       what="the source to be released")  # fmt: skip
+        await nc.close()
+
+
 async def test_a_hint_the_source_cannot_honour_leaves_the_run_to_prefill(nats_server):
     async with pooled_stack(nats_server.url) as (stack, runners):
         _, adapters = await two_pooled_workers(stack, runners)
@@ -155,16 +187,15 @@ async def test_the_scheduler_orders_the_copy_with_the_run(nats_server):
 
     async with pooled_stack(nats_server.url) as (stack, runners):
         engines, adapters = await two_pooled_workers(stack, runners)
-        config = SchedulerConfig(scheduler="direct", pull=MigrationParams(pull_min_tokens=1))
+        # 128 tokens of prefix: at the H100 rate (20,000 tokens/s) the copy's budget would be
+        # 6.4 ms, less than this machine's hops; the simulated engine's rate is the one to use
+        slow = MigrationParams(pull_min_tokens=1, prefill_tokens_per_s=100.0)
+        config = SchedulerConfig(scheduler="direct", pull=slow)
         await stack.start_service(
             "scheduler", lambda ctx, svc: svc.run_service(ctx),
             build=lambda ctx: SchedulerService(config, ctx.bus),
         )  # fmt: skip
-        tokens = prefix_tokens(BLOCKS, seed=9)
-        p = prefix_hash(tokens)
-        await prefill(engines["w0"].url, [*tokens, 9], "fill")
-        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
-                       what="w0's adapter to see the prefix")  # fmt: skip
+        tokens, p = await held_by_w0(engines, adapters, seed=9)
         prompt = [*tokens, 4, 4]
         hashes = BlockHasher(BLOCK).hash_tokens(prompt).primary
         assert hashes[BLOCKS - 1] == p

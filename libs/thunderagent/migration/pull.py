@@ -103,7 +103,8 @@ class PullPlanner:
         now: float,
     ) -> PullHint | None:
         """The copy to order with a first run on ``target``, booked on both links; None when
-        no other candidate holds enough more of the prompt for a copy to pay."""
+        no other candidate holds enough more of the prompt for a copy to pay. Its budget is
+        the prefill it saves: a copy that stalls longer is given up and the run prefills."""
         p = self.params
         if p.pull_min_tokens <= 0:
             return None
@@ -122,10 +123,11 @@ class PullPlanner:
         )
         if plan is None:
             return None
-        seconds = (plan.blocks - plan.present) * block_bytes / p.link_bytes_per_s
-        self.links.book(now, seconds, plan.source, target)
+        missing = plan.blocks - plan.present
+        self.links.book(now, missing * block_bytes / p.link_bytes_per_s, plan.source, target)
         return PullHint(
             source_worker=plan.source,
             prefix_hash=block_hashes[plan.blocks - 1],
             blocks=plan.blocks,
+            budget_s=missing * block_size / p.prefill_tokens_per_s,
         )

@@ -113,6 +113,8 @@ class _Pull:
     request: Request
     joined: list[Request] = field(default_factory=list)
     """Runs dispatched to the target for the same prefix while it crosses: they wait too."""
+    given_up: bool = False
+    """It would have landed after its budget: the run waits the budget out, then prefills."""
 
 
 @dataclass(slots=True)
@@ -136,7 +138,11 @@ class MoveStats:
     pulled_blocks: int = 0
     pulled_bytes: int = 0
     pulls_refused: int = 0
-    """Pulls planned but not started (the source lost the blocks, no room at the target)."""
+    """Pulls planned but not started (the source held none of the prefix, no room at the
+    target)."""
+    pulls_given_up: int = 0
+    """Pulls that would have landed after their budget (``PullHint.budget_s``): the run
+    waited it out and prefilled, as the adapter does."""
     pull_waits: list[float] = field(default_factory=list)
     """Per pull, dispatch to landing (link wait included)."""
 
@@ -301,9 +307,20 @@ class ReplayMigration:
         self._publish(dst, t)  # the reservation may have evicted blocks
         p = self.planner.params
         nbytes = (len(pinned) - present) * r.block_size * p.kv_bytes_per_token
-        ends = r.links.occupy((hint.source_worker, target), nbytes / p.link_bytes_per_s, t)
+        seconds = nbytes / p.link_bytes_per_s
+        link = (hint.source_worker, target)
         rid = request.request_id
-        self._pulls[rid] = _Pull(hint, target, pinned, present, nbytes, t, request)
+        pull = self._pulls[rid] = _Pull(hint, target, pinned, present, nbytes, t, request)
+        budget = hint.budget_s or math.inf
+        if r.links.begins(link, t) + seconds + p.link_latency_s - t > budget:
+            # the adapter gives the copy up when its budget is spent and the run prefills
+            r.cores[dst].abort_import(pinned, present)
+            r.cores[src].unpin_prefix(pinned)
+            self._publish(dst, t)
+            pull.given_up = True
+            r._push_timer(t + budget, PULL_TIMER, rid)
+            return True
+        ends = r.links.occupy(link, seconds, t)
         r._push_timer(ends + p.link_latency_s, PULL_TIMER, rid)
         return True
 
@@ -311,13 +328,16 @@ class ReplayMigration:
         """A pull's bytes arrived: the blocks are cached at the target; returns the runs that
         waited for them."""
         pull = self._pulls.pop(request_id)
+        s = self.stats
+        if pull.given_up:
+            s.pulls_given_up += 1
+            return [pull.request, *pull.joined]
         r = self.replay
         src, dst = r.slot[pull.hint.source_worker], r.slot[pull.target]
         r.cores[dst].commit_import(pull.keys, pull.present, None)
         self._publish(dst, t)
         r.cores[src].unpin_prefix(pull.keys)
         self._publish(src, t)
-        s = self.stats
         s.pulls += 1
         s.pulled_blocks += len(pull.keys) - pull.present
         s.pulled_bytes += pull.nbytes
@@ -430,6 +450,7 @@ def move_summary(
         "pulled_blocks": s.pulled_blocks,
         "pulled_bytes": s.pulled_bytes,
         "pulls_refused": s.pulls_refused,
+        "pulls_given_up": s.pulls_given_up,
         "pull_wait_s": {
             "p50": percentile(s.pull_waits, 50) if s.pull_waits else 0.0,
             "p99": percentile(s.pull_waits, 99) if s.pull_waits else 0.0,

@@ -74,10 +74,14 @@ class TransferLinks:
         """A KV move between workers (migration, ``migration.py``) on the same links: it starts
         when every named worker's link is free, holds them all for ``seconds``, and PD sends
         queue behind it (and it behind them). Returns when it ends."""
-        begin = max([now, *(self._free_at.get(w, 0.0) for w in workers)])
+        begin = self.begins(workers, now)
         for w in workers:
             self._free_at[w] = begin + seconds
         return begin + seconds
+
+    def begins(self, workers: tuple[str, ...], now: float) -> float:
+        """When a move between ``workers`` booked now would start (both links free)."""
+        return max([now, *(self._free_at.get(w, 0.0) for w in workers)])
 
     def landed(self, rid: str) -> str:
         """The KV is on the decode worker (returned); the run decodes there now."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
 from thunderagent.schemas.generate import ErrorCode, GenerateRequest, TokenId, Usage
 from thunderagent.schemas.ids import PositiveInt, ReplySubject, RouterId, RouterIdOrNone
@@ -143,6 +143,9 @@ class PullHint(Struct, frozen=True, kw_only=True):
     """Our primary hash of the prompt's block ``blocks - 1``: names the prefix to the source."""
     blocks: PositiveInt
     """Leading prompt blocks to hold once the copy lands."""
+    budget_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    """Give the copy up after this long and let the run prefill: the prefill time it saves, so
+    a copy that stalls costs the run at most that (0: the adapter's own bound)."""
 
 
 class WorkerGenerate(Struct, frozen=True, kw_only=True):

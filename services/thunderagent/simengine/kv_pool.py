@@ -213,6 +213,10 @@ class KvPool:
         for i in range(0, len(slots), chunk):
             if pace_bytes_per_s:
                 due = started + i * self.slot_bytes / pace_bytes_per_s
+                if due > deadline:  # the paced link cannot finish in time: give up at the deadline
+                    await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+                    self.stats.failed_pulls += 1
+                    raise TransferFailed(f"NIXL read from {remote} timed out (paced link)")
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
             await self._read_chunk(remote, remote_addrs[i : i + chunk], slots[i : i + chunk],
                                    deadline)  # fmt: skip

@@ -54,7 +54,10 @@ from thunderagent.worker.kv_relay import KvRelay
 log = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 10.0
-"""A copy for a run gives up after this (each step), and the run prefills instead."""
+"""A copy for a run without a budget gives up after this, and the run prefills instead."""
+PULL_GRACE_S = 1.0
+"""How long past its budget a copy's engine may take to answer before the run goes ahead (an
+import that lands later is ordinary cache: its duplicate blocks give their room back)."""
 
 
 class TokenTap:
@@ -299,11 +302,17 @@ class WorkerMigration:
 
     async def _fetch(self, hint: PullHint, request_id: str, tokens: list[int]) -> None:
         """Copy what the source holds of the hinted prefix: all of it, or the chunks of it
-        already computed there (the source offers the longest leading run it holds)."""
+        already computed there (the source offers the longest leading run it holds); within
+        the hint's budget (the prefill it saves), else the run prefills."""
         key = (hint.blocks, hint.prefix_hash)
-        done = self._incoming[key] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = self._incoming[key] = loop.create_future()
         mid = f"pull-{request_id}-{uuid.uuid4().hex[:6]}"
         src = hint.source_worker
+        budget = hint.budget_s or PULL_TIMEOUT_S
+        deadline = loop.time() + budget
+        offer: KvExportOffer | None = None
+        outcome = "failed"
         try:
             size = self.block_size
             chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
@@ -312,30 +321,30 @@ class WorkerMigration:
                 chain=chain, hold_s=PULL_TIMEOUT_S,
             )  # fmt: skip
             offer = await self.bus.request(
-                subjects.worker_kv_export(src), export, KvExportOffer, timeout=PULL_TIMEOUT_S
+                subjects.worker_kv_export(src), export, KvExportOffer, timeout=budget
             )
             same_pool = offer.block_bytes == self.kv_transfer.get("block_bytes")
+            left = deadline - loop.time()
             if offer.blocks <= 0 or offer.transport != "nixl" or not same_pool:
                 why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
+                outcome = "refused"
                 log.info("pull for %s from %s not made: %s", request_id, src, why)
-                self.pulls["refused"] += 1
-                if offer.blocks > 0:
-                    await self._release_at(src, mid, hint.prefix_hash)
                 return
-            try:
-                pull = KvPullRequest(
-                    migration_id=mid, source_worker=src, offer=offer, timeout_s=PULL_TIMEOUT_S
-                )
-                pulled = await self.pull(pull)
-            finally:
-                await self._release_at(src, mid, hint.prefix_hash)
-            self.pulls[("done" if pulled.ok else "failed")] += 1
-        except BusError as err:
-            self.pulls["failed"] += 1
-            log.info("pull for %s from %s failed: %s", request_id, src, err)
+            if left <= 0:
+                log.info("pull for %s from %s: its %.3f s budget spent", request_id, src, budget)
+                return
+            pull = KvPullRequest(migration_id=mid, source_worker=src, offer=offer, timeout_s=left)
+            # the engine gives the import up at ``left``; the grace covers one that does not
+            pulled = await asyncio.wait_for(self.pull(pull), left + PULL_GRACE_S)
+            outcome = "done" if pulled.ok else "failed"
+        except (BusError, TimeoutError) as err:
+            log.info("pull for %s from %s failed: %r", request_id, src, err)
         finally:
+            self.pulls[outcome] += 1
             del self._incoming[key]
-            done.set_result(None)
+            done.set_result(None)  # before any await: the runs waiting on it must not hang
+            if offer is not None and offer.blocks > 0:
+                await self._release_at(src, mid, hint.prefix_hash)
 
     async def _release_at(self, source: str, migration_id: str, prefix_hash: int) -> None:
         release = KvRelease(migration_id=migration_id, prefix_hash=prefix_hash)

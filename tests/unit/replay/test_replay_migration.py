@@ -331,3 +331,20 @@ def test_a_run_copies_the_chunks_a_prefill_elsewhere_has_finished() -> None:
     assert records["q1"].cached_tokens == 128 * BS
     s = mig.summary()
     assert (s["pulls"], s["pulled_blocks"]) == (1, 128)
+
+
+def test_a_copy_that_would_land_after_its_budget_is_given_up() -> None:
+    """The sender does not see the planner's moves on the link: when the copy would land
+    after the prefill it saves (its budget), the adapter gives it up at the budget and the run
+    prefills; the replay does the same."""
+    q0, q1 = shared_prefix_runs([0.0, 2.0])
+    r, mig = round_robin("nixl")
+    r.run([q0])
+    r.links.occupy(("w00", "w01"), 10.0, r.now)  # a planner move holds the link for 10 s
+    records = {rec.request_id: rec for rec in r.run([q1]).records}
+    budget = 10 * BS / 20_000  # 10 blocks of 64 tokens at the router's prefill rate
+    assert records["q1"].cached_tokens == 0
+    assert records["q1"].first_token - records["q1"].arrival > budget
+    s = mig.summary()
+    assert (s["pulls"], s["pulls_given_up"]) == (0, 1)
+    assert r.cores[r.slot["w01"]].cache.reserved == 0  # the reservation was given back
