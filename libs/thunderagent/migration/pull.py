@@ -11,10 +11,11 @@ Decided by whoever hands the run to a worker (the scheduler service, a router on
 the replay) from the routing decision's candidates, what every worker was believed to hold when
 the request was routed: ``PullPlanner.hint`` gives the ``PullHint`` that goes with the run. The
 holder may have lost part of the prefix since, or still be computing it (an engine caches a
-prompt's blocks chunk by chunk): the source pins what it has, and what is not copied is
-prefilled, as without a hint. Each sender books the copies it orders on a per-worker link
-timeline (``PullLinks``) and counts the wait for both ends in the decision; copies other senders
-or the migration service order are not seen there.
+prompt's blocks chunk by chunk): the source offers the leading run it holds, and what is not
+copied is prefilled, as without a hint. A hint's budget is the prefill it saves: a copy stalled
+past it is given up and the run prefills. Each sender books the copies it orders on a
+per-worker link timeline (``PullLinks``) and counts the wait for both ends in the decision;
+copies other senders or the migration service order are not seen there.
 """
 
 from __future__ import annotations
@@ -81,9 +82,6 @@ class PullLinks:
         end = now + self.wait(now, *workers) + seconds
         for w in workers:
             self._free_at[w] = end
-
-    def forget(self, worker: str) -> None:
-        self._free_at.pop(worker, None)
 
 
 class PullPlanner:
