@@ -15,12 +15,8 @@ from dataclasses import dataclass
 
 from thunderagent.migration import MigrationParams, ParamError
 from thunderagent.replay import Record, TraceRequest
-from thunderagent.replay.migration import (
-    MODES,
-    hot_summary,
-    hot_ttft_floor_ms,
-    shared_prefix_blocks,
-)
+from thunderagent.replay.hot import hot_summary, hot_ttft_floor_ms, shared_prefix_blocks
+from thunderagent.replay.migration import MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

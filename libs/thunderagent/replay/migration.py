@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,8 +64,7 @@ from thunderagent.schemas import Candidate, LoadReport, PullHint, RouteDecision
 from thunderagent.stats import percentile
 
 if TYPE_CHECKING:
-    from thunderagent.replay.driver import Record, Replay
-    from thunderagent.replay.traces import TraceRequest
+    from thunderagent.replay.driver import Replay
 
 MODES = ("off", "replicate", "nixl")
 PLAN_INTERVAL_S = 0.5
@@ -246,35 +245,61 @@ class ReplayMigration:
         return list(self.replay.keys[rid].primary[:depth])
 
     def _copy(self, action: Move, keys: list[int], t: float) -> None:
-        r = self.replay
-        src, dst = r.slot[action.source], r.slot[action.target]
-        pinned, _ = r.cores[src].pin_prefix(keys, need_tokens=False)
-        if not pinned:
-            self._fail(action, t, "the source no longer holds the prefix")
+        reserved = self._reserve(action.source, action.target, keys, t)
+        if isinstance(reserved, str):
+            self._fail(action, t, reserved)
             return
-        present = r.cores[dst].begin_import(pinned)
-        if present is None:
-            r.cores[src].unpin_prefix(pinned)
-            self._fail(action, t, "no room at the target")
-            return
-        self._publish(dst, t)  # the reservation may have evicted blocks
+        pinned, present, nbytes = reserved
         p = self.planner.params
-        nbytes = (len(pinned) - present) * r.block_size * p.kv_bytes_per_token
-        ends = r.links.occupy((action.source, action.target), nbytes / p.link_bytes_per_s, t)
+        ends = self.replay.links.occupy(
+            (action.source, action.target), nbytes / p.link_bytes_per_s, t
+        )
         self._moves[action.action_id] = _Move(action, pinned, t, present, nbytes)
-        r._push_timer(ends + p.link_latency_s, TIMER, action.action_id)
+        self.replay._push_timer(ends + p.link_latency_s, TIMER, action.action_id)
 
     def landed(self, action_id: str, t: float) -> None:
         """The bytes are on the target: insert them there, release (or free) the source."""
         move = self._moves.pop(action_id)
-        r, action = self.replay, move.action
-        src, dst = r.slot[action.source], r.slot[action.target]
-        r.cores[dst].commit_import(move.keys, move.present, None)
-        self._publish(dst, t)
-        freed = r.cores[src].unpin_prefix(move.keys, drop=isinstance(action, Migrate))
-        self.stats.freed_blocks += freed
-        self._publish(src, t)
+        action = move.action
+        drop = isinstance(action, Migrate)
+        self.stats.freed_blocks += self._land(action.source, action.target, move, t, drop)
         self._done(action, t, move.nbytes, t - move.started)
+
+    def _reserve(
+        self, source: str, target: str, keys: list[int], t: float
+    ) -> tuple[list[int], int, int] | str:
+        """Start a copy of ``keys``: pin the leading run ``source`` holds, reserve the missing
+        blocks at ``target``; (pinned keys, blocks the target had, bytes to send), or why not
+        (nothing is left pinned or reserved then)."""
+        r = self.replay
+        src, dst = r.cores[r.slot[source]], r.cores[r.slot[target]]
+        pinned, _ = src.pin_prefix(keys, need_tokens=False)
+        if not pinned:
+            return "the source no longer holds the prefix"
+        present = dst.begin_import(pinned)
+        if present is None:
+            src.unpin_prefix(pinned)
+            return "no room at the target"
+        self._publish(r.slot[target], t)  # the reservation may have evicted blocks
+        nbytes = (len(pinned) - present) * r.block_size * self.planner.params.kv_bytes_per_token
+        return pinned, present, nbytes
+
+    def _unreserve(self, source: str, target: str, keys: list[int], present: int) -> None:
+        """Give a copy up before it lands: the reservation back, the source unpinned."""
+        r = self.replay
+        r.cores[r.slot[target]].abort_import(keys, present)
+        r.cores[r.slot[source]].unpin_prefix(keys)
+
+    def _land(self, source: str, target: str, copy: _Move | _Pull, t: float, drop: bool) -> int:
+        """A copy's bytes arrived: insert them at ``target``, release ``source`` (``drop``:
+        free what nobody else uses there); returns the blocks freed."""
+        r = self.replay
+        src, dst = r.slot[source], r.slot[target]
+        r.cores[dst].commit_import(copy.keys, copy.present, None)
+        self._publish(dst, t)
+        freed = r.cores[src].unpin_prefix(copy.keys, drop=drop)
+        self._publish(src, t)
+        return freed
 
     def pull(self, request: Request, target: str, candidates: list[Candidate], t: float) -> bool:
         """A first run handed to ``target``: the sender's ``PullHint`` (``PullPlanner``), then
@@ -284,9 +309,9 @@ class ReplayMigration:
         when the run now waits for ``pull_landed``."""
         if self.mode != "nixl":
             return False
-        r = self.replay
         keys = request.block_hashes
-        hint = self.pulls.hint(candidates, target, keys, request.prompt_len, r.block_size, t)
+        size = self.replay.block_size
+        hint = self.pulls.hint(candidates, target, keys, request.prompt_len, size, t)
         for pull in self._pulls.values():
             n = pull.hint.blocks
             if pull.target == target and len(keys) >= n and keys[n - 1] == pull.hint.prefix_hash:
@@ -294,35 +319,40 @@ class ReplayMigration:
                 return True
         if hint is None:
             return False
-        src, dst = r.slot[hint.source_worker], r.slot[target]
-        pinned, _ = r.cores[src].pin_prefix(list(keys[: hint.blocks]), need_tokens=False)
-        present = r.cores[dst].begin_import(pinned) if pinned else None
-        if present is None or present >= len(pinned):
-            if present is not None:
-                r.cores[dst].abort_import(pinned, present)
-            if pinned:
-                r.cores[src].unpin_prefix(pinned)
+        reserved = self._reserve(hint.source_worker, target, list(keys[: hint.blocks]), t)
+        if not isinstance(reserved, str) and reserved[1] >= len(reserved[0]):
+            self._unreserve(hint.source_worker, target, reserved[0], reserved[1])
+            reserved = "the target holds it already"
+        if isinstance(reserved, str):
             self.stats.pulls_refused += 1
             return False
-        self._publish(dst, t)  # the reservation may have evicted blocks
-        p = self.planner.params
-        nbytes = (len(pinned) - present) * r.block_size * p.kv_bytes_per_token
+        self._start_pull(hint, target, request, reserved, t)
+        return True
+
+    def _start_pull(
+        self,
+        hint: PullHint,
+        target: str,
+        request: Request,
+        reserved: tuple[list[int], int, int],
+        t: float,
+    ) -> None:
+        """Put the copy on the link; or, when it would land after its budget, give it up as
+        the adapter does then: the run waits the budget out and prefills."""
+        r, p = self.replay, self.planner.params
+        pinned, present, nbytes = reserved
         seconds = nbytes / p.link_bytes_per_s
         link = (hint.source_worker, target)
         rid = request.request_id
         pull = self._pulls[rid] = _Pull(hint, target, pinned, present, nbytes, t, request)
         budget = hint.budget_s or math.inf
         if r.links.begins(link, t) + seconds + p.link_latency_s - t > budget:
-            # the adapter gives the copy up when its budget is spent and the run prefills
-            r.cores[dst].abort_import(pinned, present)
-            r.cores[src].unpin_prefix(pinned)
-            self._publish(dst, t)
+            self._unreserve(hint.source_worker, target, pinned, present)
             pull.given_up = True
             r._push_timer(t + budget, PULL_TIMER, rid)
-            return True
+            return
         ends = r.links.occupy(link, seconds, t)
         r._push_timer(ends + p.link_latency_s, PULL_TIMER, rid)
-        return True
 
     def pull_landed(self, request_id: str, t: float) -> list[Request]:
         """A pull's bytes arrived: the blocks are cached at the target; returns the runs that
@@ -331,17 +361,12 @@ class ReplayMigration:
         s = self.stats
         if pull.given_up:
             s.pulls_given_up += 1
-            return [pull.request, *pull.joined]
-        r = self.replay
-        src, dst = r.slot[pull.hint.source_worker], r.slot[pull.target]
-        r.cores[dst].commit_import(pull.keys, pull.present, None)
-        self._publish(dst, t)
-        r.cores[src].unpin_prefix(pull.keys)
-        self._publish(src, t)
-        s.pulls += 1
-        s.pulled_blocks += len(pull.keys) - pull.present
-        s.pulled_bytes += pull.nbytes
-        s.pull_waits.append(t - pull.started)
+        else:
+            self._land(pull.hint.source_worker, pull.target, pull, t, drop=False)
+            s.pulls += 1
+            s.pulled_blocks += len(pull.keys) - pull.present
+            s.pulled_bytes += pull.nbytes
+            s.pull_waits.append(t - pull.started)
         return [pull.request, *pull.joined]
 
     def _warm_up(self, action: Move, keys: list[int], t: float) -> None:
@@ -456,61 +481,3 @@ def move_summary(
             "p99": percentile(s.pull_waits, 99) if s.pull_waits else 0.0,
         },
     }
-
-
-# ---- the hot period ----------------------------------------------------------------------
-def hot_summary(
-    records: Sequence[Record], hot_ids: Collection[str], window: tuple[float, float]
-) -> dict:
-    """TTFT p50/p99 (ms) of the hot requests, of every request arriving in ``window`` (virtual
-    seconds, ``[start, end)``), and of every request arriving outside it. A request that never
-    got a first token counts as infinitely late, as in ``ttft_p99_all_ms``."""
-    start, end = window
-
-    def part(recs: list[Record]) -> dict:
-        ttft = [
-            (r.first_token - r.arrival) * 1000.0 if not math.isnan(r.first_token) else math.inf
-            for r in recs
-        ]
-        return {
-            "requests": len(ttft),
-            "ttft_p50_ms": percentile(ttft, 50),
-            "ttft_p99_ms": percentile(ttft, 99),
-        }
-
-    inside = [r for r in records if start <= r.arrival < end]
-    return {
-        "window_s": [start, end],
-        "hot": part([r for r in records if r.request_id in hot_ids]),
-        "in_window": part(inside),
-        "outside": part([r for r in records if not start <= r.arrival < end]),
-    }
-
-
-def shared_prefix_blocks(trace: Sequence[TraceRequest]) -> int:
-    """Leading block ids every request of ``trace`` carries (the hot prefix of its hot rows)."""
-    if not trace:
-        return 0
-    first = trace[0].block_ids
-    n = len(first)
-    for r in trace[1:]:
-        ids = r.block_ids
-        n = min(n, len(ids))
-        for i in range(n):
-            if ids[i] != first[i]:
-                n = i
-                break
-    return n
-
-
-def hot_ttft_floor_ms(arrivals: Sequence[float], prefix_prefill_s: float) -> float:
-    """A lower bound on the hot requests' TTFT p99 for any router and any planner that copies
-    whole prefixes: no worker holds the hot prefix, and no copy of it can leave, before a first
-    prefill of it ends (``prefix_prefill_s`` after the first hot arrival), so a hot request
-    arriving before then waits at least until then; every later one is taken as served at
-    once. (A copy of the chunks already computed could leave earlier: docs/benchmarks.md,
-    "a pull at dispatch".)"""
-    if not arrivals:
-        return 0.0
-    ready = min(arrivals) + prefix_prefill_s
-    return percentile([max(0.0, ready - t) * 1000.0 for t in arrivals], 99)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -125,25 +126,18 @@ class WorkerAdapter:
         )
 
     def _pulls(self, _options: CallbackOptions) -> list[Observation]:
-        if self.migration is None:
-            return []
-        wid = self.config.worker_id
-        return [
-            Observation(n, {"worker_id": wid, "outcome": outcome})
-            for outcome, n in self.migration.pulls.items()
-        ]
+        return self._by_outcome(self.migration.pulls if self.migration is not None else {})
 
     def _mirror_blocks(self, _options: CallbackOptions) -> list[Observation]:
         """The mirror's counts: a block skipped here is one the router never learns of, so an
         operator must see them (a lost event, a block size that does not match, a tier the
         index does not track)."""
-        if self.relay is None:
-            return []
+        counts = self.relay.mirror.stats.by_outcome() if self.relay is not None else {}
+        return self._by_outcome(counts)
+
+    def _by_outcome(self, counts: Mapping[str, int]) -> list[Observation]:
         wid = self.config.worker_id
-        return [
-            Observation(n, {"worker_id": wid, "outcome": outcome})
-            for outcome, n in self.relay.mirror.stats.by_outcome().items()
-        ]
+        return [Observation(n, {"worker_id": wid, "outcome": o}) for o, n in counts.items()]
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")

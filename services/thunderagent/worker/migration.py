@@ -314,18 +314,9 @@ class WorkerMigration:
         offer: KvExportOffer | None = None
         outcome = "failed"
         try:
-            size = self.block_size
-            chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
-            export = KvExportRequest(
-                migration_id=mid, prefix_hash=hint.prefix_hash, blocks=hint.blocks,
-                chain=chain, hold_s=PULL_TIMEOUT_S,
-            )  # fmt: skip
-            offer = await self.bus.request(
-                subjects.worker_kv_export(src), export, KvExportOffer, timeout=budget
-            )
-            same_pool = offer.block_bytes == self.kv_transfer.get("block_bytes")
+            offer = await self._export_for(hint, mid, tokens, budget)
             left = deadline - loop.time()
-            if offer.blocks <= 0 or offer.transport != "nixl" or not same_pool:
+            if not self._copyable(offer):
                 why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
                 outcome = "refused"
                 log.info("pull for %s from %s not made: %s", request_id, src, why)
@@ -345,6 +336,25 @@ class WorkerMigration:
             done.set_result(None)  # before any await: the runs waiting on it must not hang
             if offer is not None and offer.blocks > 0:
                 await self._release_at(src, mid, hint.prefix_hash)
+
+    async def _export_for(
+        self, hint: PullHint, migration_id: str, tokens: list[int], timeout_s: float
+    ) -> KvExportOffer:
+        """Ask the source for the hinted prefix, named by its whole chain (our hashes of the
+        run's blocks), so it can offer the leading run it holds."""
+        size = self.block_size
+        chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
+        export = KvExportRequest(
+            migration_id=migration_id, prefix_hash=hint.prefix_hash, blocks=hint.blocks,
+            chain=chain, hold_s=PULL_TIMEOUT_S,
+        )  # fmt: skip
+        subject = subjects.worker_kv_export(hint.source_worker)
+        return await self.bus.request(subject, export, KvExportOffer, timeout=timeout_s)
+
+    def _copyable(self, offer: KvExportOffer) -> bool:
+        """Blocks this engine can NIXL-read as they are: a NIXL offer from a pool like ours."""
+        same_pool = offer.block_bytes == (self.kv_transfer or {}).get("block_bytes")
+        return offer.blocks > 0 and offer.transport == "nixl" and same_pool
 
     async def _release_at(self, source: str, migration_id: str, prefix_hash: int) -> None:
         release = KvRelease(migration_id=migration_id, prefix_hash=prefix_hash)
@@ -366,13 +376,8 @@ class WorkerMigration:
             return self._failed(req, "the offer holds no blocks")
         if offer.block_size != self.block_size:
             return self._failed(req, f"block size {offer.block_size} != ours {self.block_size}")
-        same_pool = (
-            self.kv_transfer is not None
-            and offer.transport == "nixl"
-            and offer.block_bytes == self.kv_transfer.get("block_bytes")
-        )
         try:
-            if same_pool:
+            if self.kv_transfer is not None and self._copyable(offer):
                 return await self._pull_nixl(req)
             return await self._warm_up(req)
         except (EngineError, OSError, TimeoutError, aiohttp.ClientError) as err:

@@ -11,14 +11,12 @@ import pytest
 from thunderagent.engine import get_profile
 from thunderagent.migration import Drop, Migrate, Replicate
 from thunderagent.replay import Record, Replay, ReplayConfig, TraceRequest
+from thunderagent.replay.hot import hot_summary, hot_ttft_floor_ms, shared_prefix_blocks
 from thunderagent.replay.migration import (
     PLAN_INTERVAL_S,
     TIMER,
     WARMUP_PREFIX,
     ReplayMigration,
-    hot_summary,
-    hot_ttft_floor_ms,
-    shared_prefix_blocks,
 )
 from thunderagent.stats import percentile
 
