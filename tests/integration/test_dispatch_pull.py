@@ -41,7 +41,6 @@ from thunderagent.schemas import (
     WorkerGenerate,
     subjects,
 )
-from thunderagent.worker.migration import engine_chain
 
 skip_without_nixl()
 
@@ -84,7 +83,7 @@ async def held_by_w0(engines: dict, adapters: dict, seed: int) -> tuple[list[int
     tokens = prefix_tokens(BLOCKS, seed=seed)
     p = prefix_hash(tokens)
     await prefill(engines["w0"].url, [*tokens, 9], f"fill-{seed}")
-    await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, p),
+    await wait_for(lambda: adapters["w0"].relay.mirror.chain_to(p),
                    what="w0's adapter to see the prefix")  # fmt: skip
     return tokens, p
 
@@ -125,7 +124,7 @@ async def test_a_source_holding_part_of_the_prefix_gives_that_part(nats_server):
         tokens = prefix_tokens(BLOCKS, seed=4)
         await prefill(engines["w0"].url, tokens[: 4 * BLOCK + 1], "part")
         half = prefix_hash(tokens[: 4 * BLOCK])
-        await wait_for(lambda: engine_chain(adapters["w0"].relay.mirror, half),
+        await wait_for(lambda: adapters["w0"].relay.mirror.chain_to(half),
                        what="w0's adapter to see the first half")  # fmt: skip
         nc = await connect(nats_server.url, name="pull-test")
         bus = Bus(nc, service="pull-test")

@@ -20,6 +20,7 @@ index tolerates (a miss costs a prefill, never a wrong answer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -76,6 +77,10 @@ class KvMirror:
     block_size: int
     hasher: BlockHasher = field(init=False)
     blocks: dict[int, MirrorBlock] = field(default_factory=dict)
+    by_primary: dict[int, int] = field(default_factory=dict)
+    """Our primary hash -> the engine's hash of that block: an export looks each block up here
+    (``chain_to``, ``leading_run``) instead of scanning the whole cache, which took 16 ms at
+    500k blocks on the adapter's event loop, once per copy a run asks for."""
     stats: MirrorStats = field(default_factory=MirrorStats)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,36 @@ class KvMirror:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.by_primary.clear()
+
+    def chain_to(self, prefix_hash: int) -> list[int] | None:
+        """The engine's hashes of the prefix whose deepest block is ``prefix_hash`` (ours), root
+        first; None when the mirror does not hold all of it (a lost event broke the chain:
+        nothing safe to move)."""
+        chain: list[int] = []
+        h = self.by_primary.get(prefix_hash)
+        while h is not None:
+            block = self.blocks.get(h)
+            if block is None or len(chain) > len(self.blocks):  # gone, or a loop of parents
+                return None
+            chain.append(h)
+            h = block.parent_engine_hash
+        chain.reverse()
+        return chain or None
+
+    def leading_run(self, chain: Sequence[int]) -> list[int]:
+        """The engine's hashes of the longest leading run of ``chain`` (ours, root first) the
+        mirror holds, each the child of the one before; empty when not even the first."""
+        run: list[int] = []
+        parent = None
+        for primary in chain:
+            h = self.by_primary.get(primary)
+            block = self.blocks.get(h) if h is not None else None
+            if block is None or block.parent_engine_hash != parent:
+                break
+            run.append(h)  # type: ignore[arg-type]
+            parent = h
+        return run
 
     def apply(self, events: list[kv_wire.AnyKvEvent]) -> list[KvEvent]:
         """Fold one engine batch into the mirror; returns the same changes in our hashes."""
@@ -97,7 +132,7 @@ class KvMirror:
                 if removed is not None:
                     out.append(removed)
             elif isinstance(ev, kv_wire.AllBlocksCleared):
-                self.blocks.clear()
+                self.clear()
                 out.append(AllCleared())
         return out
 
@@ -128,8 +163,10 @@ class KvMirror:
             self.stats.unhashable_blocks += len(ev.block_hashes)
             return None
         prev = parent_engine
+        blocks, by_primary = self.blocks, self.by_primary
         for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):
-            self.blocks[engine_hash] = MirrorBlock(p, c, prev, medium)
+            blocks[engine_hash] = MirrorBlock(p, c, prev, medium)
+            by_primary[p] = engine_hash
             prev = engine_hash
         self.stats.stored_blocks += len(ev.block_hashes)
         return BlocksStored(
@@ -150,6 +187,8 @@ class KvMirror:
                 self.stats.unknown_removals += 1
                 continue
             del self.blocks[engine_hash]
+            if self.by_primary.get(block.primary) == engine_hash:
+                del self.by_primary[block.primary]
             hashes.append(block.primary)
         self.stats.removed_blocks += len(hashes)
         return BlocksRemoved(hashes=hashes, medium=medium) if hashes else None

@@ -109,39 +109,6 @@ class TokenTap:
             self.blocks.clear()
 
 
-def engine_chain(mirror: KvMirror, prefix_hash: int) -> list[int] | None:
-    """The engine's block hashes of the prefix whose deepest block is ``prefix_hash`` (ours),
-    root first; None when the mirror does not hold it. A scan: moves are rare, lookups are not
-    worth a second index over every block."""
-    deepest = next((h for h, b in mirror.blocks.items() if b.primary == prefix_hash), None)
-    chain: list[int] = []
-    h = deepest
-    while h is not None:
-        block = mirror.blocks.get(h)
-        if block is None:
-            return None  # the chain is broken (an event was lost): nothing safe to move
-        chain.append(h)
-        h = block.parent_engine_hash
-    chain.reverse()
-    return chain or None
-
-
-def engine_run(mirror: KvMirror, chain: list[int]) -> list[int]:
-    """The engine's block hashes of the longest leading run of ``chain`` (ours, root first)
-    the mirror holds, each the child of the one before; empty when not even the first."""
-    wanted = set(chain)
-    ours = {b.primary: h for h, b in mirror.blocks.items() if b.primary in wanted}
-    run: list[int] = []
-    parent = None
-    for primary in chain:
-        h = ours.get(primary)
-        if h is None or mirror.blocks[h].parent_engine_hash != parent:
-            break
-        run.append(h)
-        parent = h
-    return run
-
-
 class WorkerMigration:
     def __init__(
         self,
@@ -201,9 +168,9 @@ class WorkerMigration:
         if mirror is None:
             chain = None
         elif req.chain:
-            chain = engine_run(mirror, req.chain) or None
+            chain = mirror.leading_run(req.chain) or None
         else:
-            chain = engine_chain(mirror, req.prefix_hash)
+            chain = mirror.chain_to(req.prefix_hash)
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
         if self.kv_transfer is not None:
@@ -249,7 +216,7 @@ class WorkerMigration:
         chain = self._chains.pop(req.migration_id, None) if req.migration_id else None
         if chain is None and req.drop:
             mirror = self.mirror()
-            chain = engine_chain(mirror, req.prefix_hash) if mirror is not None else None
+            chain = mirror.chain_to(req.prefix_hash) if mirror is not None else None
         if self.kv_transfer is None:
             reason = "this engine cannot free a prefix selectively" if req.drop else ""
             return KvReleaseResult(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
@@ -204,3 +207,55 @@ def test_dump_leaves_out_blocks_whose_parent_is_gone_and_keeps_a_zero_hash_paren
         (ours.primary[0], None),
         (ours.primary[1], ours.primary[0]),
     ]
+
+
+def _scan_run(mirror: KvMirror, chain: list[int]) -> list[int]:
+    """The reference: the longest leading run found by scanning every mirrored block."""
+    ours = {b.primary: h for h, b in mirror.blocks.items()}
+    run, parent = [], None
+    for primary in chain:
+        h = ours.get(primary)
+        if h is None or mirror.blocks[h].parent_engine_hash != parent:
+            break
+        run.append(h)
+        parent = h
+    return run
+
+
+PROMPTS = [[1] * 8 + [2] * 8 + [3] * 8, [1] * 8 + [2] * 8 + [4] * 8, [5] * 12]
+"""Three prompts of 6, 6 and 3 blocks; the first two share their first 4 blocks."""
+
+
+@given(st.lists(st.tuples(st.sampled_from(["store", "remove", "clear"]), st.integers(0, 2),
+                          st.integers(0, 5)), max_size=30))  # fmt: skip
+def test_exports_find_by_our_hash_exactly_what_a_scan_of_the_mirror_finds(ops) -> None:
+    """Stores (a prompt up to some block, as one event or continuing a stored parent),
+    removals and clears in any order: the reverse map always names every mirrored block, and
+    ``leading_run`` / ``chain_to`` answer as a scan over every block would."""
+    mirror = KvMirror(PAGE)
+    hasher = BlockHasher(PAGE)
+    for op, which, upto in ops:
+        tokens = PROMPTS[which][: (upto + 1) * PAGE]
+        engine = kv_wire.sglang_block_hashes(tokens, PAGE)
+        if op == "store":
+            split = len(engine) // 2
+            if split and engine[split - 1] in mirror.blocks:  # continue from a stored parent
+                ev = kv_wire.BlockStored(
+                    block_hashes=engine[split:], token_ids=tokens[split * PAGE :],
+                    parent_block_hash=engine[split - 1], block_size=PAGE, lora_id=None,
+                    medium="GPU",
+                )  # fmt: skip
+            else:
+                ev, _ = stored(tokens)
+            mirror.apply([ev])
+        elif op == "remove":
+            mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine[-1]], medium="GPU")])
+        else:
+            mirror.apply([kv_wire.AllBlocksCleared()])
+        assert mirror.by_primary == {b.primary: h for h, b in mirror.blocks.items()}
+        for prompt in PROMPTS:
+            chain = hasher.hash_tokens(prompt).primary
+            run = _scan_run(mirror, chain)
+            assert mirror.leading_run(chain) == run
+            for depth, primary in enumerate(chain, 1):
+                assert mirror.chain_to(primary) == (run[:depth] if len(run) >= depth else None)

@@ -1,5 +1,6 @@
 """The adapter's migration helpers: resolving our prefix hash to the engine's chain through the
-mirror, and the token tap that lets a warm-up name a prefix to an engine without KV import."""
+mirror (``KvMirror.chain_to``, ``leading_run``), and the token tap that lets a warm-up name a
+prefix to an engine without KV import."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from thunderagent.hashing import BlockHasher
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import Gap, Received, Restarted
-from thunderagent.worker.migration import TokenTap, engine_chain, engine_run
+from thunderagent.worker.migration import TokenTap
 
 BS = 4
 
@@ -23,31 +24,31 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> kv_wire.
     )
 
 
-def test_engine_chain_walks_from_our_deepest_hash_to_the_root() -> None:
+def test_chain_to_walks_from_our_deepest_hash_to_the_root() -> None:
     mirror = KvMirror(BS)
     tokens = list(range(100, 116))
     mirror.apply([stored([11, 12], None, tokens[:8]), stored([13, 14], 12, tokens[8:])])
     ours = BlockHasher(BS).hash_tokens(tokens).primary
-    assert engine_chain(mirror, ours[3]) == [11, 12, 13, 14]
-    assert engine_chain(mirror, ours[1]) == [11, 12]
-    assert engine_chain(mirror, 12345) is None
+    assert mirror.chain_to(ours[3]) == [11, 12, 13, 14]
+    assert mirror.chain_to(ours[1]) == [11, 12]
+    assert mirror.chain_to(12345) is None
     del mirror.blocks[12]  # a lost event broke the chain: nothing is moved
-    assert engine_chain(mirror, ours[3]) is None
+    assert mirror.chain_to(ours[3]) is None
 
 
-def test_engine_run_is_the_longest_leading_run_the_mirror_holds() -> None:
+def test_leading_run_is_the_longest_leading_run_the_mirror_holds() -> None:
     """A run's copy names the whole chain; the source offers what it holds of it from the root
     (a prompt still being prefilled there: its finished chunks)."""
     mirror = KvMirror(BS)
     tokens = list(range(200, 224))  # 6 blocks; the engine holds the first 4
     mirror.apply([stored([21, 22], None, tokens[:8]), stored([23, 24], 22, tokens[8:16])])
     chain = BlockHasher(BS).hash_tokens(tokens).primary
-    assert engine_run(mirror, chain) == [21, 22, 23, 24]
-    assert engine_run(mirror, chain[:2]) == [21, 22]
-    assert engine_run(mirror, chain[1:]) == []  # not from the root: nothing
-    assert engine_run(mirror, [12345, *chain]) == []
+    assert mirror.leading_run(chain) == [21, 22, 23, 24]
+    assert mirror.leading_run(chain[:2]) == [21, 22]
+    assert mirror.leading_run(chain[1:]) == []  # not from the root: nothing
+    assert mirror.leading_run([12345, *chain]) == []
     del mirror.blocks[22]  # a lost event: the run stops before the gap
-    assert engine_run(mirror, chain) == [21]
+    assert mirror.leading_run(chain) == [21]
 
 
 def test_token_tap_follows_stores_removals_and_clears() -> None:
