@@ -234,3 +234,52 @@ async def test_a_direct_dispatch_of_text_is_dead_lettered_not_booked(nats_server
         await nc.close()
     assert "carries token ids" in dead[0].reason
     assert "text-1" not in sched.pending
+
+
+async def test_a_copy_is_booked_on_the_links_only_for_the_worker_that_took_the_run(nats_server):
+    """The decision names w1 first, w0 holding the whole 32-block prompt. w1 refuses the run
+    that carried a pull from w0: no copy was ordered, so neither link is booked. w0 takes it
+    (it holds the prefix: no hint), and the links stay free for the next run's copy."""
+    from opentelemetry import context as otel_context
+
+    from thunderagent.bus import Bus
+    from thunderagent.migration import MigrationParams
+    from thunderagent.migration.pull import PullPlanner
+    from thunderagent.scheduler.handoff import Handoff
+    from thunderagent.scheduler.pending import Pending
+    from thunderagent.schemas import Ack, WorkerGenerate
+
+    nc = await connect(nats_server.url, name="handoff-test")
+    bus = Bus(nc, service="handoff-test")
+    offers: list[tuple[str, WorkerGenerate]] = []
+
+    def worker(wid: str, accept: bool):
+        async def on_generate(msg) -> None:
+            offers.append((wid, msgspec.json.decode(msg.data, type=WorkerGenerate)))
+            await nc.publish(msg.reply, encode(Ack(accepted=accept, reason="full")))
+
+        return on_generate
+
+    await nc.subscribe(subjects.worker_generate("w1"), cb=worker("w1", False))
+    await nc.subscribe(subjects.worker_generate("w0"), cb=worker("w0", True))
+    # a slow link (a copy books 0.67 s) and a slower prefill, so the copy still pays
+    slow = MigrationParams(pull_min_tokens=1, prefill_tokens_per_s=100.0, link_bytes_per_s=1e8)
+    planner = PullPlanner(slow)
+    handoff = Handoff(bus, timeout_s=5.0, pulls=planner)
+    hashes = list(range(1, 33))
+    decision = RouteDecision(
+        request_id="r1", model=MODEL, worker_id="w1", overlap_blocks=0, prompt_blocks=32,
+        policy="test", decided_at=time.time(),
+        candidates=[Candidate(worker_id="w1", score=1.0),
+                    Candidate(worker_id="w0", score=0.5, overlap_blocks=32)],
+    )  # fmt: skip
+    request = GenerateRequest(model=MODEL, request_id="r1", token_ids=[7] * (32 * 16 + 1),
+                              max_tokens=2)  # fmt: skip
+    submit = ScheduleRequest(request=request, reply_subject="_INBOX.none", decision=decision,
+                             block_size=16, block_hashes=hashes)  # fmt: skip
+    took, reasons = await handoff.dispatch(Pending(submit, otel_context.get_current()), "w1")
+    await nc.close()
+    assert took == "w0" and reasons == ["w1: refused (full)"]
+    assert [(w, o.pull is not None) for w, o in offers] == [("w1", True), ("w0", False)]
+    assert planner.links.wait(time.monotonic(), "w0", "w1") == 0.0
+    assert planner.hint(decision.candidates, "w1", hashes, 32 * 16 + 1, 16, time.monotonic())

@@ -14,8 +14,9 @@ holder may have lost part of the prefix since, or still be computing it (an engi
 prompt's blocks chunk by chunk): the source offers the leading run it holds, and what is not
 copied is prefilled, as without a hint. A hint's budget is the prefill it saves: a copy stalled
 past it is given up and the run prefills. Each sender books the copies it orders on a
-per-worker link timeline (``PullLinks``) and counts the wait for both ends in the decision;
-copies other senders or the migration service order are not seen there.
+per-worker link timeline (``PullLinks``), once the worker took the run, and counts the wait
+for both ends in the decision; copies other senders or the migration service order are not
+seen there.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class PullPlanner:
         block_size: int,
         now: float,
     ) -> PullHint | None:
-        """The copy to order with a first run on ``target``, booked on both links; None when
-        no other candidate holds enough more of the prompt for a copy to pay. Its budget is
-        the prefill it saves: a copy that stalls longer is given up and the run prefills."""
+        """The copy to order with a first run on ``target``; None when no other candidate holds
+        enough more of the prompt for a copy to pay. Its budget is the prefill it saves: a copy
+        that stalls longer is given up and the run prefills. Nothing is booked: the sender
+        calls ``book`` once the worker has taken the run (a refused offer orders no copy)."""
         p = self.params
         if p.pull_min_tokens <= 0:
             return None
@@ -122,10 +124,17 @@ class PullPlanner:
         if plan is None:
             return None
         missing = plan.blocks - plan.present
-        self.links.book(now, missing * block_bytes / p.link_bytes_per_s, plan.source, target)
         return PullHint(
             source_worker=plan.source,
             prefix_hash=block_hashes[plan.blocks - 1],
             blocks=plan.blocks,
             budget_s=missing * block_size / p.prefill_tokens_per_s,
         )
+
+    def book(self, hint: PullHint, target: str, now: float) -> None:
+        """The run carrying ``hint`` went to ``target``: its copy holds both links for the
+        bytes of the tokens it copies (the budget's prefill tokens)."""
+        p = self.params
+        tokens = hint.budget_s * p.prefill_tokens_per_s
+        seconds = tokens * p.kv_bytes_per_token / p.link_bytes_per_s
+        self.links.book(now, seconds, hint.source_worker, target)

@@ -312,6 +312,8 @@ class ReplayMigration:
         keys = request.block_hashes
         size = self.replay.block_size
         hint = self.pulls.hint(candidates, target, keys, request.prompt_len, size, t)
+        if hint is not None:  # the sender books it as the worker takes the run, as live
+            self.pulls.book(hint, target, t)
         for pull in self._pulls.values():
             n = pull.hint.blocks
             if pull.target == target and len(keys) >= n and keys[n - 1] == pull.hint.prefix_hash:

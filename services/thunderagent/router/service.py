@@ -199,6 +199,8 @@ class Router:
         if not ack.accepted:  # the scheduler will find it another worker
             self.wallet.give_back(first)
             return False
+        if pull is not None:
+            self.pulls.book(pull, first, time.monotonic())
         self.core.on_dispatched(req.request_id, first, time.time())
         notice = DirectDispatch(submit=submit, worker_id=first)
         await self.bus.publish(subjects.sched_direct(req.model), notice)

@@ -96,7 +96,11 @@ class Handoff:
             if stray is not None and stray.found and stray.output_token_ids:
                 pending.output = list(stray.output_token_ids)
             return f"{wid}: {err}"
-        return None if ack.accepted else f"{wid}: refused ({ack.reason})"
+        if not ack.accepted:
+            return f"{wid}: refused ({ack.reason})"
+        if work.pull is not None and self.pulls is not None:  # a refused offer copies nothing
+            self.pulls.book(work.pull, wid, time.monotonic())
+        return None
 
     def _pull(self, submit: ScheduleRequest, worker_id: str) -> PullHint | None:
         if self.pulls is None:

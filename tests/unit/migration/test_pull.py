@@ -101,13 +101,15 @@ ANY = MigrationParams(pull_min_tokens=1)
 """Any prefix worth its copy (the default asks for 8,192 tokens)."""
 
 
-def test_the_hint_names_the_prefix_by_its_deepest_block_and_books_the_link() -> None:
+def test_the_hint_names_the_prefix_by_its_deepest_block_and_the_taken_run_books_the_link() -> None:
     planner = PullPlanner(ANY)
     hashes = [100 + i for i in range(12)]
     hint = planner.hint(cands(w0=0, w1=10), "w0", hashes, 12 * 16 + 3, 16, now=5.0)
     assert hint == PullHint(
         source_worker="w1", prefix_hash=109, blocks=10, budget_s=10 * 16 / 20_000
     )
+    assert planner.links.wait(5.0, "w0", "w1") == 0.0, "an offer the worker refuses books nothing"
+    planner.book(hint, "w0", now=5.0)
     seconds = 10 * BLOCK_BYTES / 25e9
     assert planner.links.wait(5.0, "w1") == pytest.approx(seconds)
     assert planner.links.wait(5.0, "w0") == pytest.approx(seconds)
