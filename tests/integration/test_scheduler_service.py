@@ -236,6 +236,35 @@ async def test_a_direct_dispatch_of_text_is_dead_lettered_not_booked(nats_server
     assert "text-1" not in sched.pending
 
 
+async def test_a_copy_the_router_ordered_on_its_fast_path_is_booked_by_the_scheduler(nats_server):
+    """A direct-dispatch notice carries the pull the router sent with the run: the scheduler
+    books that copy's time on both links, so its own pull decisions see them busy."""
+    from thunderagent.schemas import PullHint
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        pulls = stack.services["scheduler"].runtime.handoff.pulls
+        nc = await connect(nats_server.url, name="test-direct-pull")
+        decision = RouteDecision(
+            request_id="direct-1", model=MODEL, worker_id="w0", overlap_blocks=0,
+            prompt_blocks=1, candidates=[Candidate(worker_id="w0", score=1.0)],
+            policy="thunder", decided_at=0.0,
+        )  # fmt: skip
+        submit = ScheduleRequest(
+            request=GenerateRequest(request_id="direct-1", model=MODEL, token_ids=[5] * 20,
+                                    max_tokens=4),
+            reply_subject="_INBOX.test.2", decision=decision, block_hashes=[1], router_id="r1",
+        )  # fmt: skip
+        # 10 s of prefill saved: 200,000 tokens, ~1 s of a 25 GB/s link at 128 KiB per token
+        pull = PullHint(source_worker="w9", prefix_hash=1, blocks=1, budget_s=10.0)
+        notice = DirectDispatch(submit=submit, worker_id="w0", pull=pull)
+        await nc.publish(subjects.sched_direct(MODEL), encode(notice))
+        await wait_for(lambda: pulls.links.wait(time.monotonic(), "w9") > 0.5,
+                       what="the copy's link time booked")  # fmt: skip
+        assert pulls.links.wait(time.monotonic(), "w0") > 0.5
+        await nc.close()
+
+
 async def test_a_copy_is_booked_on_the_links_only_for_the_worker_that_took_the_run(nats_server):
     """The decision names w1 first, w0 holding the whole 32-block prompt. w1 refuses the run
     that carried a pull from w0: no copy was ordered, so neither link is booked. w0 takes it

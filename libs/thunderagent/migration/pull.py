@@ -15,8 +15,9 @@ prompt's blocks chunk by chunk): the source offers the leading run it holds, and
 copied is prefilled, as without a hint. A hint's budget is the prefill it saves: a copy stalled
 past it is given up and the run prefills. Each sender books the copies it orders on a
 per-worker link timeline (``PullLinks``), once the worker took the run, and counts the wait
-for both ends in the decision; copies other senders or the migration service order are not
-seen there.
+for both ends in the decision. The scheduler books the routers' fast-path copies as well
+(their direct-dispatch notices carry them); a router sees only its own, and no sender sees
+the migration service's moves.
 """
 
 from __future__ import annotations

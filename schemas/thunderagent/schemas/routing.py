@@ -104,6 +104,9 @@ class DirectDispatch(Struct, frozen=True, kw_only=True):
     """What the router would otherwise have submitted."""
     worker_id: str
     """The worker that accepted it."""
+    pull: PullHint | None = None
+    """The prefix copy the router ordered with it: the scheduler books its link time too, so
+    its own pull decisions see the links the fast path is using."""
 
 
 class RouterHello(Struct, frozen=True, kw_only=True):

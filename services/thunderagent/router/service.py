@@ -202,7 +202,7 @@ class Router:
         if pull is not None:
             self.pulls.book(pull, first, time.monotonic())
         self.core.on_dispatched(req.request_id, first, time.time())
-        notice = DirectDispatch(submit=submit, worker_id=first)
+        notice = DirectDispatch(submit=submit, worker_id=first, pull=pull)
         await self.bus.publish(subjects.sched_direct(req.model), notice)
         return True
 
