@@ -259,12 +259,14 @@ class WorkerMigration:
     def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
         """The copy under way here whose prefix the prompt starts with, if any (hashed only
         while copies are under way)."""
+        if not self._incoming:
+            return None
         size = self.block_size
+        deepest = min(len(tokens) // size, max(blocks for blocks, _ in self._incoming))
+        primary = BlockHasher(size).hash_tokens(tokens[: deepest * size]).primary
         for (blocks, prefix_hash), done in self._incoming.items():
-            if len(tokens) >= blocks * size:
-                primary = BlockHasher(size).hash_tokens(tokens[: blocks * size]).primary
-                if primary and primary[-1] == prefix_hash:
-                    return done
+            if blocks <= deepest and primary[blocks - 1] == prefix_hash:
+                return done
         return None
 
     async def _fetch(self, hint: PullHint, request_id: str, tokens: list[int]) -> None:
