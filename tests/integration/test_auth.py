@@ -230,6 +230,26 @@ async def test_a_worker_publishes_only_its_own_events_load_progress_and_registra
         await admin.close()
 
 
+async def test_a_worker_may_ask_another_for_a_prefix_copy_but_not_make_it_pull(auth_server):
+    """A pull at dispatch: the target's adapter asks the source's adapter to export the prefix
+    and then to release it; the pull itself runs in the target's own engine. Another worker's
+    pull subject (a copy into its engine) stays the migration service's."""
+    server, creds = auth_server
+    admin, _ = await _as(server, creds, "admin")
+    w0, seen = await _as(server, creds, "worker-w0")
+    asked = [subjects.worker_kv_export("w1"), subjects.worker_kv_release("w1")]
+    try:
+        got = await _collect(admin, "thunderagent.worker.>")
+        for subject in [*asked, subjects.worker_kv_pull("w1")]:
+            await w0.publish(subject, b"{}")
+        await _settle(w0, admin)
+        assert got == asked, (got, seen.errors)
+        assert seen.about(subjects.worker_kv_pull("w1")), seen.errors
+    finally:
+        await w0.close()
+        await admin.close()
+
+
 async def test_an_adapter_started_by_hand_joins_with_the_shared_worker_login(auth_server):
     """`up` wrote logins only for the workers it started: an adapter started by hand in front
     of another engine fell back to the client login and died on a permission timeout."""

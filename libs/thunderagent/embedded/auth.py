@@ -77,6 +77,10 @@ def worker_permissions(worker_id: str = "*") -> Permissions:
             # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
             subjects.worker_kv_import("*"),
             subjects.worker_generate("*"),
+            # a pull at dispatch: the run's worker asks the holder to export the prefix and,
+            # once copied into its own engine, to release it
+            subjects.worker_kv_export("*"),
+            subjects.worker_kv_release("*"),
             subjects.dead_letter("*"),
             INBOX,  # acks, resync answers, and the tokens it streams to the client's inbox
             *_worker_js(w),

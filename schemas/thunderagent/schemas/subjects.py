@@ -153,7 +153,8 @@ def worker_resync(worker_id: str) -> str:
 
 
 def worker_kv_export(worker_id: str) -> str:
-    """Migration service -> source adapter (``KvExportRequest`` -> ``KvExportOffer``)."""
+    """Migration service, or the adapter of a run's worker (a pull at dispatch) -> source
+    adapter (``KvExportRequest`` -> ``KvExportOffer``)."""
     return f"{PREFIX}.worker.{worker_id}.kv_export"
 
 
@@ -163,7 +164,8 @@ def worker_kv_pull(worker_id: str) -> str:
 
 
 def worker_kv_release(worker_id: str) -> str:
-    """Migration service -> source adapter (``KvRelease`` -> ``KvReleaseResult``)."""
+    """Migration service, or the adapter of a run's worker (a pull at dispatch) -> source
+    adapter (``KvRelease`` -> ``KvReleaseResult``)."""
     return f"{PREFIX}.worker.{worker_id}.kv_release"
 
 
