@@ -222,3 +222,37 @@ async def test_the_scheduler_orders_the_copy_with_the_run(nats_server):
         assert final.worker_id == "w1" and final.usage.cached_tokens == BLOCKS * BLOCK
         assert adapters["w1"].migration.pulls == {"done": 1}
         await nc.close()
+
+
+async def test_a_pull_works_with_every_worker_on_its_own_nats_login(tmp_path, monkeypatch):
+    """As `thunderagent up` runs it: NATS logins on, each adapter on its own worker login. The
+    run's adapter asks the holder's adapter for the prefix and releases it afterwards; before
+    stop 47 a worker's login could not, and every hinted run waited out its budget."""
+    import shutil
+
+    from thunderagent.embedded import NatsServer, stack_users, write_credentials
+
+    users = stack_users(["w0", "w1"])
+    server = NatsServer(tmp_path / "nats", users=users).start()
+    creds = write_credentials(tmp_path / "creds", users)
+    for helper in ("wait", "pull-test"):  # the harness's own connections: full rights
+        shutil.copy(creds / "admin.json", creds / f"{helper}.json")
+    monkeypatch.setenv("THUNDERAGENT_NATS_CREDS", str(creds))
+    try:
+        async with pooled_stack(server.url) as (stack, runners):
+            engines, adapters = await two_pooled_workers(stack, runners)
+            tokens, p = await held_by_w0(engines, adapters, seed=11)
+            nc = await connect(server.url, name="pull-test")
+            bus = Bus(nc, service="pull-test")
+            hint = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS, budget_s=5.0)
+            started = time.monotonic()
+            final = await run_on(bus, nc, "w1", "r1", [*tokens, 7, 7], pull=hint)
+            assert final.usage.cached_tokens == BLOCKS * BLOCK
+            assert adapters["w1"].migration.pulls == {"done": 1}
+            assert time.monotonic() - started < 4.0, "the copy did not wait out its budget"
+            src = engines["w0"].driver
+            released = lambda: all(src.core.cache.refcount(k) == 0 for k in src.kv_pool.slot_of)  # noqa: E731
+            await wait_for(released, what="the source released")
+            await nc.close()
+    finally:
+        server.stop()
