@@ -22,6 +22,11 @@ class ReceivedSpan:
     parent_span_id: str
     start_ns: int = 0
     end_ns: int = 0
+    attributes: tuple[tuple[str, object], ...] = ()
+    """(key, value) of the span's string, int and bool attributes."""
+
+    def attribute(self, key: str) -> object:
+        return dict(self.attributes).get(key)
 
 
 class OtlpReceiver:
@@ -74,6 +79,10 @@ class OtlpReceiver:
                             parent_span_id=span.parent_span_id.hex(),
                             start_ns=span.start_time_unix_nano,
                             end_ns=span.end_time_unix_nano,
+                            attributes=tuple(
+                                (a.key, getattr(a.value, a.value.WhichOneof("value") or "", None))
+                                for a in span.attributes
+                            ),
                         )
                     )
         with self._lock:

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 UNHEALTHY_AFTER = 3
 """Load polls failing in a row before the engine counts as gone (with the default 0.2 s poll,
 0.6 s: long enough to ride out one slow answer, short against the 10 s lease)."""
-_tracer = trace.get_tracer("thunderagent.worker")
 
 
 @dataclass(kw_only=True)

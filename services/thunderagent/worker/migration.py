@@ -31,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.hashing import BlockHasher
@@ -48,10 +50,12 @@ from thunderagent.schemas import (
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import Notice, Received, Restarted
+from thunderagent.telemetry.propagation import child_span
 from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.kv_relay import KvRelay
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("thunderagent.worker")
 
 PULL_TIMEOUT_S = 10.0
 """A copy for a run without a budget gives up after this, and the run prefills instead."""
@@ -254,7 +258,8 @@ class WorkerMigration:
         if incoming is not None:
             await asyncio.shield(incoming)
         elif work.pull is not None and not work.request.cache_salt:
-            await self._fetch(work.pull, work.request.request_id, tokens)
+            with child_span(_tracer, "worker pull") as span:  # in the run's trace, if sampled
+                await self._fetch(work.pull, work.request.request_id, tokens, span)
 
     def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
         """The copy under way here whose prefix the prompt starts with, if any (hashed only
@@ -269,7 +274,9 @@ class WorkerMigration:
                 return done
         return None
 
-    async def _fetch(self, hint: PullHint, request_id: str, tokens: list[int]) -> None:
+    async def _fetch(
+        self, hint: PullHint, request_id: str, tokens: list[int], span: Span = trace.INVALID_SPAN
+    ) -> None:
         """Copy what the source holds of the hinted prefix: all of it, or the chunks of it
         already computed there (the source offers the longest leading run it holds); within
         the hint's budget (the prefill it saves), else the run prefills."""
@@ -301,6 +308,11 @@ class WorkerMigration:
             log.info("pull for %s from %s failed: %r", request_id, src, err)
         finally:
             self.pulls[outcome] += 1
+            span.set_attributes({
+                "thunderagent.request_id": request_id, "thunderagent.pull.source": src,
+                "thunderagent.pull.outcome": outcome,
+                "thunderagent.pull.blocks": offer.blocks if offer else 0,
+            })  # fmt: skip
             del self._incoming[key]
             done.set_result(None)  # before any await: the runs waiting on it must not hang
             if offer is not None and offer.blocks > 0:
