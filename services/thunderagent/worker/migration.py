@@ -168,13 +168,7 @@ class WorkerMigration:
                 migration_id=req.migration_id, worker_id=self.worker_id, blocks=0, reason=reason
             )
 
-        mirror = self.mirror()
-        if mirror is None:
-            chain = None
-        elif req.chain:
-            chain = mirror.leading_run(req.chain) or None
-        else:
-            chain = mirror.chain_to(req.prefix_hash)
+        chain = self._held_chain(req)
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
         if self.kv_transfer is not None:
@@ -184,20 +178,7 @@ class WorkerMigration:
             except EngineError as err:
                 return refuse(f"engine export failed: {err}")
             self._chains[req.migration_id] = got["block_hashes"]
-            return KvExportOffer(
-                migration_id=req.migration_id,
-                worker_id=self.worker_id,
-                blocks=got["blocks"],
-                block_size=got["block_size"],
-                token_ids=got["token_ids"],
-                transport="nixl",
-                nixl_agent=got["nixl_agent"],
-                nixl_metadata=_b64(got["nixl_metadata"]),
-                block_addrs=got["block_addrs"],
-                block_bytes=got["block_bytes"],
-                checksums=got["checksums"],
-                block_hashes=got["block_hashes"],
-            )
+            return self._nixl_offer(req.migration_id, got)
         tokens = self.tap.tokens(chain) if self.tap is not None else None
         if tokens is None:
             return refuse("the prefix's tokens are unknown here (no KV events seen for it)")
@@ -209,6 +190,33 @@ class WorkerMigration:
             block_size=self.block_size,
             token_ids=tokens,
             transport="warmup",
+        )
+
+    def _held_chain(self, req: KvExportRequest) -> list[int] | None:
+        """The engine's hashes of what this worker holds of the requested prefix: the longest
+        leading run of a run's chain, or the whole named prefix; None when nothing."""
+        mirror = self.mirror()
+        if mirror is None:
+            return None
+        if req.chain:
+            return mirror.leading_run(req.chain) or None
+        return mirror.chain_to(req.prefix_hash)
+
+    def _nixl_offer(self, migration_id: str, got: dict[str, Any]) -> KvExportOffer:
+        """The engine's pinned export (``/kv/export``) as an offer a NIXL reader can use."""
+        return KvExportOffer(
+            migration_id=migration_id,
+            worker_id=self.worker_id,
+            blocks=got["blocks"],
+            block_size=got["block_size"],
+            token_ids=got["token_ids"],
+            transport="nixl",
+            nixl_agent=got["nixl_agent"],
+            nixl_metadata=_b64(got["nixl_metadata"]),
+            block_addrs=got["block_addrs"],
+            block_bytes=got["block_bytes"],
+            checksums=got["checksums"],
+            block_hashes=got["block_hashes"],
         )
 
     async def on_release(self, req: KvRelease, delivery: Delivery) -> None:
@@ -307,16 +315,22 @@ class WorkerMigration:
         except (BusError, TimeoutError) as err:
             log.info("pull for %s from %s failed: %r", request_id, src, err)
         finally:
-            self.pulls[outcome] += 1
-            span.set_attributes({
-                "thunderagent.request_id": request_id, "thunderagent.pull.source": src,
-                "thunderagent.pull.outcome": outcome,
-                "thunderagent.pull.blocks": offer.blocks if offer else 0,
-            })  # fmt: skip
+            self._count_pull(span, request_id, src, outcome, offer)
             del self._incoming[key]
             done.set_result(None)  # before any await: the runs waiting on it must not hang
             if offer is not None and offer.blocks > 0:
                 await self._release_at(src, mid, hint.prefix_hash)
+
+    def _count_pull(
+        self, span: Span, request_id: str, source: str, outcome: str, offer: KvExportOffer | None
+    ) -> None:
+        """A copy for a run ended: its outcome counted (the metric) and on its span."""
+        self.pulls[outcome] += 1
+        span.set_attributes({
+            "thunderagent.request_id": request_id, "thunderagent.pull.source": source,
+            "thunderagent.pull.outcome": outcome,
+            "thunderagent.pull.blocks": offer.blocks if offer else 0,
+        })  # fmt: skip
 
     async def _export_for(
         self, hint: PullHint, migration_id: str, tokens: list[int], timeout_s: float
