@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from tests.integration.migration_stack import skip_without_nixl
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine.driver import EngineDriver
-from thunderagent.simengine.kv_pool import pool_for
+from thunderagent.simengine.kv_pool import KvPool, pool_for
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
 skip_without_nixl()
@@ -170,3 +171,17 @@ async def test_a_drop_frees_a_cold_replica_but_not_one_other_prompts_extend() ->
         code, rel = await post(eng.url, "/kv/release", {"block_hashes": keys, "drop": True})
         assert code == 200 and rel == {"released": False, "dropped_blocks": 4}
         assert eng.driver.core.cache.contents() == {} and eng.pool.used == 0
+
+
+def test_an_idle_pool_leaves_the_cpu_alone() -> None:
+    """NIXL's progress thread, started by its Python wrapper without a wait between rounds,
+    spun a whole core per engine with nothing to move. The pool's agent waits between rounds:
+    idle for 1.5 s, this process uses a small part of one core (it used all of it before)."""
+    pool = KvPool(16, 4096)
+    try:
+        time.sleep(0.2)  # the agent's start
+        before = time.process_time()
+        time.sleep(1.5)
+        assert time.process_time() - before < 0.5
+    finally:
+        pool.close()

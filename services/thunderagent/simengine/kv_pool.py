@@ -44,6 +44,12 @@ polling every 0.5 ms measured up to ~30 % slower than every 50 us for 1 GiB here
 short, so the extra wake-ups cost little."""
 
 
+PROGRESS_DELAY_US = 1000
+"""How long NIXL's progress thread waits between its rounds. NIXL's Python wrapper starts it
+with no wait: a thread that spins a whole core even with nothing to move, one per engine (eight
+pooled engines asked this 2-core machine for eight cores and starved everything else)."""
+
+
 class NixlUnavailable(RuntimeError):
     """nixl cannot be imported here (``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1``)."""
 
@@ -63,6 +69,26 @@ def load_nixl():
             "`pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy`"
         ) from err
     return nixl_agent, nixl_agent_config
+
+
+def _patient_agent(name: str, nixl_agent, nixl_agent_config):
+    """A UCX NIXL agent whose progress thread waits ``PROGRESS_DELAY_US`` between rounds.
+    ``nixl_agent`` builds its C++ config and sets the wait to 0 inside its constructor, with
+    no parameter for it, so the binding's constructor is wrapped for that one call."""
+    import nixl._api as api  # nixl_cu12._api at run time
+
+    bind = api.nixlBind
+    real = bind.nixlAgent
+
+    def patient(agent_name: str, config):
+        config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, config)
+
+    bind.nixlAgent = patient
+    try:
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgent = real
 
 
 def _populated_buffer(nbytes: int) -> np.ndarray:
@@ -97,7 +123,7 @@ class KvPool:
         self.slot_of: dict[int, int] = {}
         self.stats = PoolStats()
         self.name = name or f"simengine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = _patient_agent(self.name, nixl_agent, nixl_agent_config)
         self.agent.register_memory([(self.base, self.buf.nbytes, 0, "")], "DRAM")
         self.metadata: bytes = self.agent.get_agent_metadata()
         self._remotes: set[str] = set()
