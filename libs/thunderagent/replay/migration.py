@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from thunderagent.engine import Profile, Request
 from thunderagent.engine.core import StepOutcome
+from thunderagent.engine.events import Stored
 from thunderagent.migration import (
     Action,
     Drop,
@@ -286,6 +287,7 @@ class ReplayMigration:
         (nothing is left pinned or reserved then)."""
         r = self.replay
         src, dst = r.cores[r.slot[source]], r.cores[r.slot[target]]
+        keys = self._computed(r.slot[source], keys)
         pinned, _ = src.pin_prefix(keys, need_tokens=False)
         if not pinned:
             return "the source no longer holds the prefix"
@@ -296,6 +298,19 @@ class ReplayMigration:
         self._publish(r.slot[target], t)  # the reservation may have evicted blocks
         nbytes = (len(pinned) - present) * r.block_size * self.planner.params.kv_bytes_per_token
         return pinned, present, nbytes
+
+    def _computed(self, w: int, keys: list[int]) -> list[int]:
+        """The leading part of ``keys`` engine ``w`` has computed: its step in flight caches
+        its blocks in the engine's state when it starts, but their bytes exist only once it
+        ends (live, the source's adapter learns of them from that step's events)."""
+        flight = self.replay.inflight.get(w)
+        if flight is None:
+            return keys
+        computing = {h for e in flight[1].events if isinstance(e, Stored) for h in e.block_hashes}
+        for i, key in enumerate(keys):
+            if key in computing:
+                return keys[:i]
+        return keys
 
     def _unreserve(self, source: str, target: str, keys: list[int], present: int) -> None:
         """Give a copy up before it lands: the reservation back, the source unpinned."""

@@ -318,18 +318,32 @@ def test_a_run_for_a_prefix_already_crossing_waits_for_that_copy() -> None:
     assert all(rec.status == "completed" for rec in records.values())
 
 
-def test_a_run_copies_the_chunks_a_prefill_elsewhere_has_finished() -> None:
-    """q0's 200-block prompt is prefilled in chunks of 128 blocks (8,192 tokens); q1, sent to
-    the other worker after the first chunk, copies those 128 blocks and computes the rest."""
+def chunked_prefill_then(at: float):
+    """q0's 200-block prompt is prefilled in chunks of 128 blocks (8,192 tokens: 0 to 0.30 s,
+    then the rest to 0.50 s); q1 for the same prefix goes to the other worker at ``at``."""
     prefix = list(range(1, 201))
     trace = [TraceRequest("q0", 0.0, 200 * BS + 7, 4, [*prefix, 900]),
-             TraceRequest("q1", 0.2, 200 * BS + 9, 4, [*prefix, 901])]  # fmt: skip
+             TraceRequest("q1", at, 200 * BS + 9, 4, [*prefix, 901])]  # fmt: skip
     r, mig = round_robin("nixl")
     records = {rec.request_id: rec for rec in r.run(trace).records}
-    assert records["q0"].first_token > 0.2  # q0 was still prefilling when q1 came
+    assert records["q0"].first_token > at  # q0 was still prefilling when q1 came
+    return records, mig.summary()
+
+
+def test_a_run_copies_the_chunks_a_prefill_elsewhere_has_finished() -> None:
+    """After the first chunk: q1 copies its 128 blocks and computes the rest."""
+    records, s = chunked_prefill_then(0.4)
     assert records["q1"].cached_tokens == 128 * BS
-    s = mig.summary()
     assert (s["pulls"], s["pulled_blocks"]) == (1, 128)
+
+
+def test_a_chunk_still_being_computed_is_not_copied() -> None:
+    """During the first chunk: the source's engine state holds its blocks from the step's
+    start, but their bytes exist only at its end (live, the source offers what its engine's
+    events named), so q1 gets no copy and prefills the whole prompt."""
+    records, s = chunked_prefill_then(0.2)
+    assert records["q1"].cached_tokens == 0
+    assert (s["pulls"], s["pulls_refused"]) == (0, 1)
 
 
 def test_a_copy_that_would_land_after_its_budget_is_given_up() -> None:
