@@ -137,31 +137,6 @@ async def test_a_source_holding_part_of_the_prefix_gives_that_part(nats_server):
         await nc.close()
 
 
-async def test_a_worker_still_receiving_the_prefix_forwards_it_once_landed(nats_server):
-    """r2 on w2 is hinted to copy the prefix from w1 while w1's own copy from w0 is still
-    crossing (the sender counts w1 a holder once r1 went there): w1 waits for it to land and
-    offers it, and r2 starts with the whole prefix cached instead of prefilling it."""
-    async with pooled_stack(nats_server.url) as (stack, runners):
-        engines, adapters = await two_pooled_workers(stack, runners, pull_gbps=0.002)
-        engines["w2"] = await start_pooled_engine(stack, "w2", runners=runners, pull_gbps=0.002)
-        adapters["w2"] = (await start_adapter(stack, "w2", engines["w2"].url)).runtime
-        await stack.wait_for_workers(3)
-        tokens, p = await held_by_w0(engines, adapters, seed=7)
-        nc = await connect(nats_server.url, name="pull-test")
-        bus = Bus(nc, service="pull-test")
-        first = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS)
-        copying = asyncio.create_task(run_on(bus, nc, "w1", "r1", [*tokens, 5], pull=first))
-        await wait_for(lambda: adapters["w1"].migration._incoming, what="w1's copy to start")
-        onward = PullHint(source_worker="w1", prefix_hash=p, blocks=BLOCKS)
-        forwarded = await run_on(bus, nc, "w2", "r2", [*tokens, 6], pull=onward)
-        assert (await copying).usage.cached_tokens == BLOCKS * BLOCK
-        assert forwarded.usage.cached_tokens == BLOCKS * BLOCK
-        assert adapters["w1"].migration.pulls == adapters["w2"].migration.pulls == {"done": 1}
-        status = await engine_json(engines["w2"].url, "/kv/status")
-        assert (status["pulled_blocks"], status["failed_pulls"]) == (BLOCKS, 0)
-        await nc.close()
-
-
 async def test_a_copy_slower_than_its_budget_is_given_up_and_the_run_prefills(nats_server):
     """The hint's budget is the prefill it saves: a copy paced to ~2.6 s (512 KiB at 200 KB/s)
     with a 0.3 s budget is abandoned at the target's engine, nothing is inserted there, the

@@ -111,10 +111,6 @@ class KvExportRequest(Struct, frozen=True, kw_only=True):
     """Our primary hashes of the prefix's blocks, root first (a run's copy, ``PullHint``):
     the source then offers the longest leading run of them it holds, so a prefix it is still
     prefilling offers the chunks already computed. Empty: the whole prefix or nothing."""
-    wait_s: float = 0.0
-    """How long the asker waits for the offer (a run's copy: its budget). A source that a
-    copy of a leading part of ``chain`` is still crossing to (another run's) waits for it to
-    land, at most this long, and then offers it: the copy is forwarded. 0: offer at once."""
     hold_s: float = 30.0
     """The source unpins by itself this long after the offer if no ``KvRelease`` came (a
     migration service that died mid-move does not pin KV forever)."""

@@ -131,12 +131,8 @@ class WorkerMigration:
         """The engine's NIXL capability (``/server_info``), None: warm-up only."""
         self.tap: TokenTap | None = None
         self._chains: dict[str, list[int]] = {}
-        self._incoming: dict[tuple[int, int], asyncio.Future[int]] = {}
-        """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done, with
-        the leading blocks of the prefix it left here (0: the copy was not made)."""
-        self._mirror_changed = asyncio.Event()
-        """Set and cleared as the engine's KV events reach the mirror (a forwarded copy waits
-        for the blocks its own copy brought here to be named)."""
+        self._incoming: dict[tuple[int, int], asyncio.Future] = {}
+        """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done."""
         self.pulls: Counter[str] = Counter()
         """Copies for runs by outcome: done (all or part of the prefix), refused (the source
         held none of it, or not in a pool like ours), failed (no answer, or the pull failed)."""
@@ -149,8 +145,6 @@ class WorkerMigration:
         if self.kv_transfer is None and relay is not None:
             self.tap = TokenTap(self.block_size)
             relay.listeners.append(self.tap.take)
-        elif relay is not None:
-            relay.listeners.append(self._on_notice)
         w = self.worker_id
         await self.bus.subscribe(
             subjects.worker_kv_export(w), KvExportRequest, self.on_export, concurrent=True
@@ -174,8 +168,6 @@ class WorkerMigration:
                 migration_id=req.migration_id, worker_id=self.worker_id, blocks=0, reason=reason
             )
 
-        if req.wait_s > 0 and req.chain and not await self._landed(req.chain, req.wait_s):
-            return refuse(f"the prefix is still crossing to this worker after {req.wait_s:.3f} s")
         chain = self._held_chain(req)
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
@@ -199,29 +191,6 @@ class WorkerMigration:
             token_ids=tokens,
             transport="warmup",
         )
-
-    async def _landed(self, chain: list[int], wait_s: float) -> bool:
-        """Wait (at most ``wait_s``) for a copy of a leading part of ``chain`` on its way here
-        to land and its blocks to reach the mirror, so an offer forwards it: the sender counted
-        this worker a holder once it sent the copy's run here. False when it did not in time;
-        True at once when no such copy is under way."""
-        arriving = self._arriving(chain)
-        if arriving is None:
-            return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        try:
-            held = await asyncio.wait_for(asyncio.shield(arriving), wait_s)
-            mirror = self.mirror()
-            while mirror is not None and len(mirror.leading_run(chain)) < held:
-                await asyncio.wait_for(self._mirror_changed.wait(), deadline - loop.time())
-        except TimeoutError:
-            return False
-        return True
-
-    def _on_notice(self, notice: Notice) -> None:
-        self._mirror_changed.set()  # wakes the waiters, which run after the mirror applied it
-        self._mirror_changed.clear()
 
     def _held_chain(self, req: KvExportRequest) -> list[int] | None:
         """The engine's hashes of what this worker holds of the requested prefix: the longest
@@ -300,19 +269,16 @@ class WorkerMigration:
             with child_span(_tracer, "worker pull") as span:  # in the run's trace, if sampled
                 await self._fetch(work.pull, work.request.request_id, tokens, span)
 
-    def _incoming_for(self, tokens: list[int]) -> asyncio.Future[int] | None:
+    def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
         """The copy under way here whose prefix the prompt starts with, if any (hashed only
         while copies are under way)."""
         if not self._incoming:
             return None
         size = self.block_size
         deepest = min(len(tokens) // size, max(blocks for blocks, _ in self._incoming))
-        return self._arriving(BlockHasher(size).hash_tokens(tokens[: deepest * size]).primary)
-
-    def _arriving(self, chain: list[int]) -> asyncio.Future[int] | None:
-        """The copy under way here of a prefix ``chain`` (our block hashes) starts with."""
+        primary = BlockHasher(size).hash_tokens(tokens[: deepest * size]).primary
         for (blocks, prefix_hash), done in self._incoming.items():
-            if blocks <= len(chain) and chain[blocks - 1] == prefix_hash:
+            if blocks <= deepest and primary[blocks - 1] == prefix_hash:
                 return done
         return None
 
@@ -331,7 +297,6 @@ class WorkerMigration:
         deadline = loop.time() + budget
         offer: KvExportOffer | None = None
         outcome = "failed"
-        held = 0
         try:
             offer = await self._export_for(hint, mid, tokens, budget)
             left = deadline - loop.time()
@@ -347,13 +312,12 @@ class WorkerMigration:
             # the engine gives the import up at ``left``; the grace covers one that does not
             pulled = await asyncio.wait_for(self.pull(pull), left + PULL_GRACE_S)
             outcome = "done" if pulled.ok else "failed"
-            held = offer.blocks if pulled.ok else 0
         except (BusError, TimeoutError) as err:
             log.info("pull for %s from %s failed: %r", request_id, src, err)
         finally:
             self._count_pull(span, request_id, src, outcome, offer)
             del self._incoming[key]
-            done.set_result(held)  # before any await: the runs waiting on it must not hang
+            done.set_result(None)  # before any await: the runs waiting on it must not hang
             if offer is not None and offer.blocks > 0:
                 await self._release_at(src, mid, hint.prefix_hash)
 
@@ -377,7 +341,7 @@ class WorkerMigration:
         chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
         export = KvExportRequest(
             migration_id=migration_id, prefix_hash=hint.prefix_hash, blocks=hint.blocks,
-            chain=chain, wait_s=timeout_s, hold_s=PULL_TIMEOUT_S,
+            chain=chain, hold_s=PULL_TIMEOUT_S,
         )  # fmt: skip
         subject = subjects.worker_kv_export(hint.source_worker)
         return await self.bus.request(subject, export, KvExportOffer, timeout=timeout_s)
