@@ -12,10 +12,8 @@ the replay) from the routing decision's candidates, what every worker was believ
 the request was routed: ``PullPlanner.hint`` gives the ``PullHint`` that goes with the run. The
 holder may have lost part of the prefix since, or still be computing it (an engine caches a
 prompt's blocks chunk by chunk): the source offers the leading run it holds, and what is not
-copied is prefilled, as without a hint. A source the prefix is still crossing to (another
-run's copy, which made it a holder in the sender's view) forwards it once it has landed. A
-hint's budget is the prefill it saves: a copy stalled past it is given up and the run
-prefills. Each sender books the copies it orders on a
+copied is prefilled, as without a hint. A hint's budget is the prefill it saves: a copy stalled
+past it is given up and the run prefills. Each sender books the copies it orders on a
 per-worker link timeline (``PullLinks``), once the worker took the run, and counts the wait
 for both ends in the decision. The scheduler books the routers' fast-path copies as well
 (their direct-dispatch notices carry them); a router sees only its own, and no sender sees

@@ -16,8 +16,7 @@ actions carried out on the simulated engines.
 And, in the ``nixl`` mode, at every first run handed to a worker (``pull``): the sender's
 ``PullHint`` (``thunderagent.migration.pull``, as the scheduler service computes it), then what
 the target's adapter does with it (join a copy already crossing, or copy the prefix before the
-run starts, after the source's own copy of it has landed when one is still crossing there);
-``pull_landed`` when the bytes arrive or the budget ends (a timer of kind ``PULL_TIMER``).
+run starts); ``pull_landed`` when the bytes arrive (a timer of kind ``PULL_TIMER``).
 
 Two ways to carry a move out, as live:
 
@@ -116,16 +115,6 @@ class _Pull:
     """Runs dispatched to the target for the same prefix while it crosses: they wait too."""
     given_up: bool = False
     """It would have landed after its budget: the run waits the budget out, then prefills."""
-    after: str | None = None
-    """Forwarded: the copy on its way to the source (its run's id) this one starts after."""
-    forwards: list[str] = field(default_factory=list)
-    """Copies from the target waiting for this one to land (their runs' ids)."""
-    due: float = math.nan
-    """When its one live timer fires (landing, or the budget's end); other timers are stale."""
-
-    @property
-    def budget(self) -> float:
-        return self.hint.budget_s or math.inf
 
 
 @dataclass(slots=True)
@@ -154,8 +143,6 @@ class MoveStats:
     pulls_given_up: int = 0
     """Pulls that would have landed after their budget (``PullHint.budget_s``): the run
     waited it out and prefilled, as the adapter does."""
-    pulls_forwarded: int = 0
-    """Pulls whose source was still receiving the prefix: started once it had landed there."""
     pull_waits: list[float] = field(default_factory=list)
     """Per pull, dispatch to landing (link wait included)."""
 
@@ -331,11 +318,10 @@ class ReplayMigration:
 
     def pull(self, request: Request, target: str, candidates: list[Candidate], t: float) -> bool:
         """A first run handed to ``target``: the sender's ``PullHint`` (``PullPlanner``), then
-        what the target's adapter does with it: wait for a copy of its prefix already on its
-        way there, or start the hinted copy of what the source holds of the prefix (the
-        leading run: a prefix it is still prefilling gives the chunks already computed; one
-        still crossing to it is forwarded once it has landed there). True when the run now
-        waits for ``pull_landed``."""
+        what the target's adapter does with the run: wait for a copy of its prefix already on
+        its way there, or start the hinted copy of what the source holds of the prefix (the
+        leading run: a prefix it is still prefilling gives the chunks already computed). True
+        when the run now waits for ``pull_landed``."""
         if self.mode != "nixl":
             return False
         keys = request.block_hashes
@@ -343,83 +329,54 @@ class ReplayMigration:
         hint = self.pulls.hint(candidates, target, keys, request.prompt_len, size, t)
         if hint is not None:  # the sender books it as the worker takes the run, as live
             self.pulls.book(hint, target, t)
-        arriving = self._arriving(target, keys)
-        if arriving is not None:
-            arriving.joined.append(request)
-            return True
-        if hint is None:
-            return False
-        pull = _Pull(hint, target, [], 0, 0, t, request)
-        upstream = self._arriving(hint.source_worker, keys[: hint.blocks])
-        if upstream is not None:  # the source waits for its own copy, then offers it
-            pull.after = upstream.request.request_id
-            upstream.forwards.append(request.request_id)
-            self._pulls[request.request_id] = pull
-            self.stats.pulls_forwarded += 1
-            self._wake(pull, t + pull.budget)
-            return True
-        return self._begin(pull, t)
-
-    def _arriving(self, worker: str, keys: list[int]) -> _Pull | None:
-        """The copy on its way to ``worker`` (under way, or waiting for its own source) of a
-        prefix ``keys`` starts with (as the adapter matches one: its prefix hash)."""
         for pull in self._pulls.values():
             n = pull.hint.blocks
-            if pull.target == worker and len(keys) >= n and keys[n - 1] == pull.hint.prefix_hash:
-                return pull
-        return None
-
-    def _begin(self, pull: _Pull, t: float) -> bool:
-        """Start ``pull``'s copy of what its source holds now; False (counted refused) when it
-        cannot (the source holds none of it, no room at the target, the target has it)."""
-        source, target = pull.hint.source_worker, pull.target
-        keys = list(pull.request.block_hashes[: pull.hint.blocks])
-        reserved = self._reserve(source, target, keys, t)
+            if pull.target == target and len(keys) >= n and keys[n - 1] == pull.hint.prefix_hash:
+                pull.joined.append(request)
+                return True
+        if hint is None:
+            return False
+        reserved = self._reserve(hint.source_worker, target, list(keys[: hint.blocks]), t)
         if not isinstance(reserved, str) and reserved[1] >= len(reserved[0]):
-            self._unreserve(source, target, reserved[0], reserved[1])
+            self._unreserve(hint.source_worker, target, reserved[0], reserved[1])
             reserved = "the target holds it already"
         if isinstance(reserved, str):
             self.stats.pulls_refused += 1
             return False
-        self._pulls[pull.request.request_id] = pull
-        self._start_pull(pull, reserved, t)
+        self._start_pull(hint, target, request, reserved, t)
         return True
 
-    def _start_pull(self, pull: _Pull, reserved: tuple[list[int], int, int], t: float) -> None:
+    def _start_pull(
+        self,
+        hint: PullHint,
+        target: str,
+        request: Request,
+        reserved: tuple[list[int], int, int],
+        t: float,
+    ) -> None:
         """Put the copy on the link; or, when it would land after its budget, give it up as
         the adapter does then: the run waits the budget out and prefills."""
         r, p = self.replay, self.planner.params
-        pull.keys, pull.present, pull.nbytes = reserved
-        seconds = pull.nbytes / p.link_bytes_per_s
-        link = (pull.hint.source_worker, pull.target)
-        if r.links.begins(link, t) + seconds + p.link_latency_s - pull.started > pull.budget:
-            self._unreserve(pull.hint.source_worker, pull.target, pull.keys, pull.present)
+        pinned, present, nbytes = reserved
+        seconds = nbytes / p.link_bytes_per_s
+        link = (hint.source_worker, target)
+        rid = request.request_id
+        pull = self._pulls[rid] = _Pull(hint, target, pinned, present, nbytes, t, request)
+        budget = hint.budget_s or math.inf
+        if r.links.begins(link, t) + seconds + p.link_latency_s - t > budget:
+            self._unreserve(hint.source_worker, target, pinned, present)
             pull.given_up = True
-            self._wake(pull, pull.started + pull.budget)
+            r._push_timer(t + budget, PULL_TIMER, rid)
             return
         ends = r.links.occupy(link, seconds, t)
-        self._wake(pull, ends + p.link_latency_s)
-
-    def _wake(self, pull: _Pull, at: float) -> None:
-        """``pull_landed`` at ``at`` (no timer past an unbounded budget; one already set for
-        ``at`` stands)."""
-        if at != pull.due and at != math.inf:
-            pull.due = at
-            self.replay._push_timer(at, PULL_TIMER, pull.request.request_id)
+        r._push_timer(ends + p.link_latency_s, PULL_TIMER, rid)
 
     def pull_landed(self, request_id: str, t: float) -> list[Request]:
-        """A pull's bytes arrived (the blocks are cached at the target), or its budget ran
-        out; returns the runs that waited for it, and for forwarded copies from its target
-        that could not start."""
-        pull = self._pulls.get(request_id)
-        if pull is None or pull.due != t:
-            return []  # a stale timer: the copy landed, or was started again, since
-        del self._pulls[request_id]
+        """A pull's bytes arrived: the blocks are cached at the target; returns the runs that
+        waited for them."""
+        pull = self._pulls.pop(request_id)
         s = self.stats
-        if pull.after is not None:  # its source's own copy did not land within its budget
-            s.pulls_given_up += 1
-            self._pulls[pull.after].forwards.remove(request_id)
-        elif pull.given_up:
+        if pull.given_up:
             s.pulls_given_up += 1
         else:
             self._land(pull.hint.source_worker, pull.target, pull, t, drop=False)
@@ -427,18 +384,7 @@ class ReplayMigration:
             s.pulled_blocks += len(pull.keys) - pull.present
             s.pulled_bytes += pull.nbytes
             s.pull_waits.append(t - pull.started)
-        return [pull.request, *pull.joined, *self._forward(pull, t)]
-
-    def _forward(self, landed: _Pull, t: float) -> list[Request]:
-        """Start the copies waiting for ``landed`` to reach their source; the runs of those
-        that cannot start (and of any waiting on them in turn) start now, prefilling."""
-        runs: list[Request] = []
-        for rid in landed.forwards:
-            pull = self._pulls.pop(rid)
-            pull.after = None
-            if not self._begin(pull, t):
-                runs += [pull.request, *pull.joined, *self._forward(pull, t)]
-        return runs
+        return [pull.request, *pull.joined]
 
     def _warm_up(self, action: Move, keys: list[int], t: float) -> None:
         r = self.replay
@@ -547,7 +493,6 @@ def move_summary(
         "pulled_bytes": s.pulled_bytes,
         "pulls_refused": s.pulls_refused,
         "pulls_given_up": s.pulls_given_up,
-        "pulls_forwarded": s.pulls_forwarded,
         "pull_wait_s": {
             "p50": percentile(s.pull_waits, 50) if s.pull_waits else 0.0,
             "p99": percentile(s.pull_waits, 99) if s.pull_waits else 0.0,

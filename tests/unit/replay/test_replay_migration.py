@@ -18,7 +18,6 @@ from thunderagent.replay.migration import (
     WARMUP_PREFIX,
     ReplayMigration,
 )
-from thunderagent.schemas import PullHint
 from thunderagent.stats import percentile
 
 BS = 64
@@ -361,50 +360,3 @@ def test_a_copy_that_would_land_after_its_budget_is_given_up() -> None:
     s = mig.summary()
     assert (s["pulls"], s["pulls_given_up"]) == (0, 1)
     assert r.cores[r.slot["w01"]].cache.reserved == 0  # the reservation was given back
-
-
-def forwarded_from_w01(budget_s: float = 10 * BS / 20_000):
-    """Three workers in turn: q0 fills w00, q1 on w01 copies the prefix from w00, and q2 on
-    w02 is hinted to copy it from w01 while w01's own copy is still crossing (the sender's
-    in-flight view counts w01 a holder)."""
-    cfg = ReplayConfig(profile=PROFILE, policy="round_robin", workers=3, scheduler="direct",
-                       seed=0, link_bytes_per_s=25e9)  # fmt: skip
-    r = Replay(cfg, BS)
-    mig = ReplayMigration.attach(r, "nixl", {"pull_min_tokens": 1})
-    trace = shared_prefix_runs([0.0, 2.0, 2.001])
-    hint = mig.pulls.hint
-
-    def hint_w02_from_w01(candidates, target, keys, prompt, size, now):
-        if target != "w02":
-            return hint(candidates, target, keys, prompt, size, now)
-        return PullHint(source_worker="w01", prefix_hash=keys[9], blocks=10, budget_s=budget_s)
-
-    mig.pulls.hint = hint_w02_from_w01
-    return r, mig, trace
-
-
-def test_a_copy_from_a_worker_still_receiving_the_prefix_starts_once_it_landed_there() -> None:
-    """q2's source holds none of the prefix yet: it offers it once its own copy has landed
-    (forwarding, as the source's adapter waits for a copy under way), so q2 starts with the
-    10 blocks cached after both copies, instead of prefilling them."""
-    r, mig, trace = forwarded_from_w01()
-    records = {rec.request_id: rec for rec in r.run(trace).records}
-    assert [records[q].worker for q in ("q0", "q1", "q2")] == [0, 1, 2]
-    copy_s = 10 * BS * 131_072 / 25e9 + 0.005
-    assert records["q2"].cached_tokens == records["q1"].cached_tokens == 10 * BS
-    assert records["q2"].first_token > 2.0 + 2 * copy_s
-    s = mig.summary()
-    assert (s["pulls"], s["pulls_forwarded"], s["pulls_refused"]) == (2, 1, 0)
-    assert all(r.cores[w].cache.reserved == 0 for w in range(3))
-
-
-def test_a_forwarded_copy_waits_at_most_its_budget() -> None:
-    """q2's budget (2 ms) ends before w01's own copy lands (~8 ms): q2 gives the copy up and
-    prefills, starting at its budget's end; q1's copy is not disturbed."""
-    r, mig, trace = forwarded_from_w01(budget_s=0.002)
-    records = {rec.request_id: rec for rec in r.run(trace).records}
-    assert records["q2"].cached_tokens == 0 and records["q1"].cached_tokens == 10 * BS
-    assert records["q2"].first_token > 2.001 + 0.002
-    s = mig.summary()
-    assert (s["pulls"], s["pulls_forwarded"], s["pulls_given_up"]) == (1, 1, 1)
-    assert all(rec.status == "completed" for rec in records.values())
