@@ -32,6 +32,10 @@ BENCHES = {
         "thunderagent.bench.transfer",
         "move a prefix's KV between two engines with NIXL through the stack (GB/s, verified)",
     ),
+    "live-hot": (
+        "thunderagent.bench.live_hot",
+        "a hot-spot trace's hot period through the stack, KV moves off and with NIXL copies",
+    ),
     "gen": ("thunderagent.bench.gen", "write a generated Mooncake trace: agent, bursty, hotspot"),
     "soak": (
         "thunderagent.bench.soak",

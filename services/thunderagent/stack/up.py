@@ -161,6 +161,11 @@ class StackConfig:
     """Simulated engines' mode: ``timed`` (roofline model) or ``instant`` (zero compute)."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
+    engine_args: list[str] = field(default_factory=list)
+    """Extra ``thunderagent simengine`` flags (benchmarks: ``--kv-pull-gbps``)."""
+    pull_min_tokens: int | None = None
+    """The scheduler's and routers' ``--pull-min-tokens`` (0: no pull at dispatch); None:
+    their default."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StackConfig:
@@ -281,11 +286,11 @@ class Stack:
         c = self.config
         nats = ["--nats", self.nats_url]
         self._service("index", "index", *nats, "--redis", self.redis_url)
-        self._service("scheduler", "scheduler", *nats)
+        pulls = [] if c.pull_min_tokens is None else ["--pull-min-tokens", str(c.pull_min_tokens)]
+        self._service("scheduler", "scheduler", *nats, *pulls)
         for i in range(c.routers):
-            self._service(
-                f"router-{i}", "router", *nats, "--policy", c.policy, "--redis", self.redis_url
-            )
+            self._service(f"router-{i}", "router", *nats, "--policy", c.policy,
+                          "--redis", self.redis_url, *pulls)  # fmt: skip
         self._start_gateways()
         self._service("migration", "migration", *nats, "--redis", self.redis_url,
                       *c.migration_args)  # fmt: skip
@@ -308,7 +313,7 @@ class Stack:
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,
                 "--profile", c.profile, "--page-size", str(c.block_size),
                 "--kv-events-config", events, "--speedup", str(c.speedup), *pool,
-                "--engine", c.engine,
+                "--engine", c.engine, *c.engine_args,
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
