@@ -50,11 +50,21 @@ REPLAY_COPIES = ("pulls", "pulls_refused", "pulls_given_up", "replications",
 TRACE_BLOCK = 512
 
 
-def window_of(trace_path: Path, arg: str | None) -> tuple[float, float]:
-    """``--window S,E``, else the sidecar's hot period less its lead time."""
+def window_arg(text: str) -> tuple[float, float]:
+    """``--window S,E``: trace seconds, S < E."""
+    try:
+        start, end = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S,E in seconds, got {text!r}") from None
+    if not start < end:
+        raise argparse.ArgumentTypeError(f"the window must start before it ends, got {text!r}")
+    return start, end
+
+
+def window_of(trace_path: Path, arg: tuple[float, float] | None) -> tuple[float, float]:
+    """``--window``, else the sidecar's hot period less its lead time."""
     if arg is not None:
-        start, end = (float(x) for x in arg.split(","))
-        return start, end
+        return arg
     meta_path = trace_path.with_suffix(".meta.json")
     try:
         meta = json.loads(meta_path.read_text())
@@ -194,7 +204,8 @@ def run_mode(args: argparse.Namespace, mode: str, rows: list[TraceRequest]) -> d
 def _parser() -> argparse.ArgumentParser:
     p = bench_parser("live-hot", __doc__)
     p.add_argument("--trace", type=Path, required=True, help="a `bench gen --kind hotspot` trace")
-    p.add_argument("--window", default=None, metavar="S,E", help="trace seconds to send")
+    p.add_argument("--window", type=window_arg, default=None, metavar="S,E",
+                   help="trace seconds to send")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: off, nixl")
     p.add_argument("--workers", type=at_least(2), default=8)
     p.add_argument("--profile", default="llama-3.1-8b-h100")

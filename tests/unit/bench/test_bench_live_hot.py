@@ -22,7 +22,11 @@ def test_the_window_is_the_hot_period_from_its_first_lead_request(tmp_path) -> N
     meta = {"hot_start_s": 240.0, "hot_end_s": 360.0, "params": {"hot_lead_s": 60}}
     trace.with_suffix(".meta.json").write_text(json.dumps(meta))
     assert live_hot.window_of(trace, None) == (179.0, 360.0)
-    assert live_hot.window_of(trace, "5,20") == (5.0, 20.0)
+    parse = live_hot._parser().parse_args
+    assert live_hot.window_of(trace, parse(["--trace", "t", "--window", "5,20"]).window) == (5, 20)
+    for bad in ("5", "20,5", "a,b"):
+        with pytest.raises(SystemExit):
+            parse(["--trace", "t", "--window", bad])
     with pytest.raises(SystemExit, match="no hot period"):
         live_hot.window_of(tmp_path / "other.jsonl", None)
 
