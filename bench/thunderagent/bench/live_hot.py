@@ -160,22 +160,29 @@ def summarize(outcomes: list, hot: list[bool]) -> dict:
 
 
 async def copies_made(stack: Stack) -> dict:
-    """The copies the services report (Prometheus): the adapters' pulls at dispatch by
-    outcome, the migration service's moves by mode and outcome."""
-    counts: dict[str, Counter] = {"pulls": Counter(), "moves": Counter()}
+    """The copies the services report on their Prometheus endpoints (``count_copies``)."""
+    texts = []
     async with aiohttp.ClientSession() as session:
         for port in stack.metrics_ports.values():
             async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                text = await resp.text()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if not sample.name.endswith("_total"):
-                        continue
-                    if family.name == "thunderagent_dispatch_pulls":
-                        counts["pulls"][sample.labels.get("outcome", "")] += int(sample.value)
-                    elif family.name == "thunderagent_migrations":
-                        key = f"{sample.labels.get('mode', '')} {sample.labels.get('outcome', '')}"
-                        counts["moves"][key] += int(sample.value)
+                texts.append(await resp.text())
+    return count_copies(texts)
+
+
+def count_copies(texts: list[str]) -> dict:
+    """From Prometheus expositions: the adapters' pulls at dispatch by outcome, the migration
+    service's moves by mode and outcome, summed over the services."""
+    counts: dict[str, Counter] = {"pulls": Counter(), "moves": Counter()}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                if family.name == "thunderagent_dispatch_pulls":
+                    counts["pulls"][sample.labels.get("outcome", "")] += int(sample.value)
+                elif family.name == "thunderagent_migrations":
+                    key = f"{sample.labels.get('mode', '')} {sample.labels.get('outcome', '')}"
+                    counts["moves"][key] += int(sample.value)
     return {k: dict(v) for k, v in counts.items()}
 
 

@@ -57,3 +57,23 @@ def test_the_replay_twin_runs_the_same_requests_and_accounts_for_each() -> None:
         out = live_hot.replayed(rows, workers=2, profile="llama-3.1-8b-h100", mode=mode)
         assert out["requests"] == out["completed"] == len(rows)
         assert out["hot"]["ttft_p99_ms"] >= out["hot"]["ttft_p50_ms"] > 0
+
+
+def test_copies_are_summed_over_the_services_metrics() -> None:
+    """As the services' OpenTelemetry Prometheus exporter writes them."""
+
+    def counter(name: str, *samples: str) -> str:
+        lines = [f"# HELP {name}_total copies", f"# TYPE {name}_total counter"]
+        return "\n".join([*lines, *(f"{name}_total{s}" for s in samples)]) + "\n"
+
+    workers = [counter("thunderagent_dispatch_pulls", '{outcome="done"} 2.0',
+                       '{outcome="refused"} 1.0'),
+               counter("thunderagent_dispatch_pulls", '{outcome="done"} 1.0')]  # fmt: skip
+    migration = counter(
+        "thunderagent_migrations", '{mode="replicate",outcome="done",transport="nixl"} 5.0'
+    ) + counter("thunderagent_migration_bytes", " 1.0e9")
+    assert live_hot.count_copies([*workers, migration]) == {
+        "pulls": {"done": 3, "refused": 1},
+        "moves": {"replicate done": 5},
+    }
+    assert live_hot.count_copies([]) == {"pulls": {}, "moves": {}}
