@@ -160,13 +160,17 @@ def summarize(outcomes: list, hot: list[bool]) -> dict:
 
 
 async def copies_made(stack: Stack) -> dict:
-    """The copies the services report on their Prometheus endpoints (``count_copies``)."""
-    texts = []
+    """The copies the services report on their Prometheus endpoints (``count_copies``); a
+    service that cannot be read is named instead (the run's figures are kept either way)."""
+    texts, unread = [], []
     async with aiohttp.ClientSession() as session:
-        for port in stack.metrics_ports.values():
-            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                texts.append(await resp.text())
-    return count_copies(texts)
+        for name, port in stack.metrics_ports.items():
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    texts.append(await resp.text())
+            except aiohttp.ClientError as err:
+                unread.append(f"{name}: {err}")
+    return {**count_copies(texts), **({"unread": unread} if unread else {})}
 
 
 def count_copies(texts: list[str]) -> dict:
