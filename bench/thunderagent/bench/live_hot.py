@@ -39,6 +39,7 @@ from thunderagent.bench import replay
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.live import LiveRequest, block_tokens, run_thunderagent
+from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay.traces import TraceError, TraceRequest, load_trace
 from thunderagent.shell.argtypes import at_least, output_file, positive
 from thunderagent.stack.up import Stack, StackConfig
@@ -219,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="trace seconds to send")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: off, nixl")
     p.add_argument("--workers", type=at_least(2), default=8)
-    p.add_argument("--profile", default="llama-3.1-8b-h100")
+    p.add_argument("--profile", choices=sorted(PRESETS), default="llama-3.1-8b-h100")
     p.add_argument("--kv-pool-scale", type=at_least(1), default=256,
                    help="divide each engine's KV bytes per block by this")  # fmt: skip
     p.add_argument("--link-gbps", type=positive, default=25.0,
