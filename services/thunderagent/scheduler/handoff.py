@@ -98,9 +98,14 @@ class Handoff:
             return f"{wid}: {err}"
         if not ack.accepted:
             return f"{wid}: refused ({ack.reason})"
-        if work.pull is not None and self.pulls is not None:  # a refused offer copies nothing
-            self.pulls.book(work.pull, wid, time.monotonic())
+        self.book_pull(work.pull, wid)  # only now: a refused offer copies nothing
         return None
+
+    def book_pull(self, hint: PullHint | None, worker_id: str) -> None:
+        """``worker_id`` took a run carrying ``hint`` (this scheduler's, or a router's on the
+        fast path): its copy holds both links in this scheduler's pull decisions."""
+        if hint is not None and self.pulls is not None:
+            self.pulls.book(hint, worker_id, time.monotonic())
 
     def _pull(self, submit: ScheduleRequest, worker_id: str) -> PullHint | None:
         if self.pulls is None:

@@ -160,8 +160,7 @@ class SchedulerService:
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:
             return  # told twice
-        if direct.pull is not None and self.handoff.pulls is not None:
-            self.handoff.pulls.book(direct.pull, direct.worker_id, time.monotonic())
+        self.handoff.book_pull(direct.pull, direct.worker_id)
         self.issuer.routed(submit.router_id, self.clock())
         pending = self.pending[rid] = Pending(
             submit, otel_context.get_current(), worker_id=direct.worker_id
