@@ -4,6 +4,7 @@
         [--speed X[,Y...]] [--limit N] [--seed S] [--json FILE] [--report FILE.md] [--plot DIR]
         [--scheduler direct] [--load-interval 0.1] [--block-size 512] [--param P.FIELD=VALUE]
         [--migration off|replicate|nixl] [--migration-param FIELD=VALUE] [--hot-window S,E]
+        [--repeats N] [--arrival-jitter-ms J]
 
 Each (policy, speed) run replays the same arrivals through fresh engines, a fresh prefix index
 and a fresh policy instance (``thunderagent.replay``). The JSON holds one entry per run plus the
@@ -14,7 +15,9 @@ option, the generator's sidecar ``.meta.json``, or the trace's ``hot`` rows) eac
 TTFT of the hot requests and of the requests inside and outside the window, and, when the
 trace marks hot rows, ``floor_p99_ms``: the hot TTFT p99 no router or planner copying whole
 prefixes can beat, since nothing holds the hot prefix before a first prefill of it ends
-(``hot_ttft_floor_ms``).
+(``hot_ttft_floor_ms``). ``--repeats N`` runs the sweep on N copies of the trace (seeds S to
+S+N-1, each arrival moved by up to ``--arrival-jitter-ms``) and adds ``repeats``: each cell's
+figures over the copies (``replay_spread``); the rest of the JSON is the first copy's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
+from thunderagent.bench import replay_spread
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay_args import loads_seen_every, parse_args, scheduler_for
 from thunderagent.bench.replay_plots import write_plots
@@ -42,6 +46,7 @@ from thunderagent.replay import (
 from thunderagent.replay.metrics import cache_bounds, work_ceiling
 from thunderagent.replay.migration import ReplayMigration, move_summary
 from thunderagent.replay.summary import alone_ttft_s, summarize
+from thunderagent.replay.traces import jitter_arrivals
 from thunderagent.stats import percentile
 
 
@@ -80,12 +85,16 @@ def default_slo_ms(trace, timing: TimingModel, chunk: int) -> float:
     return percentile(floor, 99) * 1000.0 + SLO_MARGIN_S * 1000.0
 
 
-def run(args: argparse.Namespace) -> tuple[dict, dict]:
-    """All runs; returns (JSON document, {(policy, speed): ReplayResult})."""
+def run(args: argparse.Namespace, seed: int | None = None) -> tuple[dict, dict]:
+    """All runs with ``seed`` (default ``--seed``), the trace's arrivals jittered by it when
+    ``--arrival-jitter-ms`` is set; returns (JSON document, {(policy, speed): ReplayResult})."""
+    seed = args.seed if seed is None else seed
     profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     trace = load_trace(args.trace, args.limit, args.block_size)
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
+    if args.arrival_jitter_ms:
+        trace = jitter_arrivals(trace, args.arrival_jitter_ms / 1000.0, seed)
     bs = args.block_size
     timing = TimingModel(profile)
     bounds = cache_bounds(trace, bs, args.workers * profile.capacity_blocks)
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
     alone_s = lambda tokens: alone_ttft_s(timing, tokens, 0, chunk)  # noqa: E731
     hot = migration_cli.HotPeriod.of(args, trace, alone_s)
-    doc = _document(args, profile, trace, slo_ms, hot.window)
+    doc = _document(args, profile, trace, slo_ms, hot.window, seed)
     doc["work_ceiling"] = work_ceiling(trace, timing, args.workers, bs, bounds)
     results: dict = {}
     runs = [(s, p) for s in args.speed for p in args.policy_list]
@@ -103,7 +112,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         for speed, policy in runs:
             bar.update(task, description=f"{policy} x{speed:g}")
             start = time.perf_counter()
-            replay = Replay(_config(args, profile, policy), bs)
+            replay = Replay(_config(args, profile, policy, seed), bs)
             mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
             result = replay.run(trace, speed, lambda n: bar.advance(task, n))
             wall = time.perf_counter() - start
@@ -128,21 +137,21 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
     return doc, results
 
 
-def _config(args: argparse.Namespace, profile, policy: str) -> ReplayConfig:
+def _config(args: argparse.Namespace, profile, policy: str, seed: int) -> ReplayConfig:
     return ReplayConfig(
         profile=profile,
         policy=policy,
         workers=args.workers,
         policy_params=args.params.get(policy, {}),
         scheduler=scheduler_for(policy, args.scheduler),
-        seed=args.seed,
+        seed=seed,
         load_interval=args.load_interval or LOAD_REPORT_INTERVAL_S,
         index_ttl=args.index_ttl,
         scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
     )
 
 
-def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window) -> dict:
+def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window, seed: int) -> dict:
     """The JSON document's header: what was replayed, on what, with which settings."""
     bs = args.block_size
     return {
@@ -168,7 +177,8 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window) -
         "migration": args.migration,
         "migration_params": args.migration_params,
         "hot_window_s": list(window) if window else None,
-        "seed": args.seed,
+        "seed": seed,
+        "arrival_jitter_ms": args.arrival_jitter_ms or 0.0,
         "code_version": code_version(),
         "results": [],
     }
@@ -327,6 +337,8 @@ def write_report(doc: dict, path: Path, plots: list[Path], argv: list[str]) -> N
     if migration_cli.shown(doc):
         head += [f"Migration: {doc['migration']}; hot window {doc['hot_window_s']} s.", ""]
         head += [migration_cli.table(doc), ""]
+    if "repeats" in doc:
+        head += [replay_spread.table(doc["repeats"]), ""]
     head += [f"![{p.stem}]({_rel(p, path.parent)})" for p in plots]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(head) + "\n")
@@ -342,10 +354,14 @@ def _rel(p: Path, base: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    seeds = [args.seed + k for k in range(args.repeats)]
     try:
-        doc, results = run(args)
+        doc, results = run(args, seeds[0])
+        copies = [doc] + [run(args, s)[0] for s in seeds[1:]]
     except TraceError as err:
         raise SystemExit(f"bad trace: {err}") from None
+    if args.repeats > 1:
+        doc["repeats"] = replay_spread.spread(copies, seeds, args.arrival_jitter_ms)
     # the files first: a stdout closed early (``| head``) must not lose what the run measured
     plots = write_plots(doc, results, args.plot) if args.plot else []
     if args.json:
@@ -358,10 +374,12 @@ def main(argv: list[str] | None = None) -> None:
     if migration_cli.shown(doc):
         print()
         print(migration_cli.table(doc))
-    total = sum(e["wall_s"] for e in doc["results"])
-    print(
-        f"\n{len(doc['results'])} runs, {total:.1f} s wall in replays; code {doc['code_version']}"
-    )
+    if "repeats" in doc:
+        print()
+        print(replay_spread.table(doc["repeats"]))
+    runs = [e for copy in copies for e in copy["results"]]
+    total = sum(e["wall_s"] for e in runs)
+    print(f"\n{len(runs)} runs, {total:.1f} s wall in replays; code {doc['code_version']}")
 
 
 if __name__ == "__main__":

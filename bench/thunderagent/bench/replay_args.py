@@ -82,6 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats", type=at_least(1), default=1,
+        help="run the sweep on N copies of the trace, seeds SEED..SEED+N-1, and report each "
+        "cell's mean, sd, min and max over them (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--arrival-jitter-ms", type=positive, default=None,
+        help="move each arrival by a uniform draw in ±J ms of trace time, seeded by the run's "
+        "seed (a session keeps its order); with --repeats, each copy is jittered differently",
+    )  # fmt: skip
     _output_arguments(p)
     p.add_argument(
         "--scheduler", default=None, choices=SCHEDULERS.names(),

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
@@ -179,6 +180,26 @@ def _ordered(requests: list[TraceRequest]) -> list[TraceRequest]:
         for r in requests:
             r.arrival -= t0
     return requests
+
+
+def jitter_arrivals(trace: list[TraceRequest], jitter_s: float, seed: int) -> list[TraceRequest]:
+    """``trace`` with every arrival moved by a uniform draw in ``[-jitter_s, jitter_s]`` (seeded),
+    in arrival order again; a session's requests keep their order. A replay near a capacity edge
+    is chaotic (one decision made differently re-deals every later one), so one run's p99 says
+    little about a change: the spread over a few jittered copies of the same trace is the yardstick.
+    """
+    if jitter_s <= 0:
+        return list(trace)
+    rng = random.Random(seed)
+    last: dict[str, float] = {}
+    out = []
+    for r in trace:
+        t = max(0.0, r.arrival + rng.uniform(-jitter_s, jitter_s))
+        if r.session is not None:
+            t = last[r.session] = max(t, last.get(r.session, 0.0))
+        out.append(replace(r, arrival=t))
+    out.sort(key=lambda r: r.arrival)
+    return out
 
 
 def load_trace(

@@ -4,9 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from thunderagent.replay import TraceError, load_azure, load_mooncake, load_trace
-from thunderagent.replay.traces import AZURE_ID_BASE
+from thunderagent.replay import TraceError, TraceRequest, load_azure, load_mooncake, load_trace
+from thunderagent.replay.traces import AZURE_ID_BASE, jitter_arrivals
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
@@ -128,3 +130,50 @@ def test_a_file_that_cannot_be_read_is_a_trace_error_naming_it(tmp_path: Path, n
     with pytest.raises(TraceError) as info:
         load_trace(path)
     assert info.value.line == 0 and str(info.value).startswith(f"{path}: cannot read the trace")
+
+
+def _trace(arrivals: list[float], sessions: list[str | None]) -> list[TraceRequest]:
+    return [
+        TraceRequest(str(i), t, 16, 1, [i], session=s)
+        for i, (t, s) in enumerate(zip(arrivals, sessions, strict=True))
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 5, allow_nan=False), st.sampled_from([None, "a", "b", "c"])),
+        max_size=40,
+    ).map(lambda rows: sorted(rows, key=lambda r: r[0])),
+    st.floats(1e-4, 0.5, allow_nan=False),
+    st.integers(0, 2**16),
+)
+def test_jittered_arrivals_keep_every_request_its_bound_and_each_session_in_order(
+    rows, jitter_s, seed
+) -> None:
+    trace = _trace([t for t, _ in rows], [s for _, s in rows])
+    out = jitter_arrivals(trace, jitter_s, seed)
+    assert sorted(r.request_id for r in out) == sorted(r.request_id for r in trace)
+    assert [r.arrival for r in out] == sorted(r.arrival for r in out)
+    before = {r.request_id: r for r in trace}
+    for r in out:
+        old = before[r.request_id]
+        assert r.arrival >= 0
+        assert r.block_ids == old.block_ids and r.session == old.session
+        # a request is moved by the draw, or later to stay behind its session's previous one
+        assert r.arrival >= old.arrival - jitter_s - 1e-12
+        if old.session is None:
+            assert r.arrival <= old.arrival + jitter_s + 1e-12
+    for s in ("a", "b", "c"):
+        ids = [r.request_id for r in trace if r.session == s]
+        assert [r.request_id for r in out if r.session == s] == ids
+    assert out == jitter_arrivals(trace, jitter_s, seed)  # the seed decides
+    assert [r.arrival for r in trace] == [t for t, _ in rows]  # the input is left as it was
+
+
+def test_jitter_zero_is_the_trace_and_two_seeds_give_two_copies() -> None:
+    trace = _trace([0.1 * i for i in range(50)], [None] * 50)
+    assert jitter_arrivals(trace, 0.0, 3) == trace
+    a, b = jitter_arrivals(trace, 0.001, 1), jitter_arrivals(trace, 0.001, 2)
+    assert [r.arrival for r in a] != [r.arrival for r in b]
+    assert max(abs(x.arrival - y.arrival) for x, y in zip(a, trace, strict=True)) <= 0.001
