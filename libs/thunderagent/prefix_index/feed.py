@@ -102,15 +102,6 @@ class IndexFeeder:
             self.gpu.expire(now)
         return self.index.expire(now)
 
-    def evict_locally(self, worker: str, hashes: list[int], now: float) -> None:
-        """Drop entries this process found stale (lazy verification), outside the event stream."""
-        cur = self.cursors.get(worker)
-        if cur is None:
-            return
-        cur.counter += 1
-        for index in self._indexes():
-            index.apply_removed(worker, cur.counter, hashes, now)
-
     def forget(self, worker: str) -> None:
         """The worker left (lease lapsed): drop its entries and its cursor."""
         self.cursors.pop(worker, None)

@@ -264,7 +264,6 @@ class RouterCore:
             request_id,
             Dispatch(
                 worker_id=worker_id,
-                hashes=hashes.primary,
                 predicted_blocks=predicted,
                 block_size=query.block_size,
                 best_blocks=best,
@@ -294,8 +293,8 @@ class RouterCore:
         cached_tokens: int | None = None,
         completion_tokens: int | None = None,
     ) -> Verdict | None:
-        """A run left ``worker_id``. A completed run (``cached_tokens`` given) is verified: a
-        false hit drops the stale blocks from this replica's index. Its end may overtake the
+        """A run left ``worker_id``. A completed run (``cached_tokens`` given) is verified
+        against the prediction (counted, never a change to the index). Its end may overtake the
         news of its dispatch (an engine that answers at once): it is booked first, so the
         in-flight overlay still learns where its prefix now lives."""
         if request_id in self._routed:
@@ -314,8 +313,6 @@ class RouterCore:
             return None
         self.window.predicted_tokens += verdict.predicted_tokens
         self.window.hit_tokens += min(verdict.actual_tokens, verdict.predicted_tokens)
-        if verdict.false_hit:
-            self.feeder.evict_locally(worker_id, verdict.stale_hashes, now)
         return verdict
 
     def forget(self, request_id: str) -> None:

@@ -1,16 +1,21 @@
 """Lazy verification: compare the cache hit the router predicted with what the engine reported.
 
-The router remembers, for a bounded number of recent dispatches, the worker and block hashes.
-When the run finishes, a *false hit* (the engine had fewer blocks than predicted) names the
-blocks that were not there, so the core drops them from its index and the next request is not
-misrouted the same way; a *missed hit* (more cached than predicted) is only counted: the KV
-events will teach the index.
+The router remembers, for a bounded number of recent dispatches, the worker and what it
+predicted. When the run finishes, a *false hit* (the engine had fewer blocks than predicted) or
+a *missed hit* (more) is counted: the metrics and the tuner's false-hit rate read them.
+
+Neither changes the index. A run that found predicted blocks missing prefilled them, and its
+engine cached them: when it finishes, its worker holds them, and the KV events have said so. An
+index that dropped them then (as this once did) hid what the engine held, and since removing a
+block hides every prefix under it, a false hit on a shared first block hid the worker's whole
+cache from the router. Such false hits are not rare: requests that arrive together and share a
+prefix are predicted to hit what the first of them is about to compute, and an engine batches
+them into one prefill (docs/benchmarks.md, "A false hit hid a worker's cache").
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -19,7 +24,6 @@ class Dispatch:
     """What the router predicted for one dispatched run."""
 
     worker_id: str
-    hashes: Sequence[int]
     predicted_blocks: int
     block_size: int
     best_blocks: int = 0
@@ -31,7 +35,6 @@ class Dispatch:
 class Verdict:
     false_hit: bool
     missed_hit: bool
-    stale_hashes: list[int]
     worker_id: str
     predicted_tokens: int
     actual_tokens: int
@@ -63,11 +66,9 @@ class Verifier:
             return None  # another replica routed it, or it was re-dispatched since
         actual_blocks = cached_tokens // d.block_size
         predicted = d.predicted_blocks
-        stale = list(d.hashes[actual_blocks:predicted]) if actual_blocks < predicted else []
         return Verdict(
             false_hit=actual_blocks < predicted,
             missed_hit=actual_blocks > predicted,
-            stale_hashes=stale,
             worker_id=worker_id,
             predicted_tokens=predicted * d.block_size,
             actual_tokens=cached_tokens,

@@ -136,17 +136,22 @@ def test_feeder_state_survives_a_snapshot_round_trip():
     assert fresh.index.overlap(h.primary, h.check) == {}
 
 
-def test_verifier_finds_false_hits_and_the_stale_blocks():
+def test_verifier_finds_false_and_missed_hits():
     v = Verifier(capacity=2)
-    v.remember("r1", Dispatch("w0", [1, 2, 3, 4], predicted_blocks=3, block_size=16))
+    v.remember("r1", Dispatch("w0", predicted_blocks=3, block_size=16, best_blocks=4))
     verdict = v.verify("r1", "w0", cached_tokens=16)
-    assert verdict.false_hit and verdict.stale_hashes == [2, 3]
-    v.remember("r2", Dispatch("w0", [1, 2], predicted_blocks=0, block_size=16))
+    assert verdict.false_hit and not verdict.missed_hit
+    assert (verdict.predicted_tokens, verdict.actual_tokens, verdict.recomputed_tokens) == (
+        48,
+        16,
+        48,
+    )
+    v.remember("r2", Dispatch("w0", predicted_blocks=0, block_size=16))
     assert v.verify("r2", "w0", cached_tokens=32).missed_hit
     assert v.verify("r2", "w0", cached_tokens=0) is None  # already verified
-    v.remember("a", Dispatch("w0", [], 0, 16))
-    v.remember("b", Dispatch("w0", [], 0, 16))
-    v.remember("c", Dispatch("w0", [], 0, 16))
+    v.remember("a", Dispatch("w0", 0, 16))
+    v.remember("b", Dispatch("w0", 0, 16))
+    v.remember("c", Dispatch("w0", 0, 16))
     assert v.unverified == 1 and v.verify("a", "w0", 0) is None
     assert v.verify("b", "w1", 0) is None  # spilled to another worker: nothing to conclude
 

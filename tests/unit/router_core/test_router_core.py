@@ -158,7 +158,9 @@ def test_a_start_that_overtakes_the_dispatch_notice_books_the_run_first() -> Non
     assert not c.on_dispatched("a", "w1", 1.2), "the late notice books nothing twice"
 
 
-def test_a_false_hit_drops_the_blocks_the_engine_did_not_have() -> None:
+def test_a_false_hit_is_counted_and_leaves_the_index_as_the_events_left_it() -> None:
+    """The run that found blocks missing prefilled them: its worker holds them when it ends.
+    Dropping them then (the old rule) hid the worker's cache behind a stale-looking entry."""
     c = core()
     hashes = HASHER.hash_tokens(PROMPT)
     c.apply_kv(KvEventBatch(worker_id="w0", seq=0, ts=0.0, events=[
@@ -167,9 +169,38 @@ def test_a_false_hit_drops_the_blocks_the_engine_did_not_have() -> None:
     assert routed.query.overlaps["w0"] == 8 and routed.confirmed["w0"] == 8
     c.on_dispatched("a", "w0", 1.0)
     verdict = c.on_finished("a", "w0", 2.0, cached_tokens=3 * BS, completion_tokens=16)
-    assert verdict.false_hit and verdict.stale_hashes == hashes.primary[3:8]
-    assert c.feeder.index.overlap(hashes.primary, hashes.check) == {"w0": 3}
+    assert verdict.false_hit and not verdict.missed_hit
+    assert c.feeder.index.overlap(hashes.primary, hashes.check) == {"w0": 8}
     assert c.window.predicted_tokens == 8 * BS and c.window.hit_tokens == 3 * BS
+    assert c.window.false_hit_rate() == 5 / 8
+
+
+def test_requests_batched_on_a_prefix_in_flight_keep_the_workers_cache_in_view() -> None:
+    """Two requests sharing a first block arrive together: the second is predicted to hit what
+    the first is about to compute (the in-flight overlay), the engine prefills both in one batch
+    and reports no hit for either. Every prompt of the workload starts with that block, so
+    dropping it would hide every prefix the worker holds under it."""
+    c = core()
+    shared = list(range(500, 500 + BS))
+    first = shared + list(range(1000, 1000 + 4 * BS)) + [1]
+    second = shared + list(range(2000, 2000 + 4 * BS)) + [1]
+    a = route(c, "a", first)
+    worker = a.decision.worker_id
+    c.on_dispatched("a", worker, 1.0)
+    b = route(c, "b", second)
+    assert b.query.overlaps.get(worker) == 1, "the overlay predicts the shared block"
+    c.on_dispatched("b", worker, 1.0)
+    for seq, tokens in enumerate((first, second)):  # the batch's prefill stores both prompts
+        h = HASHER.hash_tokens(tokens)
+        c.apply_kv(KvEventBatch(worker_id=worker, seq=seq, ts=1.5, events=[
+            BlocksStored(hashes=h.primary, check_hashes=h.check)]), 1.5)  # fmt: skip
+    c.on_finished("a", worker, 2.0, cached_tokens=0, completion_tokens=4)
+    verdict = c.on_finished("b", worker, 2.0, cached_tokens=0, completion_tokens=4)
+    assert verdict.false_hit
+    h = HASHER.hash_tokens(first)
+    assert c.feeder.gpu_index.overlap(h.primary, h.check) == {worker: 5}
+    later = route(c, "c", first, now=60.0)  # long after the overlay's TTL
+    assert later.confirmed == {worker: 5} and later.decision.worker_id == worker
 
 
 def test_reported_evictions_also_leave_the_in_flight_overlay() -> None:
