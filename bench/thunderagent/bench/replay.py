@@ -41,6 +41,7 @@ from thunderagent.replay import (
     Replay,
     ReplayConfig,
     TraceError,
+    TraceRequest,
     load_trace,
 )
 from thunderagent.replay.metrics import cache_bounds, work_ceiling
@@ -85,26 +86,36 @@ def default_slo_ms(trace, timing: TimingModel, chunk: int) -> float:
     return percentile(floor, 99) * 1000.0 + SLO_MARGIN_S * 1000.0
 
 
-def run(args: argparse.Namespace, seed: int | None = None) -> tuple[dict, dict]:
-    """All runs with ``seed`` (default ``--seed``), the trace's arrivals jittered by it when
-    ``--arrival-jitter-ms`` is set; returns (JSON document, {(policy, speed): ReplayResult})."""
-    seed = args.seed if seed is None else seed
-    profile = get_profile(args.profile).with_engine(block_size=args.block_size)
+def load(args: argparse.Namespace) -> list[TraceRequest]:
+    """The trace ``--trace`` names (``--limit``, ``--block-size``); exits when it is empty."""
     trace = load_trace(args.trace, args.limit, args.block_size)
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
+    return trace
+
+
+def run(
+    args: argparse.Namespace, seed: int | None = None, trace: list[TraceRequest] | None = None
+) -> tuple[dict, dict]:
+    """All runs with ``seed`` (default ``--seed``) on ``trace`` (default: ``load``), its
+    arrivals jittered by the seed when ``--arrival-jitter-ms`` is set; returns (JSON document,
+    {(policy, speed): ReplayResult})."""
+    seed = args.seed if seed is None else seed
+    trace = load(args) if trace is None else trace
     if args.arrival_jitter_ms:
         trace = jitter_arrivals(trace, args.arrival_jitter_ms / 1000.0, seed)
+    profile = get_profile(args.profile).with_engine(block_size=args.block_size)
     bs = args.block_size
     timing = TimingModel(profile)
     bounds = cache_bounds(trace, bs, args.workers * profile.capacity_blocks)
-    ideal, pooled = bounds["ideal"][0], bounds["pooled"][0]
     chunk = profile.engine.chunked_prefill_size
     slo_ms = args.slo_ttft_p99_ms or default_slo_ms(trace, timing, chunk)
     alone_s = lambda tokens: alone_ttft_s(timing, tokens, 0, chunk)  # noqa: E731
     hot = migration_cli.HotPeriod.of(args, trace, alone_s)
     doc = _document(args, profile, trace, slo_ms, hot.window, seed)
     doc["work_ceiling"] = work_ceiling(trace, timing, args.workers, bs, bounds)
+    common = {"timing": timing, "chunk": chunk, "slo_ms": slo_ms}
+    common.update(ideal=bounds["ideal"][0], pooled=bounds["pooled"][0])
     results: dict = {}
     runs = [(s, p) for s in args.speed for p in args.policy_list]
     with _progress(args.quiet) as bar:
@@ -114,23 +125,13 @@ def run(args: argparse.Namespace, seed: int | None = None) -> tuple[dict, dict]:
             start = time.perf_counter()
             replay = Replay(_config(args, profile, policy, seed), bs)
             mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
-            result = replay.run(trace, speed, lambda n: bar.advance(task, n))
-            wall = time.perf_counter() - start
-            results[(policy, speed)] = result
-            entry = summarize(
-                result,
-                policy=policy,
-                speed=speed,
-                timing=timing,
-                chunk=chunk,
-                ideal=ideal,
-                pooled=pooled,
-                wall_s=round(wall, 3),
-                slo_ms=slo_ms,
+            result = results[(policy, speed)] = replay.run(
+                trace, speed, lambda n: bar.advance(task, n)
             )
+            wall = round(time.perf_counter() - start, 3)
+            entry = summarize(result, policy=policy, speed=speed, wall_s=wall, **common)
             entry.update(mig.summary() if mig else move_summary(args.migration))
-            hot_entry = hot.summary(result.records, speed)
-            if hot_entry is not None:
+            if (hot_entry := hot.summary(result.records, speed)) is not None:
                 entry["hot"] = hot_entry
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
@@ -356,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     seeds = [args.seed + k for k in range(args.repeats)]
     try:
-        doc, results = run(args, seeds[0])
-        copies = [doc] + [run(args, s)[0] for s in seeds[1:]]
+        trace = load(args)  # once: each copy jitters its own
+        doc, results = run(args, seeds[0], trace)
+        copies = [doc] + [run(args, s, trace)[0] for s in seeds[1:]]
     except TraceError as err:
         raise SystemExit(f"bad trace: {err}") from None
     if args.repeats > 1:

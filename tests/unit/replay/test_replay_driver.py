@@ -2,7 +2,7 @@
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -418,19 +418,15 @@ def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: P
     assert set(json.loads(forced.read_text())["load_interval_s"].values()) == {0.5}
 
 
-def _arriving_in_groups(n: int = 60, group: int = 6, seed: int = 2) -> list[TraceRequest]:
-    """Conversations that all start with one shared block, arriving ``group`` at one instant
-    (as the Mooncake conversation trace's 3 s timestamps have them)."""
-    rng = random.Random(seed)
-    convs: list[list[int]] = [[7, 100 + c] for c in range(8)]
-    out = []
-    for i in range(n):
-        conv = rng.choice(convs)
-        conv.extend(rng.randrange(10**6) for _ in range(rng.randint(1, 2)))
-        del conv[8:]
-        prompt = len(conv) * BS - rng.randint(0, BS - 1)
-        out.append(TraceRequest(str(i), (i // group) * 0.5, prompt, rng.randint(1, 6), list(conv)))
-    return out
+def _arriving_in_groups(group: int = 6) -> list[TraceRequest]:
+    """``make_trace``'s conversations behind one block every prompt shares, arriving ``group``
+    at one instant (as the Mooncake conversation trace's 3 s timestamps have them)."""
+    return [
+        replace(
+            r, arrival=(i // group) * 0.5, prompt_len=r.prompt_len + BS, block_ids=[7, *r.block_ids]
+        )
+        for i, r in enumerate(make_trace(60, seed=2, conversations=8))
+    ]
 
 
 @pytest.mark.parametrize("policy", ["thunder", "dynamo_kv"])
