@@ -1,12 +1,13 @@
 """ThunderAgent's policy: predicted seconds per worker; the cache credit decays with load.
 
-    cost = prefill_s * (1 + recompute) * (prompt - cached)  this request's own prefill
-         + prefill_s * cached * (1 - exp(-excess / load_scale))  the hit's credit lost to load
-         + prefill_s * (queued + pending) * mean_prefill  prefills queued ahead of it
+    cost = prefill_s * (1 + recompute) * work(prompt - cached after cached)  its own prefill
+         + prefill_s * work(cached) * (1 - exp(-excess / load_scale))  the hit's credit lost to load
+         + prefill_s * work(queued prefill)  prefills queued ahead of it
          + decode_weight * output * (kv_s * active_tokens + seq_s * outstanding)   its decode
          + pressure penalty              running requests' KV nearly full: its cache would go
          + prefill_s * evict_weight * evicted    cached tokens its new blocks push out
     cached = (gpu_blocks + host_credit * host_only_blocks) * block_size
+    work(n after c) = n * (1 + (c + n / 2) / attention_parity_tokens)  dense layers + attention
 
 ``excess`` is the worker's outstanding requests above the least loaded candidate's, so an evenly
 loaded fleet keeps full credit. ``recompute`` (``recompute_weight``) grows once no worker has
@@ -29,6 +30,7 @@ from typing import ClassVar
 
 from thunderagent.routing.cost import (
     DECODE_S_PER_KV_TOKEN,
+    LLAMA_8B_ATTENTION_PARITY_TOKENS,
     PREFILL_S_PER_TOKEN,
     OnlineTuner,
     RunningMean,
@@ -38,7 +40,9 @@ from thunderagent.routing.cost import (
     finite_at_least,
     finite_positive,
     in_unit_interval,
+    prefill_work,
     queued_prefill_tokens,
+    queued_prefill_work,
     rank_by_cost,
     require,
 )
@@ -151,6 +155,19 @@ class Thunder(PolicyHooks):
     capacities are equal except bursty seed 2 (16x with 0.25, 14x with the others) and
     bursty seed 0 (10x with 0.5, 12x with the others); TTFT p99 misses 1 / 2 / 2 / 5 (0.25's
     extra one: agent seed 0 at 1x, 0.62 s against smg_cache_aware's 0.57)."""
+    attention_parity_tokens: float = LLAMA_8B_ATTENTION_PARITY_TOKENS
+    """Context length at which a prompt token's attention costs as much as its dense layers
+    (``cost.attention_parity_tokens``: ``2 * params / (4 * layers * hidden)``, ~30.6k for
+    Llama-3.1-8B, ~53.9k for 70B), so prefill seconds grow with the context as the engine's
+    do: a 118k-token prompt takes ~2.9 times a short prompt's time per token, not the same.
+    Linear in tokens, the cost saw one 118k-token prompt queued on a holder as 5.9 s of
+    prefill where it took 11.2 s, and kept a conversation's next turn there behind it
+    (Mooncake conversation trace, 1x: 11.3 s of waiting). Taken from the model, not chosen
+    on a workload; ``bench tune`` on the generated ones (bursty and hot spot seeds 0-2,
+    agent seeds 0-1, against 0 = linear): capacities level but bursty seed 2 16x against
+    14x, hot spot seed 1 14x against 16x in one replay (1.68 against 2.81 s TTFT p99 at 16x
+    on the mean of 8 jittered copies), TTFT p99 misses 3 / 0 against 3 / 1, more goodput on
+    all. 0 makes prefill linear."""
     tuner: OnlineTuner | Mapping[str, float] = field(default_factory=OnlineTuner)
     """Online tuning of ``load_scale``; a mapping (from YAML) is turned into an OnlineTuner."""
 
@@ -172,6 +189,7 @@ class Thunder(PolicyHooks):
         finite_at_least(_P, "recompute_gain", self.recompute_gain, 0.0)
         finite_at_least(_P, "evict_weight", self.evict_weight, 0.0)
         finite_at_least(_P, "max_recompute_weight", self.max_recompute_weight, 0.0)
+        finite_at_least(_P, "attention_parity_tokens", self.attention_parity_tokens, 0.0)
         ok = isinstance(self.busy_kv_share, int | float) and 0 <= self.busy_kv_share <= 1
         require(_P, "busy_kv_share", self.busy_kv_share, ok, "must lie in [0, 1]")
         n = self.no_hit_sample
@@ -206,11 +224,15 @@ class Thunder(PolicyHooks):
         cached = min((gpu + self.host_credit * host_only) * query.block_size, query.prompt_tokens)
         decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
         own = query.prompt_tokens - cached
+        parity = self.attention_parity_tokens
+        own_work = prefill_work(own, cached, parity)
         ahead = queued_prefill_tokens(w, self._uncached.get())
+        ahead_work = queued_prefill_work(ahead, w.queued + w.pending, parity)
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         evicted = self.evict_weight * _evicted_tokens(own, w, query.block_size)
+        lost = (1 - decay) * prefill_work(cached, 0.0, parity)
         return (
-            self.prefill_s_per_token * ((1 + recompute) * own + (1 - decay) * cached + ahead)
+            self.prefill_s_per_token * ((1 + recompute) * own_work + lost + ahead_work)
             + self.decode_weight * query.expected_output_tokens * step
             + self.prefill_s_per_token * (self.overflow_weight * self._overflow(query, w) + evicted)
         )

@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
-from thunderagent.routing.cost import OnlineTuner, ParamError
+from thunderagent.routing.cost import (
+    LLAMA_8B_ATTENTION_PARITY_TOKENS,
+    OnlineTuner,
+    ParamError,
+    prefill_work,
+    queued_prefill_work,
+)
 from thunderagent.routing.thunder import Thunder
 
 BS = 10
@@ -26,8 +32,10 @@ def q(blocks: int = 4, **kw) -> RouteQuery:
 
 
 def unit(**params) -> Thunder:
-    """Prefill costs 1 s per token and nothing else, so costs are easy to compute by hand."""
+    """Prefill costs 1 s per token (linear: no attention term unless a test sets one) and
+    nothing else, so costs are easy to compute by hand."""
     base = dict(
+        attention_parity_tokens=0.0,
         prefill_s_per_token=1.0,
         decode_s_per_kv_token=0.0,
         decode_s_per_seq=0.0,
@@ -83,6 +91,44 @@ def test_queue_decode_and_kv_overflow_terms() -> None:
     # a pool full of cached (evictable) blocks alone is no pressure
     idle = WorkerView("w", kv_used_blocks=100, kv_total_blocks=100)
     assert p.cost(q(4), idle, min_outstanding=0) == pytest.approx(40.0)
+
+
+def test_prefill_work_counts_attention_over_the_context_before() -> None:
+    # dense work n, attention n * (c + n / 2) / parity
+    assert prefill_work(10, 0, 0.0) == 10, "parity 0: linear"
+    assert prefill_work(10, 0, 100.0) == pytest.approx(10 * (1 + 5 / 100))
+    assert prefill_work(10, 30, 100.0) == pytest.approx(10 * (1 + 35 / 100))
+    # a queue of 120 tokens in 3 prompts is 3 prompts of 40; never more than one of 120
+    assert queued_prefill_work(120, 3, 100.0) == pytest.approx(3 * 40 * (1 + 20 / 100))
+    assert queued_prefill_work(120, 0, 100.0) == pytest.approx(prefill_work(120, 0, 100.0))
+    assert queued_prefill_work(0, 2, 100.0) == 0
+    # Llama-3.1-8B: 2 * 8.03e9 / (4 * 32 * 4096)
+    assert LLAMA_8B_ATTENTION_PARITY_TOKENS == pytest.approx(30_632, abs=1)
+    assert Thunder().attention_parity_tokens == LLAMA_8B_ATTENTION_PARITY_TOKENS
+
+
+def test_costs_hand_computed_with_attention() -> None:
+    p = unit(attention_parity_tokens=100.0, load_scale=2.0)
+    query = q(4, overlaps={"a": 3})  # 40 tokens, 30 cached on a
+    a = WorkerView("a", running=2, prefill_tokens=0, pending=2, pending_prefill_tokens=60)
+    # own 10 after 30: 10 * (1 + 35/100) = 13.5, doubled by recompute 1; the credit lost to
+    # load: 30 * (1 + 15/100) * (1 - e^-1); ahead 60 in 2 prompts of 30: 2 * 30 * 1.15 = 69
+    lost = 34.5 * (1 - math.exp(-1))
+    assert p.cost(query, a, min_outstanding=2, recompute=1.0) == pytest.approx(27 + lost + 69)
+
+
+def test_a_turn_is_not_queued_behind_a_prefill_a_linear_cost_calls_short() -> None:
+    """The conversation trace at 1x: a turn's prefix held on a worker that was just sent one
+    very long prompt. Counted in tokens that prompt looks shorter than the turn's re-prefill
+    elsewhere at the recompute weight; counted in prefill time it is longer."""
+    query = q(4, overlaps={"a": 4})  # 40 tokens, all on a
+    a = WorkerView("a", prefill_tokens=0, pending=1, pending_prefill_tokens=130)
+    b = WorkerView("b", prefill_tokens=0)
+    for parity, first in ((0.0, "a"), (100.0, "b")):
+        p = unit(attention_parity_tokens=parity, load_scale=1e9)
+        costs = {w.worker_id: p.cost(query, w, min_outstanding=0, recompute=3.0) for w in (a, b)}
+        assert min(costs, key=costs.__getitem__) == first, (parity, costs)
+    # linear: a 130 against b 4 * 40 = 160; with attention a 130 * 1.65 = 214.5 against 192
 
 
 def test_recompute_weighs_more_as_prefill_queues_grow() -> None:
@@ -336,6 +382,8 @@ def test_online_tuner_is_bounded() -> None:
         ({"overflow_weight": -1.0}, "overflow_weight"),
         ({"recompute_gain": -0.5}, "recompute_gain"),
         ({"evict_weight": -0.1}, "evict_weight"),
+        ({"attention_parity_tokens": -1.0}, "attention_parity_tokens"),
+        ({"attention_parity_tokens": math.inf}, "attention_parity_tokens"),
         ({"mean_alpha": 2.0}, "mean_alpha"),
     ],
 )
