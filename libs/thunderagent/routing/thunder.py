@@ -166,8 +166,8 @@ class Thunder(PolicyHooks):
     on a workload; ``bench tune`` on the generated ones (bursty and hot spot seeds 0-2,
     agent seeds 0-1, against 0 = linear): capacities level but bursty seed 2 16x against
     14x, hot spot seed 1 14x against 16x in one replay (1.68 against 2.81 s TTFT p99 at 16x
-    on the mean of 8 jittered copies), TTFT p99 misses 3 / 0 against 3 / 1, more goodput on
-    all. 0 makes prefill linear."""
+    on the mean of 8 jittered copies), TTFT p99 misses against the peers 3 (bursty and hot
+    spot) and 0 (agent) against 3 and 1, more goodput on both. 0 makes prefill linear."""
     tuner: OnlineTuner | Mapping[str, float] = field(default_factory=OnlineTuner)
     """Online tuning of ``load_scale``; a mapping (from YAML) is turned into an OnlineTuner."""
 
