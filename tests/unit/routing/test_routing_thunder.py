@@ -107,6 +107,25 @@ def test_prefill_work_counts_attention_over_the_context_before() -> None:
     assert Thunder().attention_parity_tokens == LLAMA_8B_ATTENTION_PARITY_TOKENS
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.integers(0, 200_000),
+    b=st.integers(0, 200_000),
+    c=st.integers(0, 200_000),
+    k=st.integers(1, 64),
+    parity=st.sampled_from([0.0, 1.0, 30_632.0, 1e9]),
+)
+def test_prefill_work_is_the_same_in_chunks_and_a_split_queue_is_a_floor(
+    a: int, b: int, c: int, k: int, parity: float
+) -> None:
+    # prefilling a then b tokens after c is prefilling a + b tokens after c (chunked prefill)
+    whole = prefill_work(a + b, c, parity)
+    assert prefill_work(a, c, parity) + prefill_work(b, c + a, parity) == pytest.approx(whole)
+    # a queue split over more prompts holds less attention, never less than its tokens
+    one = queued_prefill_work(a, 1, parity)
+    assert a - 1e-6 <= queued_prefill_work(a, k, parity) <= one + 1e-6 * max(1.0, one)
+
+
 def test_costs_hand_computed_with_attention() -> None:
     p = unit(attention_parity_tokens=100.0, load_scale=2.0)
     query = q(4, overlaps={"a": 3})  # 40 tokens, 30 cached on a
