@@ -28,9 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from thunderagent.prefill_model import (
+    LLAMA_8B_ATTENTION_PARITY_TOKENS,
+    prefill_work,
+    queued_prefill_work,
+)
 from thunderagent.routing.cost import (
     DECODE_S_PER_KV_TOKEN,
-    LLAMA_8B_ATTENTION_PARITY_TOKENS,
     PREFILL_S_PER_TOKEN,
     OnlineTuner,
     RunningMean,
@@ -40,9 +44,7 @@ from thunderagent.routing.cost import (
     finite_at_least,
     finite_positive,
     in_unit_interval,
-    prefill_work,
     queued_prefill_tokens,
-    queued_prefill_work,
     rank_by_cost,
     require,
 )
@@ -157,7 +159,7 @@ class Thunder(PolicyHooks):
     extra one: agent seed 0 at 1x, 0.62 s against smg_cache_aware's 0.57)."""
     attention_parity_tokens: float = LLAMA_8B_ATTENTION_PARITY_TOKENS
     """Context length at which a prompt token's attention costs as much as its dense layers
-    (``cost.attention_parity_tokens``: ``2 * params / (4 * layers * hidden)``, ~30.6k for
+    (``prefill_model.attention_parity_tokens``: ``2 * params / (4 * layers * hidden)``, ~30.6k for
     Llama-3.1-8B, ~53.9k for 70B), so prefill seconds grow with the context as the engine's
     do: a 118k-token prompt takes ~2.9 times a short prompt's time per token, not the same.
     Linear in tokens, the cost saw one 118k-token prompt queued on a holder as 5.9 s of

@@ -8,14 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
-from thunderagent.routing.cost import (
+from thunderagent.prefill_model import (
     LLAMA_8B_ATTENTION_PARITY_TOKENS,
-    OnlineTuner,
-    ParamError,
     prefill_work,
     queued_prefill_work,
 )
+from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
+from thunderagent.routing.cost import OnlineTuner, ParamError
 from thunderagent.routing.thunder import Thunder
 
 BS = 10
