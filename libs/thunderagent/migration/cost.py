@@ -2,7 +2,8 @@
 
     bytes       = blocks x block_size x kv_bytes_per_token
     transfer_s  = link wait + link_latency_s + bytes / link_bytes_per_s
-    prefill_s   = blocks x block_size / prefill_tokens_per_s        (saved by every hit)
+    prefill_s   = prefill_work(blocks x block_size) / prefill_tokens_per_s   (saved by every hit;
+                  attention included, ``prefill_model``)
     hits        = rate x max(0, horizon_s - transfer_s) / (holders + 1)
     benefit_s   = hits x prefill_s
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thunderagent.migration.params import MigrationParams
+from thunderagent.prefill_model import prefill_work
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +48,9 @@ def estimate(
     tokens = blocks * block_size
     nbytes = tokens * params.kv_bytes_per_token
     transfer = link_wait_s + params.link_latency_s + nbytes / params.link_bytes_per_s
-    prefill = tokens / params.prefill_tokens_per_s
+    prefill = (
+        prefill_work(tokens, 0.0, params.attention_parity_tokens) / params.prefill_tokens_per_s
+    )
     hits = rate * max(0.0, params.horizon_s - transfer) / (holders + 1)
     return Estimate(nbytes, transfer, prefill, hits, hits * prefill)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from thunderagent.prefill_model import LLAMA_8B_ATTENTION_PARITY_TOKENS
+
 
 class ParamError(ValueError):
     """A migration knob with a bad value."""
@@ -30,6 +32,10 @@ class MigrationParams:
     PREFILL_S_PER_TOKEN``, Llama-3.1-8B on an H100; a test keeps the two equal). A hit on a
     prefix saves its tokens / this. It was 30,000 until stop 44 (half of the H100's peak): on
     the warm hot spot and agent workloads the same copies were made either way."""
+    attention_parity_tokens: float = LLAMA_8B_ATTENTION_PARITY_TOKENS
+    """Context length at which a prompt token's attention costs as much as its dense layers
+    (``prefill_model``; the router's value): a hit on a long prefix saves more than its tokens
+    at the short-prompt rate, and a backlog of long prompts takes longer. 0: linear."""
     link_bytes_per_s: float = 25e9
     """Worker-to-worker KV link: one 200 Gb/s RDMA NIC. ~2 GB/s measured over NIXL/UCX on this
     machine's loopback; the live service sets it from its flag."""

@@ -51,6 +51,7 @@ from thunderagent.migration.model import (
     WorkerSeen,
 )
 from thunderagent.migration.params import MigrationParams
+from thunderagent.prefill_model import queued_prefill_work
 
 Holders = Callable[[int], Collection[str]]
 
@@ -131,8 +132,10 @@ class MigrationPlanner:
 
     # ---- derived load --------------------------------------------------------------------
     def backlog_s(self, load: WorkerSeen) -> float:
+        """Seconds of prefill queued: the backlog's tokens split over the waiting requests."""
         tokens = max(load.prefill_backlog_tokens, 0)
-        return tokens / self.params.prefill_tokens_per_s
+        work = queued_prefill_work(tokens, load.queued, self.params.attention_parity_tokens)
+        return work / self.params.prefill_tokens_per_s
 
     def _load(self, worker_id: str) -> WorkerSeen:
         w = self.workers.get(worker_id)

@@ -13,6 +13,7 @@ after ``k`` - nothing starves. The four orders drop terms: ``fcfs`` keeps only t
 
 from __future__ import annotations
 
+from thunderagent.prefill_model import prefill_work
 from thunderagent.scheduling.api import SchedRequest
 from thunderagent.scheduling.params import SchedParams
 
@@ -31,10 +32,17 @@ def work_tokens(req: SchedRequest, cached_blocks: int) -> int:
     return uncached_prompt_tokens(req, cached_blocks) + remaining_output_tokens(req)
 
 
+def prefill_s(req: SchedRequest, cached_blocks: int, p: SchedParams) -> float:
+    """Predicted prefill time on a worker holding ``cached_blocks`` leading blocks: what it
+    lacks, with its attention over the whole context before it (``prefill_model``)."""
+    cached = min(cached_blocks * req.block_size, req.prompt_tokens)
+    work = prefill_work(req.prompt_tokens - cached, cached, p.attention_parity_tokens)
+    return work / p.prefill_tokens_per_s
+
+
 def service_s(req: SchedRequest, cached_blocks: int, p: SchedParams) -> float:
     """Predicted time from dispatch to the last token (no queueing)."""
-    prefill = uncached_prompt_tokens(req, cached_blocks) / p.prefill_tokens_per_s
-    return prefill + remaining_output_tokens(req) / p.decode_tokens_per_s
+    return prefill_s(req, cached_blocks, p) + remaining_output_tokens(req) / p.decode_tokens_per_s
 
 
 def order_key(req: SchedRequest, cached_blocks: int, p: SchedParams) -> float:

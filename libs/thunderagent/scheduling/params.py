@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from thunderagent.prefill_model import LLAMA_8B_ATTENTION_PARITY_TOKENS
+
 ORDERS = ("fcfs", "priority", "srpt", "priority_srpt")
 WINDOWS = ("none", "fixed", "adaptive")
 PD_MODES = ("colocated", "disaggregated")
@@ -123,6 +125,15 @@ class SchedParams:
     purpose: it is a knob checked on results, not the engine's rate. At 20,000 or 30,000 the
     generated agent workload (seed 0) loses its 5x capacity (docs/benchmarks.md, "The other
     defaults re-checked at 0.2 s reports")."""
+    attention_parity_tokens: float = LLAMA_8B_ATTENTION_PARITY_TOKENS
+    """Context length at which a prompt token's attention costs as much as its dense layers
+    (``prefill_model``; the router's value): the spill rule's wait, service times and the
+    preemption gain grow with the context before a prompt's tokens, as the engine's time
+    does. 0: linear in tokens. ``program_yield_ratio`` compares tokens, not this work: with
+    the prefill backlogs and the re-prefill counted in work the generated agent workloads'
+    capacity cell (5x, 8 copies jittered by 0.5 ms) went 5.77 ± 2.22 -> 5.39 ± 2.23 s (seed 0)
+    and 0.97 ± 0.28 -> 1.11 ± 0.33 s (seed 1), against 3.77 ± 1.26 and 0.96 ± 0.24 with tokens
+    there, at 4x equal or noisier."""
     decode_tokens_per_s: float = 40.0
     """Per request; estimates only (service times, preemption gain, deadline feasibility)."""
     resume_recompute_fraction: float = 0.1

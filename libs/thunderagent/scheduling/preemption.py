@@ -13,16 +13,18 @@ Fires for the head request ``R`` of a worker with no room when all of these hold
   continuation resumes on it);
 * the worker's last preemption is at least ``1 / preempt_max_per_s`` seconds ago.
 
-Time estimates use ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` from the dispatch and
-``on_started`` times this table records.
+Time estimates use ``prefill_tokens_per_s`` (attention included, ``ordering.prefill_s``) and
+``decode_tokens_per_s`` from the dispatch and ``on_started`` times this table records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from thunderagent.prefill_model import prefill_work
 from thunderagent.scheduling.api import SchedRequest
 from thunderagent.scheduling.ordering import (
+    prefill_s,
     remaining_output_tokens,
     service_s,
     uncached_prompt_tokens,
@@ -53,7 +55,7 @@ class Running:
         call: ``pick`` asks it of every run on a full worker at every poll."""
         out = remaining_output_tokens(self.req)
         if self.started_at is None:
-            prefill = self.prefill_tokens / p.prefill_tokens_per_s
+            prefill = prefill_s(self.req, self.cached_blocks, p)
             return out, max(prefill - (now - self.dispatched_at), 0.0) + out / p.decode_tokens_per_s
         tokens = out - int((now - self.started_at) * p.decode_tokens_per_s)
         return tokens, max(tokens, 0) / p.decode_tokens_per_s
@@ -109,7 +111,10 @@ class Preemptor:
             return None
         decoded = remaining_output_tokens(victim.req) - victim_tokens  # since it started
         context = victim.req.prompt_tokens + victim.req.generated_tokens + decoded
-        cost = need + context * p.resume_recompute_fraction / p.prefill_tokens_per_s
+        # a radix cache evicts a context from its end: what is lost is its tail
+        lost = context * p.resume_recompute_fraction
+        resume = prefill_work(lost, context - lost, p.attention_parity_tokens)
+        cost = need + resume / p.prefill_tokens_per_s
         if wait < p.preempt_gain_ratio * cost:
             return None
         return victim

@@ -26,7 +26,12 @@ from thunderagent.scheduling.admission import Admission, Headroom, kv_need, outp
 from thunderagent.scheduling.api import Action, Reject, SchedRequest, WorkerRoom
 from thunderagent.scheduling.dispatch import HELD, QUEUED, SPILL, WINDOW, DispatchPass
 from thunderagent.scheduling.grouping import PrefixGroups
-from thunderagent.scheduling.ordering import order_key, remaining_output_tokens, service_s
+from thunderagent.scheduling.ordering import (
+    order_key,
+    prefill_s,
+    remaining_output_tokens,
+    service_s,
+)
 from thunderagent.scheduling.params import SchedParams
 from thunderagent.scheduling.pd import PREFILL_ROLES, TransferGate
 from thunderagent.scheduling.preemption import Preemptor, Running
@@ -342,8 +347,9 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         spill_pays_for_hits``)."""
         cands = self._eligible(entry.req)
         best = max((c for _, c in cands), default=0)
-        rate = self.params.prefill_tokens_per_s / entry.req.block_size
-        entry.opens = {w: now + (best - c) / rate for w, c in cands if c < best}
+        req, p = entry.req, self.params
+        floor = prefill_s(req, best, p)
+        entry.opens = {w: now + prefill_s(req, c, p) - floor for w, c in cands if c < best}
         entry.all_open_at = max(entry.opens.values(), default=now)
         for t in sorted(set(entry.opens.values())):
             self.open_timers.push(t, entry.seq, entry.req.request_id)

@@ -22,8 +22,11 @@ BLOCKS = 64
 MIB_128 = 64 * 16 * 131_072  # 64 blocks x 16 tokens x 128 KiB per token
 
 
+PARITY = MigrationParams().attention_parity_tokens
+
+
 def busy(wid: str, backlog_tokens: int = 30_000, queued: int = 3, live: int = 0) -> WorkerSeen:
-    """Saturated: 1 s of queued prefill at the default 30k tokens/s."""
+    """Saturated: a queue and over 1.5 s of queued prefill at the default 20k tokens/s."""
     return WorkerSeen(wid, "m", running=4, queued=queued, prefill_backlog_tokens=backlog_tokens,
                       live_tokens=live, kv_total_blocks=1000, block_size=16)  # fmt: skip
 
@@ -62,7 +65,10 @@ def test_cost_estimate_is_exact() -> None:
     est = estimate(MigrationParams(), blocks=BLOCKS, block_size=16, rate=2.0, holders=1)
     assert est.bytes == MIB_128
     assert est.transfer_s == pytest.approx(0.005 + MIB_128 / 25e9)
-    assert est.prefill_s == pytest.approx(1024 / 20_000)
+    assert est.prefill_s == pytest.approx(1024 * (1 + 512 / PARITY) / 20_000), "with attention"
+    linear = estimate(MigrationParams(attention_parity_tokens=0.0), blocks=BLOCKS, block_size=16,
+                      rate=2.0, holders=1)  # fmt: skip
+    assert linear.prefill_s == pytest.approx(1024 / 20_000)
     assert est.hits == pytest.approx(2.0 * (30.0 - est.transfer_s) / 2)
     assert est.benefit_s == pytest.approx(est.hits * est.prefill_s)
     assert est.pays(2.0)
@@ -74,8 +80,24 @@ def test_cost_estimate_is_exact() -> None:
 def test_the_planner_and_the_router_assume_one_prefill_rate() -> None:
     """A hit saves the same prefill time in the planner's cost as in the router's."""
     from thunderagent.routing.cost import PREFILL_S_PER_TOKEN
+    from thunderagent.routing.thunder import Thunder
 
     assert MigrationParams().prefill_tokens_per_s == pytest.approx(1.0 / PREFILL_S_PER_TOKEN)
+    assert MigrationParams().attention_parity_tokens == Thunder().attention_parity_tokens
+
+
+def test_a_backlog_of_long_prompts_is_longer_than_its_tokens() -> None:
+    """The backlog is split over the waiting requests: one 60k-token prompt holds more
+    attention than six of 10k, and linear (parity 0) both are 3 s at 20k tokens/s."""
+    params = MigrationParams(attention_parity_tokens=30_000.0)
+    planner = MigrationPlanner(params)
+    one = WorkerSeen("w0", queued=1, prefill_backlog_tokens=60_000)
+    six = WorkerSeen("w0", queued=6, prefill_backlog_tokens=60_000)
+    assert planner.backlog_s(one) == pytest.approx(60_000 * (1 + 1) / 20_000)
+    assert planner.backlog_s(six) == pytest.approx(6 * 10_000 * (1 + 5_000 / 30_000) / 20_000)
+    linear = MigrationPlanner(MigrationParams(attention_parity_tokens=0.0))
+    assert linear.backlog_s(one) == linear.backlog_s(six) == pytest.approx(3.0)
+    assert planner.backlog_s(WorkerSeen("w0", prefill_backlog_tokens=-1)) == 0.0, "unknown"
 
 
 def test_a_hot_prefix_is_copied_to_the_least_loaded_worker_with_room() -> None:
@@ -166,12 +188,13 @@ def test_default_waits_for_saturated_holders() -> None:
 
 def test_saturation_has_two_thresholds() -> None:
     planner, holders = hot_setup()
-    # backlog falls to 0.3 s with an empty queue: between idle_s (0.1) and busy_s (0.5): still busy
-    planner.observe_load(busy("w0", backlog_tokens=9_000, queued=0), 5.0)
+    # backlog falls to 0.45 s with an empty queue (8k tokens, attention included): between
+    # idle_s (0.1) and busy_s (0.5): still busy
+    planner.observe_load(busy("w0", backlog_tokens=8_000, queued=0), 5.0)
     assert planner.saturated_for("w0", 5.0) == 5.0
-    # 0.05 s and no queue: clear; climbing back to 0.3 s does not make it busy again
+    # 0.08 s and no queue: clear; climbing back to 0.45 s does not make it busy again
     planner.observe_load(busy("w0", backlog_tokens=1_500, queued=0), 6.0)
-    planner.observe_load(busy("w0", backlog_tokens=9_000, queued=0), 7.0)
+    planner.observe_load(busy("w0", backlog_tokens=8_000, queued=0), 7.0)
     assert planner.saturated_for("w0", 10.0) == 0.0
     assert plan(planner, 10.0, holders) == []
     planner.observe_load(busy("w0"), 8.0)  # a queue again: busy from t=8
@@ -207,7 +230,7 @@ def test_replica_cap_bounds_the_holders() -> None:
     assert [(a.source, a.target) for a in actions] == [("w0", "w3")]
     # the estimate credits the new replica with a third of the demand
     assert actions[0].benefit_s == pytest.approx(
-        2.0 * (30.0 - actions[0].transfer_s) / 3 * 1024 / 20_000
+        2.0 * (30.0 - actions[0].transfer_s) / 3 * 1024 * (1 + 512 / PARITY) / 20_000
     )
 
 

@@ -149,12 +149,22 @@ def _spill_with_a_hit(**kw):
 
 
 def test_a_spilled_request_gives_up_its_hit_only_after_waiting_its_prefill() -> None:
-    s = _spill_with_a_hit()
-    assert s.poll(0.5) == []  # spilled, but w1 would prefill 8,000 tokens: 0.8 s
+    s = _spill_with_a_hit(attention_parity_tokens=0.0)
+    assert s.poll(0.5) == []  # spilled, but w1 would prefill 8,000 tokens more: 0.8 s
     assert s.next_wakeup(0.5) == pytest.approx(1.3)
     assert s.poll(1.2) == []
     assert s.poll(1.3) == [Dispatch("r", "w1")]
     assert s.next_wakeup(1.3) is None
+
+
+def test_the_wait_for_a_hit_counts_the_attention_it_spares() -> None:
+    """Parity 10,000: w1 prefills all 8,160 tokens, 8,160 x (1 + 4,080 / 10,000) = 11,489.28;
+    w0 the last 160 after 8,000, 160 x (1 + 8,080 / 10,000) = 289.28; 11,200 more at 10k/s."""
+    s = _spill_with_a_hit(attention_parity_tokens=10_000.0)
+    assert s.poll(0.5) == []
+    assert s.next_wakeup(0.5) == pytest.approx(0.5 + 1.12)
+    assert s.poll(1.6) == []
+    assert s.poll(1.62) == [Dispatch("r", "w1")]
 
 
 def test_a_spilled_request_takes_its_hit_when_the_holder_frees_first() -> None:
