@@ -119,6 +119,19 @@ def test_preemption_rate_limit() -> None:
     assert pre.pick(short, 0, [victim], 2.0) is victim
 
 
+@pytest.mark.parametrize(("parity", "preempts"), [(0.0, True), (10_000.0, False)])
+def test_a_victim_s_resume_counts_the_attention_of_its_lost_tail(parity, preempts) -> None:
+    """The victim has 100,000 tokens of context (99,960 prompt + 40 decoded) and 99 s of decode
+    left (3,960 tokens at 40/s); resuming re-prefills its last 10 % (10,000 tokens). Linear,
+    the cost is 0.2064 s (short's 64-token prefill + 8 tokens of decode) + 1.0 s: 20 x 1.21 =
+    24 s < 99 s, preempt. At parity 10,000 the lost tail attends to the 90,000 before it:
+    10,000 x (1 + 95,000 / 10,000) = 105,000 tokens of work, 10.5 s; 20 x 10.71 = 214 s > 99 s."""
+    p = SchedParams(preemption=True, preempt_gain_ratio=20.0, attention_parity_tokens=parity)
+    victim = Running(req("v", prompt=99_960, out=4000, prio=1), "w0", 0, 100, 0.0, started_at=0.0)
+    got = Preemptor(p).pick(req("s", prompt=64, out=8), 0, [victim], 1.0)
+    assert (got is victim) is preempts
+
+
 def pd_scheduler(cap: int) -> ThunderScheduler:
     s = SCHEDULERS.create("pd_capped", pd_max_inflight=cap, window="none")
     s.update_worker(room("p0", role="prefill"), 0.0)
