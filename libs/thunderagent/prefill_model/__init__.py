@@ -1,5 +1,5 @@
-"""How long a prefill takes as its context grows: the one model the router's cost, the
-scheduler's waits and backlogs and the migration planner's savings all use.
+"""How long a prefill takes as its context grows: the one model behind the router's cost, the
+scheduler's waits and service times, and the migration planner's savings and backlogs.
 
 A prompt token costs its dense layers (``2 * params`` FLOP) plus causal attention over every
 token before it (``4 * layers * hidden`` FLOP each), so a token at depth ``d`` costs

@@ -159,9 +159,9 @@ class Thunder(PolicyHooks):
     extra one: agent seed 0 at 1x, 0.62 s against smg_cache_aware's 0.57)."""
     attention_parity_tokens: float = LLAMA_8B_ATTENTION_PARITY_TOKENS
     """Context length at which a prompt token's attention costs as much as its dense layers
-    (``prefill_model.attention_parity_tokens``: ``2 * params / (4 * layers * hidden)``, ~30.6k for
-    Llama-3.1-8B, ~53.9k for 70B), so prefill seconds grow with the context as the engine's
-    do: a 118k-token prompt takes ~2.9 times a short prompt's time per token, not the same.
+    (``prefill_model.attention_parity_tokens``: ``2 * params / (4 * layers * hidden)``,
+    ~30.6k for Llama-3.1-8B, ~53.9k for 70B), so prefill seconds grow with the context as the
+    engine's do: a 118k-token prompt takes ~2.9 times a short prompt's time per token, not the same.
     Linear in tokens, the cost saw one 118k-token prompt queued on a holder as 5.9 s of
     prefill where it took 11.2 s, and kept a conversation's next turn there behind it
     (Mooncake conversation trace, 1x: 11.3 s of waiting). Taken from the model, not chosen

@@ -64,8 +64,9 @@ class SchedParams:
     spill_pays_for_hits: bool = True
     """A spilled request goes to a candidate caching less of its prompt than its best one only
     after it has also waited the time that candidate would spend prefilling the difference
-    (at ``prefill_tokens_per_s``): wait for the cache or re-prefill, whichever the wait so far
-    says costs less (the ski-rental rule: never worse than twice the better choice in hindsight).
+    (``ordering.prefill_s``: at ``prefill_tokens_per_s``, attention included): wait for the
+    cache or re-prefill, whichever the wait so far says costs less (the ski-rental rule: never
+    worse than twice the better choice in hindsight).
     Off: every candidate opens at ``spill_after_s``, and a request holding a long hit gives it
     up after half a second. Against off (thunder as deployed, ``bench replay``): identical below
     every capacity on the generated workloads (bursty and hot spot seeds 0-2, agent 0-1); past
