@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from thunderagent.prefill_model import prefill_work
 from thunderagent.scheduling import (
     SCHEDULERS,
     Dispatch,
@@ -13,6 +16,7 @@ from thunderagent.scheduling import (
     ThunderScheduler,
     WorkerRoom,
 )
+from thunderagent.scheduling.ordering import prefill_s
 from thunderagent.scheduling.window import Window
 
 
@@ -165,6 +169,30 @@ def test_the_wait_for_a_hit_counts_the_attention_it_spares() -> None:
     assert s.next_wakeup(0.5) == pytest.approx(0.5 + 1.12)
     assert s.poll(1.6) == []
     assert s.poll(1.62) == [Dispatch("r", "w1")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.integers(1, 200_000),
+    block=st.sampled_from([16, 64, 512]),
+    cached=st.lists(st.integers(0, 500), min_size=2, max_size=2),
+    parity=st.sampled_from([0.0, 1_000.0, 30_632.0]),
+)
+def test_prefill_time_falls_with_the_cache_and_its_differences_are_the_work_between(
+    prompt: int, block: int, cached: list[int], parity: float
+) -> None:
+    """What the spill rule waits for (``prefill_s(c) - prefill_s(best)``) is the prefill of the
+    tokens between the two cached prefixes after the shorter one, never negative, and never
+    less than linear; parity 0 is tokens / rate."""
+    p = SchedParams(attention_parity_tokens=parity)
+    r = SchedRequest("r", 0.0, prompt, 1, [("w0", 0)], block_size=block)
+    lo, hi = sorted(cached)
+    a, b = (min(c * block, prompt) for c in (lo, hi))
+    gap = prefill_s(r, lo, p) - prefill_s(r, hi, p)
+    assert gap == pytest.approx(prefill_work(b - a, a, parity) / p.prefill_tokens_per_s, abs=1e-9)
+    assert gap >= (b - a) / p.prefill_tokens_per_s - 1e-9
+    if parity == 0.0:
+        assert prefill_s(r, lo, p) == pytest.approx((prompt - a) / p.prefill_tokens_per_s)
 
 
 def test_a_spilled_request_takes_its_hit_when_the_holder_frees_first() -> None:
