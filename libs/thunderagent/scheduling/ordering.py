@@ -35,8 +35,8 @@ def work_tokens(req: SchedRequest, cached_blocks: int) -> int:
 def prefill_s(req: SchedRequest, cached_blocks: int, p: SchedParams) -> float:
     """Predicted prefill time on a worker holding ``cached_blocks`` leading blocks: what it
     lacks, with its attention over the whole context before it (``prefill_model``)."""
-    cached = min(cached_blocks * req.block_size, req.prompt_tokens)
-    work = prefill_work(req.prompt_tokens - cached, cached, p.attention_parity_tokens)
+    new = uncached_prompt_tokens(req, cached_blocks)
+    work = prefill_work(new, req.prompt_tokens - new, p.attention_parity_tokens)
     return work / p.prefill_tokens_per_s
 
 
