@@ -46,6 +46,7 @@ from thunderagent.schemas import (
     Dispatched,
     DrainNotice,
     GenerateRequest,
+    HoldersQuery,
     KvEventBatch,
     KvExportRequest,
     KvPullRequest,
@@ -88,7 +89,7 @@ THUNDERAGENT_FUZZ_STRICT=1. A finding not listed here fails the test. The 16 fou
 fixed (docs/reliability.md lists them)."""
 
 SERVICES = ("router", "scheduler", "index", "migration", "gateway", "worker-w0", "worker-w1")
-FOLLOWERS = ("router", "scheduler", "index", "migration")
+FOLLOWERS = ("router", "scheduler", "index")
 """Services that follow the KV-event stream."""
 FLEET = (*FOLLOWERS, "gateway")
 """Services that watch load reports."""
@@ -135,6 +136,7 @@ def targets(router_id: str) -> list[Target]:
         Target(s.ROUTE_DECISIONS, RouteDecisionBatch, "event", ("migration",)),
         Target(s.MIGRATION_REQUEST, MigrationOrder, "request", ("migration",)),
         Target(s.MIGRATION_DRAIN, DrainNotice, "request", ("migration",)),
+        Target(s.INDEX_HOLDERS, HoldersQuery, "request", ("index",)),
         *[Target(s.health(name), None, "raw", ()) for name in SERVICES],
     ]
 
@@ -166,10 +168,11 @@ COVERED = {
     "ROUTE_DECISIONS": "thunderagent.route.decisions",
     "MIGRATION_REQUEST": "thunderagent.migration.request",
     "MIGRATION_DRAIN": "thunderagent.migration.drain",
+    "INDEX_HOLDERS": "thunderagent.index.holders",
     "health": "thunderagent.health.", "HEALTH_WILDCARD": "thunderagent.health.",
 }  # fmt: skip
 NOT_SUBJECTS = {"PREFIX", "ROUTER_QUEUE", "SCHEDULER_QUEUE", "KV_EVENTS_STREAM", "INDEX_DURABLE",
-                "WORKERS_BUCKET", "MIGRATION_QUEUE"}  # fmt: skip
+                "WORKERS_BUCKET", "MIGRATION_QUEUE", "INDEX_QUEUE"}  # fmt: skip
 
 
 def test_every_subject_is_covered():
@@ -193,7 +196,7 @@ async def _start(stack, redis_url: str) -> str:
     from thunderagent.migrator.service import MigrationConfig, MigrationService
 
     await start_full_stack(stack, workers=2, policy="thunder", redis_url=redis_url, speedup=200)
-    config = MigrationConfig(interval_s=0.2, redis_url=None)
+    config = MigrationConfig(interval_s=0.2)
     await stack.start_service("migration", lambda ctx, svc: svc.run(ctx),
                               build=lambda ctx: MigrationService(ctx.bus, config))  # fmt: skip
     gateway = GatewayConfig(port=0)  # the OpenAI HTTP gateway: watches the fleet's load reports

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import sys
 from dataclasses import dataclass
@@ -123,9 +124,25 @@ async def start_adapter(stack: InprocStack, worker_id: str, url: str, *, load_s:
     )  # fmt: skip
 
 
-async def start_migration(stack: InprocStack, **config_kwargs):
+async def start_index(stack: InprocStack):
+    """The index service without Redis (it replays the stream): the migration service asks it
+    who holds what."""
+    from thunderagent.index.service import IndexConfig, IndexService
+
+    svc = await stack.start_service(
+        "index", lambda ctx, service: service.run(ctx),
+        build=lambda ctx: IndexService(IndexConfig(), ctx.bus, None),
+    )  # fmt: skip
+    await wait_for(lambda: subjects.INDEX_HOLDERS in svc.runtime.bus.stats, what="the index")
+    return svc.runtime
+
+
+async def start_migration(stack: InprocStack, *, index: bool = True, **config_kwargs):
+    """The migration service, after an index service to ask (``index=False``: none)."""
     from thunderagent.migrator.service import MigrationConfig, MigrationService
 
+    if index:
+        await start_index(stack)
     config = MigrationConfig(interval_s=0.1, **config_kwargs)
     svc = await stack.start_service(
         "migration", lambda ctx, service: service.run(ctx),
@@ -162,10 +179,13 @@ def prefix_hash(tokens: list[int]) -> int:
 
 
 async def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    """Poll ``predicate`` (a function, or a coroutine function) until it is truthy."""
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
     while True:
         value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if loop.time() > give_up_at:

@@ -23,6 +23,7 @@ from tests.integration.migration_stack import (
     skip_without_nixl,
     spawn_pooled_engine,
     start_adapter,
+    start_index,
     start_migration,
     start_pooled_engine,
     start_router_and_scheduler,
@@ -73,6 +74,15 @@ async def collect_reports(nats_url: str, into: list) -> object:
     return nc
 
 
+def holding(service, prefix: int, workers: set[str]):
+    """A check for ``wait_for``: the index service names exactly ``workers`` for ``prefix``."""
+
+    async def check() -> bool:
+        return await service.holders(prefix) == workers
+
+    return check
+
+
 def pool_bytes(driver, key: int) -> np.ndarray:
     return driver.kv_pool.view(driver.kv_pool.slot_of[key])
 
@@ -100,7 +110,7 @@ async def test_a_migrated_prefix_arrives_intact_and_the_router_follows_it(nats_s
             routed_at = time.monotonic()
             source = first.final.worker_id
             target = "w1" if source == "w0" else "w0"
-            await wait_for(lambda: service.holders(p) == {source}, what="the index to see it")
+            await wait_for(holding(service, p, {source}), what="the index to see it")
 
             report = await order(nats_server.url, MigrationOrder(
                 prefix_hash=p, blocks=8, source=source, target=target,
@@ -120,7 +130,7 @@ async def test_a_migrated_prefix_arrives_intact_and_the_router_follows_it(nats_s
                     src.kv_pool.expected_checksum(key)
                 )
                 assert key not in src.core.cache  # a migration frees the source
-            await wait_for(lambda: service.holders(p) == {target}, what="the new holder")
+            await wait_for(holding(service, p, {target}), what="the new holder")
             # the router's index replica follows the same stream; its in-flight guess that the
             # source holds the prompt it sent there lapses (inflight_ttl_s=0.5 in these tests)
             await asyncio.sleep(max(0.3, routed_at + 1.0 - time.monotonic()))
@@ -154,7 +164,7 @@ async def test_the_planner_copies_a_prefix_whose_holder_is_saturated(nats_server
             tokens = prefix_tokens(6, seed=3)
             p = prefix_hash(tokens)
             await prefill(stack.engine_urls["w0"], tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             await wait_for(lambda: "w0" in service.registry and "w1" in service.registry,
                            what="both registrations")  # fmt: skip
             now = time.time()
@@ -170,7 +180,7 @@ async def test_the_planner_copies_a_prefix_whose_holder_is_saturated(nats_server
             assert (report.phase, report.mode, report.source, report.target) == (
                 "done", MigrationMode.REPLICATE, "w0", "w1")  # fmt: skip
             assert report.reason.startswith("hot:") and report.verified
-            await wait_for(lambda: service.holders(p) == {"w0", "w1"}, what="two holders")
+            await wait_for(holding(service, p, {"w0", "w1"}), what="two holders")
             assert service.planner.replicated_prefixes() == 1
             await asyncio.sleep(0.5)  # cooling down: no second copy, no flapping
             assert len(service.reports) == 1
@@ -194,7 +204,7 @@ async def test_demand_alone_fans_a_prefix_out_to_idle_workers(nats_server):
             tokens = prefix_tokens(6, seed=7)
             p = prefix_hash(tokens)
             await prefill(stack.engine_urls["w0"], tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             await wait_for(lambda: len(service.registry) == 3, what="three registrations")
             now = time.time()
             for wid in ("w0", "w1", "w2"):  # idle: only demand can open the gate
@@ -202,7 +212,7 @@ async def test_demand_alone_fans_a_prefix_out_to_idle_workers(nats_server):
                 service.planner.observe_load(seen, now)
             for i in range(15):  # 3 req/s over the 5 s window, all hitting w0
                 service.planner.observe_route(RouteSeen("w0", p, 6, MODEL), now + i * 0.01)
-            await wait_for(lambda: service.holders(p) == {"w0", "w1", "w2"}, timeout_s=15,
+            await wait_for(holding(service, p, {"w0", "w1", "w2"}), timeout_s=15,
                            what="the prefix on all three")  # fmt: skip
             # a move's report is kept once its release step is answered, after the target's
             # events have shown the new holder
@@ -228,13 +238,13 @@ async def test_engines_without_a_kv_import_path_warm_up_instead(nats_server):
             tokens = prefix_tokens(5, seed=11)
             p = prefix_hash(tokens)
             await prefill(stack.engine_urls["w0"], tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             report = await order(nats_server.url, MigrationOrder(prefix_hash=p, source="w0",
                                                                  target="w1"))  # fmt: skip
             assert report.phase == "done", report.reason
             assert (report.transport, report.moved_blocks, report.bytes) == ("warmup", 5, 0)
             assert not report.verified  # nothing was copied, so nothing to compare
-            await wait_for(lambda: service.holders(p) == {"w0", "w1"}, what="w1 to hold it")
+            await wait_for(holding(service, p, {"w0", "w1"}), what="w1 to hold it")
             meta = await prefill(stack.engine_urls["w1"], [*tokens, 1, 2], "after")
             assert meta["cached_tokens"] == 5 * BLOCK
         finally:
@@ -257,7 +267,7 @@ async def test_a_target_dying_mid_transfer_fails_the_move_and_the_source_still_s
             tokens = prefix_tokens(16, seed=5)
             p = prefix_hash(tokens)
             await prefill(src.url, tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             keys = [k for k in src.driver.kv_pool.slot_of if k in src.driver.core.cache]
             moving = asyncio.create_task(order(nats_server.url, MigrationOrder(
                 prefix_hash=p, source="w0", target="w1", mode=MigrationMode.MIGRATE)))  # fmt: skip
@@ -278,7 +288,7 @@ async def test_a_target_dying_mid_transfer_fails_the_move_and_the_source_still_s
             meta = await prefill(src.url, [*tokens, 3], "after")
             assert meta["cached_tokens"] == 16 * BLOCK
             await asyncio.sleep(0.3)
-            assert service.holders(p) == {"w0"}  # the target never announced a block of it
+            assert await service.holders(p) == {"w0"}  # the target never announced a block of it
         finally:
             dead.child.stop(grace_s=1)
             await close_runners(runners)
@@ -298,7 +308,7 @@ async def test_a_source_dying_mid_transfer_leaves_nothing_at_the_target(nats_ser
             tokens = prefix_tokens(16, seed=9)
             p = prefix_hash(tokens)
             await prefill(dead.url, tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             cached_before = dict(dst.driver.core.cache.contents())
             moving = asyncio.create_task(order(nats_server.url, MigrationOrder(
                 prefix_hash=p, source="w0", target="w1")))  # fmt: skip
@@ -311,7 +321,7 @@ async def test_a_source_dying_mid_transfer_leaves_nothing_at_the_target(nats_ser
             assert core.cache.contents() == cached_before  # no half-inserted prefix
             assert core.cache.reserved == 0 and pool.used == len(cached_before)
             assert (await engine_json(dst.url, "/kv/status"))["imports"] == 0
-            assert "w1" not in service.holders(p)
+            assert "w1" not in await service.holders(p)
         finally:
             dead.child.stop(grace_s=1)
             await close_runners(runners)
@@ -329,7 +339,7 @@ async def test_a_draining_worker_hands_over_the_prefix_only_it_holds(nats_server
             tokens = prefix_tokens(4, seed=13)
             p = prefix_hash(tokens)
             await prefill(stack.engine_urls["w0"], tokens, "warm")
-            await wait_for(lambda: service.holders(p) == {"w0"}, what="w0 to hold the prefix")
+            await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             service.planner.observe_route(RouteSeen("w0", p, 4, MODEL), time.time())
             nc = await connect(nats_server.url, name="test-drain")
             ack = await Bus(nc, service="test").request(
@@ -342,7 +352,7 @@ async def test_a_draining_worker_hands_over_the_prefix_only_it_holds(nats_server
             assert (report.phase, report.mode, report.source, report.target) == (
                 "done", MigrationMode.MIGRATE, "w0", "w1")  # fmt: skip
             assert report.reason.startswith("drain")
-            await wait_for(lambda: service.holders(p) == {"w1"}, what="w1 alone to hold it")
+            await wait_for(holding(service, p, {"w1"}), what="w1 alone to hold it")
         finally:
             await close_runners(runners)
 
@@ -369,10 +379,34 @@ async def test_bad_orders_and_notices_get_an_error_reply_and_a_dead_letter(nats_
                 timeout=5,
             )  # fmt: skip
             assert unknown.phase == "failed" and "no worker is known" in unknown.reason
-            await wait_for(lambda: len(dead) == 2, what="two dead letters")
+            reply = await nc.request(subjects.MIGRATION_REQUEST, b'{"prefix_hash": -1}',
+                                     timeout=5)  # fmt: skip
+            assert "unsigned 64-bit" in msgspec.json.decode(reply.data, type=ErrorReply).message
+            await wait_for(lambda: len(dead) == 3, what="three dead letters")
             assert service.planner.stats.failed == 0  # refused before anything started
         finally:
             await nc.close()
+
+
+async def test_without_an_index_service_orders_fail_saying_why_and_ticks_plan_nothing(
+    nats_server,
+):
+    async with inproc_stack(nats_server.url) as stack:
+        service = await start_migration(stack, index=False)
+        hot = RouteDecision(
+            request_id="r1", model=MODEL, worker_id="w0", overlap_blocks=6, prompt_blocks=8,
+            candidates=[Candidate(worker_id="w0", score=1.0, overlap_blocks=6)],
+            policy="thunder", decided_at=time.time(), prefix_hash=0xBEEF,
+        )  # fmt: skip
+        await service.on_decisions(RouteDecisionBatch(router_id="r1", decisions=[hot]), None)
+        assert service.planner.demand.prefixes() == [0xBEEF]
+        assert await service.plan_once() == []  # the tick is skipped, the service lives on
+        report = await order(nats_server.url, MigrationOrder(prefix_hash=0xBEEF), wait_s=10)
+        assert report.phase == "failed" and subjects.INDEX_HOLDERS in report.reason
+        assert not stack.services["migration"].task.done()
+        await start_index(stack)  # the index comes up: the next order is judged on its merits
+        report = await order(nats_server.url, MigrationOrder(prefix_hash=0xBEEF), wait_s=10)
+        assert report.phase == "failed" and "no worker is known" in report.reason
 
 
 async def test_route_decisions_are_the_planners_demand(nats_server):

@@ -154,7 +154,7 @@ def role_permissions(role: str) -> Permissions:
         ),
         "index": Permissions(
             publish=(s.worker_resync("*"), *common_pub, *JS_ALL),
-            subscribe=(s.KV_EVENTS_WILDCARD, s.WORKER_LOAD_WILDCARD, *common_sub),
+            subscribe=(s.KV_EVENTS_WILDCARD, s.WORKER_LOAD_WILDCARD, s.INDEX_HOLDERS, *common_sub),
         ),
         "migration": Permissions(
             publish=(
@@ -162,11 +162,11 @@ def role_permissions(role: str) -> Permissions:
                 s.worker_kv_pull("*"),
                 s.worker_kv_release("*"),
                 s.MIGRATION_EVENTS,
+                s.INDEX_HOLDERS,
                 *common_pub,
                 *JS_ALL,
             ),
             subscribe=(
-                s.KV_EVENTS_WILDCARD,
                 s.WORKER_LOAD_WILDCARD,
                 s.ROUTE_DECISIONS,
                 s.MIGRATION_REQUEST,

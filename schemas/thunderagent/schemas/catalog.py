@@ -22,7 +22,7 @@ from thunderagent.schemas.generate import (
     TokenChunk,
 )
 from thunderagent.schemas.health import Health
-from thunderagent.schemas.kv import KvEventBatch, ResyncRequest
+from thunderagent.schemas.kv import HoldersQuery, HoldersReply, KvEventBatch, ResyncRequest
 from thunderagent.schemas.migration import (
     DrainNotice,
     KvExportOffer,
@@ -64,6 +64,8 @@ MESSAGES: Final[dict[str, Any]] = {
     "ReplyMessage": ReplyMessage,
     "KvEventBatch": KvEventBatch,
     "ResyncRequest": ResyncRequest,
+    "HoldersQuery": HoldersQuery,
+    "HoldersReply": HoldersReply,
     "WorkerRegistration": WorkerRegistration,
     "LoadReport": LoadReport,
     "RouteDecision": RouteDecision,

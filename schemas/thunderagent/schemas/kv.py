@@ -7,7 +7,7 @@ The adapter re-hashes the token ids of the engine's events with ThunderAgent's s
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Final
 
 from msgspec import Meta, Struct
 
@@ -16,7 +16,7 @@ Counter64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 _HASH_MIN, _HASH_END = 0, 2**64
 
 
-def _check_hashes(*lists: list[int]) -> None:
+def check_block_hashes(*lists: list[int]) -> None:
     """Block hashes are unsigned 64-bit (ours are xxh3; an engine's own hashes never reach this
     schema): the index keeps them in ``array("Q")`` logs and snapshots them as uint64. msgspec
     bounds stop at int64, so the range is checked after decoding (min/max run in C)."""
@@ -49,7 +49,7 @@ class BlocksStored(Struct, frozen=True, kw_only=True, tag="stored", tag_field="t
                 f"one check hash per block: {len(self.hashes)} hashes but "
                 f"{len(self.check_hashes)} check_hashes"
             )
-        _check_hashes(
+        check_block_hashes(
             self.hashes, self.check_hashes, [] if self.parent_hash is None else [self.parent_hash]
         )
 
@@ -63,7 +63,7 @@ class BlocksRemoved(Struct, frozen=True, kw_only=True, tag="removed", tag_field=
     """Tier they left."""
 
     def __post_init__(self) -> None:
-        _check_hashes(self.hashes)
+        check_block_hashes(self.hashes)
 
 
 class AllCleared(Struct, frozen=True, kw_only=True, tag="cleared", tag_field="type"):
@@ -99,3 +99,28 @@ class ResyncRequest(Struct, frozen=True, kw_only=True):
     """Worker to resync."""
     reason: str
     """Why (gap, restart, startup)."""
+
+
+MAX_HOLDERS_QUERY: Final = 4096
+"""Prefixes per ``HoldersQuery`` (32 KB of hashes, ~1 MB of answer at most with 8 holders each);
+a caller with more sends several."""
+
+
+class HoldersQuery(Struct, frozen=True, kw_only=True):
+    """Any service -> index service (``INDEX_HOLDERS``, request/reply, answered with a
+    ``HoldersReply``): which workers hold each prefix in their GPU cache. The migration service
+    asks this every planning tick instead of following the KV-event stream itself: one index
+    fewer to feed, one delivery fewer per KV message."""
+
+    prefixes: Annotated[list[int], Meta(max_length=MAX_HOLDERS_QUERY)]
+    """Primary hash of each prefix's deepest block."""
+
+    def __post_init__(self) -> None:
+        check_block_hashes(self.prefixes)
+
+
+class HoldersReply(Struct, frozen=True, kw_only=True):
+    """Index service -> asker: the holders of each queried prefix, in the query's order."""
+
+    holders: list[list[str]]
+    """Worker ids holding the prefix's deepest block in GPU (none: empty), sorted."""

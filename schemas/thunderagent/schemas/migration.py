@@ -21,6 +21,7 @@ from typing import Literal
 from msgspec import Struct, field
 
 from thunderagent.schemas.generate import TokenId
+from thunderagent.schemas.kv import check_block_hashes
 
 
 class MigrationMode(enum.StrEnum):
@@ -46,6 +47,9 @@ class MigrationOrder(Struct, frozen=True, kw_only=True):
     """Replicate (copy) or migrate (move)."""
     reason: str = ""
     """Free text kept in the report and the trace."""
+
+    def __post_init__(self) -> None:
+        check_block_hashes([self.prefix_hash])
 
 
 class DrainNotice(Struct, frozen=True, kw_only=True):

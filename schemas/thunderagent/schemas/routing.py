@@ -8,6 +8,7 @@ from msgspec import Meta, Struct, field
 
 from thunderagent.schemas.generate import ErrorCode, GenerateRequest, TokenId, Usage
 from thunderagent.schemas.ids import PositiveInt, ReplySubject, RouterId, RouterIdOrNone
+from thunderagent.schemas.kv import check_block_hashes
 
 
 class Candidate(Struct, frozen=True, kw_only=True):
@@ -46,6 +47,10 @@ class RouteDecision(Struct, frozen=True, kw_only=True):
     prefix_hash: int | None = None
     """Hash of the deepest prompt block cached on the chosen worker (names the reused prefix;
     the index counts these to find hot prefixes). None without a hit."""
+
+    def __post_init__(self) -> None:
+        if self.prefix_hash is not None:
+            check_block_hashes([self.prefix_hash])
 
 
 class RouteDecisionBatch(Struct, frozen=True, kw_only=True):

@@ -46,6 +46,11 @@ KV_EVENTS_WILDCARD: Final = f"{PREFIX}.kv.events.*"
 KV_EVENTS_STREAM: Final = "THUNDERAGENT_KV"
 INDEX_DURABLE: Final = "thunderagent-index"
 
+# anyone -> index service (request/reply): the holders of prefixes (HoldersQuery).
+INDEX_HOLDERS: Final = f"{PREFIX}.index.holders"
+INDEX_QUEUE: Final = "index"
+"""Queue group of the index service's queries (replicas share them)."""
+
 # per-worker load reports (also the lease heartbeat) and the registration bucket.
 WORKER_LOAD_WILDCARD: Final = f"{PREFIX}.worker.*.load"
 WORKERS_BUCKET: Final = "thunderagent_workers"

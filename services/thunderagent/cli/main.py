@@ -235,7 +235,7 @@ def _cmd_migration(args: argparse.Namespace) -> None:
     params = {"link_bytes_per_s": args.link_gbps * 1e9, **_params(args.param)}
     _checked("migration", lambda: _planner_params(params))
     config = MigrationConfig(
-        params=params, auto=not args.orders_only, redis_url=args.redis,
+        params=params, auto=not args.orders_only,
         timeouts=Timeouts(pull_s=args.pull_timeout_s, hold_s=args.pull_timeout_s + 30),
     )  # fmt: skip
     run_service(
@@ -320,10 +320,6 @@ def _migration_command(add) -> None:
     _nats_arg(p)
     _metrics_arg(p)
     _param_arg(p, "migration planner (MigrationParams)")
-    p.add_argument(
-        "--redis", default=os.environ.get("THUNDERAGENT_REDIS_URL"),
-        help="Redis URL of the index snapshot (env THUNDERAGENT_REDIS_URL; unset: full replay)",
-    )  # fmt: skip
     p.add_argument(
         "--link-gbps", type=positive, default=25.0,
         help="worker-to-worker KV link in GB/s for the cost model (25 = a 200 Gb/s NIC)",

@@ -5,6 +5,11 @@ when its sequence shows a gap, forgets a worker whose lease lapsed, expires unco
 (TTL) and writes snapshots to Redis, from which router replicas start warm (each router keeps
 its own replica, fed by the same stream: a routing decision never waits on this service).
 Redis being down delays snapshots; it never stops indexing.
+
+It also answers ``HoldersQuery``: which workers hold each of a list of prefixes. The migration
+service plans from these answers, twice a second, instead of keeping an index replica of its
+own: a replica costs its process a delivery, a decode and an apply for every KV message, all
+the time, to answer a few lookups per planning tick.
 """
 
 from __future__ import annotations
@@ -16,11 +21,18 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from thunderagent.bus import Bus, BusError
+from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.fleet import WorkerRegistry
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
-from thunderagent.schemas import Ack, KvEventBatch, ResyncRequest, subjects
+from thunderagent.schemas import (
+    Ack,
+    HoldersQuery,
+    HoldersReply,
+    KvEventBatch,
+    ResyncRequest,
+    subjects,
+)
 from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 from thunderagent.shell.index_follower import IndexFollower
 from thunderagent.telemetry.setup import meter
@@ -40,6 +52,7 @@ class IndexConfig:
 
 class IndexService:
     def __init__(self, config: IndexConfig, bus: Bus, redis) -> None:
+        """``redis=None``: no snapshots (a restart replays the whole stream)."""
         self.config = config
         self.bus = bus
         self.redis = redis
@@ -70,6 +83,16 @@ class IndexService:
         if outcome is FeedOutcome.GAP:
             # not awaited: the stream consumer must not stall while the adapter answers
             self._tasks.spawn(self.request_resync(batch.worker_id, "sequence gap"))
+
+    def holders(self, prefixes: list[int]) -> list[list[str]]:
+        """The workers whose GPU cache holds each prefix's deepest block (its hash)."""
+        gpu = self.follower.feeder.gpu_index
+        return [sorted(gpu.overlap([p], None)) for p in prefixes]
+
+    async def on_holders(self, query: HoldersQuery, delivery: Delivery) -> None:
+        if delivery.reply:
+            reply = HoldersReply(holders=self.holders(query.prefixes))
+            await self.bus.publish(delivery.reply, reply)
 
     async def request_resync(self, worker_id: str, reason: str) -> None:
         now = time.monotonic()
@@ -104,6 +127,8 @@ class IndexService:
             await self.write_snapshot()
 
     async def write_snapshot(self) -> None:
+        if self.redis is None:
+            return
         try:
             data = self.follower.snapshot_bytes()
         except (OverflowError, ValueError, TypeError) as err:  # never end the service over it
@@ -118,6 +143,9 @@ class IndexService:
         registry = WorkerRegistry()
         fleet = FleetWatcher(ctx.bus, registry, on_change=self.on_fleet_change)
         await self.follower.start()
+        await ctx.bus.subscribe(
+            subjects.INDEX_HOLDERS, HoldersQuery, self.on_holders, queue=subjects.INDEX_QUEUE
+        )
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(fleet.run(ctx.stop))

@@ -40,6 +40,10 @@ class MigrationMetrics:
             description="Time of the KV copy itself (NIXL read, or the warm-up prefill)",
             explicit_bucket_boundaries_advisory=list(TRANSFER_BUCKETS_S),
         )
+        self.skipped_ticks = m.create_counter(
+            "thunderagent_migration_skipped_ticks",
+            description="Planning ticks skipped because the index service did not answer",
+        )
         self._gauges = gauges
         for name, description in (
             ("inflight", "Moves running now"),

@@ -2,11 +2,12 @@
 
 Feeds the pure planner (``thunderagent.migration``) from what the control plane already sees:
 routing decisions (demand per prefix), load reports (queues, prefill backlog, KV held by running
-requests), the fleet (workers joining and leaving), drain notices, and its own replica of the
-prefix index over the KV-event stream (who holds what). Every ``interval_s`` it asks the planner
-for actions and carries each out as a three-step move through the workers' adapters
+requests), the fleet (workers joining and leaving) and drain notices; who holds each tracked
+prefix it asks the index service at every tick (``holders``). Every ``interval_s`` it asks the
+planner for actions and carries each out as a three-step move through the workers' adapters
 (``executor``). Operators and benchmarks can order a move (``thunderagent.migration.request``)
-and announce a leaving worker (``thunderagent.migration.drain``).
+and announce a leaving worker (``thunderagent.migration.drain``). While the index service does
+not answer it plans nothing and refuses orders, saying why.
 
 One instance per fleet: the planner's state (moves in flight, replicas it made) is not shared.
 """
@@ -19,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from thunderagent.bus import Bus, Delivery
+from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.fleet import WorkerRegistry
 from thunderagent.migration import (
     Action,
@@ -31,9 +32,8 @@ from thunderagent.migration import (
     WorkerSeen,
 )
 from thunderagent.migrator.executor import Executor, Timeouts, mode_of
+from thunderagent.migrator.holders import IndexHolders
 from thunderagent.migrator.metrics import MigrationMetrics
-from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
-from thunderagent.prefix_index.feed import IndexFeeder
 from thunderagent.schemas import (
     Ack,
     DrainNotice,
@@ -46,7 +46,6 @@ from thunderagent.schemas import (
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
-from thunderagent.shell.index_follower import IndexFollower
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +59,16 @@ class MigrationConfig:
     auto: bool = True
     """Plan moves by itself; False: only orders and drains (no hot-spot copies)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
-    redis_url: str | None = None
-    """The index snapshot to start warm from; None: replay the KV-event stream."""
 
 
 class MigrationService:
-    def __init__(self, bus: Bus, config: MigrationConfig, redis=None) -> None:
+    def __init__(self, bus: Bus, config: MigrationConfig) -> None:
         self.bus = bus
         self.config = config
         params = MigrationParams.from_dict(config.params)
         self.planner = MigrationPlanner(params, id_prefix=f"mig-{uuid.uuid4().hex[:6]}")
         self.registry = WorkerRegistry()
-        self.follower = IndexFollower(bus, IndexFeeder(PrefixIndex(DEFAULT_TTL_S)), redis=redis)
+        self.index = IndexHolders(bus)
         self.executor = Executor(bus, config.timeouts)
         self.reports: list[MigrationReport] = []
         """Final reports, newest last (bounded): tests and the health of the service."""
@@ -80,10 +77,14 @@ class MigrationService:
         self.metrics = MigrationMetrics(self._gauges)
 
     # ---- observations --------------------------------------------------------------------
-    def holders(self, prefix: int) -> set[str]:
-        """Registered workers whose GPU cache holds the prefix (its deepest block)."""
-        held = self.follower.feeder.gpu_index.overlap([prefix], None)
-        return {w for w in held if w in self.registry}
+    async def holders(self, prefix: int) -> set[str]:
+        """Registered workers whose GPU cache holds the prefix (its deepest block), as the
+        index service says; raises :class:`BusError` when it does not answer."""
+        return self._registered(await self.index.of([prefix]))(prefix)
+
+    def _registered(self, held: dict[int, list[str]]):
+        """``holders(prefix)`` for the planner: the index's answer, less unregistered workers."""
+        return lambda prefix: {w for w in held.get(prefix, ()) if w in self.registry}
 
     async def on_decisions(self, batch: RouteDecisionBatch, _: Delivery) -> None:
         now = time.time()
@@ -110,7 +111,6 @@ class MigrationService:
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what in ("expired", "removed"):
             self.planner.forget_worker(worker_id)
-            self.follower.feeder.forget(worker_id)
 
     async def on_drain(self, notice: DrainNotice, delivery: Delivery) -> None:
         if not is_valid_worker_id(notice.worker_id):
@@ -129,17 +129,18 @@ class MigrationService:
     # ---- orders --------------------------------------------------------------------------
     async def on_order(self, order: MigrationOrder, delivery: Delivery) -> None:
         try:
+            held = self._registered(await self.index.of([order.prefix_hash]))
             move = self.planner.order(
                 order.prefix_hash,
                 time.time(),
-                self.holders,
+                held,
                 blocks=order.blocks,
                 source=order.source,
                 target=order.target,
                 migrate=order.mode is MigrationMode.MIGRATE,
                 reason=order.reason or "ordered",
             )
-        except ValueError as err:
+        except (ValueError, BusError) as err:  # BusError: the index service did not answer
             report = MigrationReport(
                 migration_id="",
                 mode=order.mode,
@@ -186,14 +187,22 @@ class MigrationService:
                 pass
             if stop.is_set():
                 return
-            self.plan_once()
+            await self.plan_once()
 
-    def plan_once(self) -> list[Action]:
-        """Ask the planner (even with ``auto`` off: moves that timed out are failed there)."""
+    async def plan_once(self) -> list[Action]:
+        """Ask the planner (even with ``auto`` off, or the index service silent: moves that
+        timed out are failed there)."""
         if not self.config.auto:
             self.planner.expire(time.time())
             return []
-        actions = self.planner.plan(time.time(), self.holders)
+        try:
+            held = await self.index.of(self.planner.demand.prefixes())
+        except BusError as err:
+            self.planner.expire(time.time())
+            self.metrics.skipped_ticks.add(1)
+            log.warning("no plan this tick: the index service did not answer (%s)", err)
+            return []
+        actions = self.planner.plan(time.time(), self._registered(held))
         for action in actions:
             log.info("%s %s: %s", move_kind(action), action.action_id, action.reason)
             self.metrics.decisions.add(1, {"mode": move_kind(action), "origin": "planner"})
@@ -216,7 +225,6 @@ class MigrationService:
         fleet = FleetWatcher(
             bus, self.registry, on_change=self.on_fleet_change, on_load=self.on_load
         )
-        await self.follower.start()
         await bus.subscribe(subjects.ROUTE_DECISIONS, RouteDecisionBatch, self.on_decisions)
         await bus.subscribe(
             subjects.MIGRATION_REQUEST,
@@ -233,7 +241,6 @@ class MigrationService:
                 tg.create_task(fleet.run(ctx.stop))
                 tg.create_task(self.plan_loop(ctx.stop))
         finally:
-            await self.follower.stop()
             self._tasks.cancel()
 
 
@@ -244,13 +251,4 @@ def move_kind(action: Action) -> str:
 
 
 async def main(ctx: ServiceContext, config: MigrationConfig) -> None:
-    redis = None
-    if config.redis_url:
-        import redis.asyncio as aioredis
-
-        redis = aioredis.from_url(config.redis_url, socket_timeout=2, socket_connect_timeout=2)
-    try:
-        await MigrationService(ctx.bus, config, redis).run(ctx)
-    finally:
-        if redis is not None:
-            await redis.aclose()
+    await MigrationService(ctx.bus, config).run(ctx)

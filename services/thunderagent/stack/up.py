@@ -292,8 +292,7 @@ class Stack:
             self._service(f"router-{i}", "router", *nats, "--policy", c.policy,
                           "--redis", self.redis_url, *pulls)  # fmt: skip
         self._start_gateways()
-        self._service("migration", "migration", *nats, "--redis", self.redis_url,
-                      *c.migration_args)  # fmt: skip
+        self._service("migration", "migration", *nats, *c.migration_args)
         pool = ["--kv-pool", "--kv-pool-scale", str(c.kv_pool_scale)] if c.kv_pool else []
         if c.kv_blocks is not None:
             pool += ["--kv-blocks", str(c.kv_blocks)]

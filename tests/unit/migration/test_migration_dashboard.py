@@ -41,7 +41,8 @@ def test_listed_metrics_are_the_instruments_the_service_creates() -> None:
     exported = set()
     for name in created:
         if name in ("thunderagent_migrations", "thunderagent_migration_decisions",
-                    "thunderagent_migration_bytes"):  # fmt: skip
+                    "thunderagent_migration_bytes",
+                    "thunderagent_migration_skipped_ticks"):  # fmt: skip
             exported.add(name + "_total")
         elif name == "thunderagent_migration_transfer_duration":
             exported.add(name + "_seconds")
