@@ -4,7 +4,7 @@ Engine batches become ``KvEventBatch``es published to JetStream (acked), so the 
 router replicas can replay them. One publish is in flight at a time; engine batches that arrive
 while it waits for its ack go out together in the next one (in order, one adapter sequence
 number), so a quiet engine's events leave at once and a busy one's cost one message per round
-trip instead of one each: every consumer (index, routers, scheduler, migration) pays per
+trip instead of one each: every consumer (index, routers, scheduler) pays per
 message. ZMQ gaps are repaired by replay while the engine still
 buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
 mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
