@@ -101,9 +101,9 @@ class ResyncRequest(Struct, frozen=True, kw_only=True):
     """Why (gap, restart, startup)."""
 
 
-MAX_HOLDERS_QUERY: Final = 4096
-"""Prefixes per ``HoldersQuery`` (32 KB of hashes, ~1 MB of answer at most with 8 holders each);
-a caller with more sends several."""
+MAX_HOLDERS_QUERY: Final = 1024
+"""Prefixes per ``HoldersQuery``; a caller with more sends several. Bounded by the answer: 1,024
+prefixes held by 64 workers each, ids of 12 characters, is ~1 MB, NATS's default payload limit."""
 
 
 class HoldersQuery(Struct, frozen=True, kw_only=True):
