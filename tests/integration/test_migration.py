@@ -5,6 +5,7 @@ engines without a KV import path; a target or a source dying mid-transfer."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 
@@ -389,7 +390,7 @@ async def test_bad_orders_and_notices_get_an_error_reply_and_a_dead_letter(nats_
 
 
 async def test_without_an_index_service_orders_fail_saying_why_and_ticks_plan_nothing(
-    nats_server,
+    nats_server, caplog
 ):
     async with inproc_stack(nats_server.url) as stack:
         service = await start_migration(stack, index=False)
@@ -400,13 +401,20 @@ async def test_without_an_index_service_orders_fail_saying_why_and_ticks_plan_no
         )  # fmt: skip
         await service.on_decisions(RouteDecisionBatch(router_id="r1", decisions=[hot]), None)
         assert service.planner.demand.prefixes() == [0xBEEF]
-        assert await service.plan_once() == []  # the tick is skipped, the service lives on
+        with caplog.at_level(logging.INFO, logger="thunderagent.migrator.service"):
+            for _ in range(3):  # each tick is skipped, the service lives on, one warning
+                assert await service.plan_once() == []
+        said = [r.getMessage() for r in caplog.records if "index service" in r.getMessage()]
+        assert len(said) == 1 and "no plans while" in said[0]
         report = await order(nats_server.url, MigrationOrder(prefix_hash=0xBEEF), wait_s=10)
         assert report.phase == "failed" and subjects.INDEX_HOLDERS in report.reason
         assert not stack.services["migration"].task.done()
         await start_index(stack)  # the index comes up: the next order is judged on its merits
         report = await order(nats_server.url, MigrationOrder(prefix_hash=0xBEEF), wait_s=10)
         assert report.phase == "failed" and "no worker is known" in report.reason
+        with caplog.at_level(logging.INFO, logger="thunderagent.migrator.service"):
+            assert await service.plan_once() == []  # nothing hot enough, and planned
+        assert "planning resumes" in caplog.records[-1].getMessage()
 
 
 async def test_route_decisions_are_the_planners_demand(nats_server):

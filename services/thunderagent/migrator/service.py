@@ -69,6 +69,7 @@ class MigrationService:
         self.planner = MigrationPlanner(params, id_prefix=f"mig-{uuid.uuid4().hex[:6]}")
         self.registry = WorkerRegistry()
         self.index = IndexHolders(bus)
+        self._index_silent = False
         self.executor = Executor(bus, config.timeouts)
         self.reports: list[MigrationReport] = []
         """Final reports, newest last (bounded): tests and the health of the service."""
@@ -200,8 +201,13 @@ class MigrationService:
         except BusError as err:
             self.planner.expire(time.time())
             self.metrics.skipped_ticks.add(1)
-            log.warning("no plan this tick: the index service did not answer (%s)", err)
+            if not self._index_silent:  # once per outage, not twice a second
+                log.warning("no plans while the index service does not answer (%s)", err)
+            self._index_silent = True
             return []
+        if self._index_silent:
+            log.info("the index service answers again: planning resumes")
+            self._index_silent = False
         actions = self.planner.plan(time.time(), self._registered(held))
         for action in actions:
             log.info("%s %s: %s", move_kind(action), action.action_id, action.reason)
