@@ -60,6 +60,12 @@ class IndexFeeder:
     def gpu_index(self) -> PrefixIndex:
         return self.gpu if self.gpu is not None else self.index
 
+    def holders(self, prefix: int) -> list[str]:
+        """Workers whose GPU cache holds ``prefix`` (the primary hash of its deepest block; a
+        chained hash names the whole prefix), sorted: what the migration planner asks, live
+        (the index service's answer) and in the replay."""
+        return sorted(self.gpu_index.overlap([prefix], None))
+
     def apply(self, batch: KvEventBatch, now: float) -> FeedOutcome:
         worker = batch.worker_id
         cur = self.cursors.get(worker)

@@ -222,7 +222,7 @@ class ReplayMigration:
 
     def holders(self, prefix: int) -> Collection[str]:
         """Workers the router core's GPU index names for the prefix (its deepest block)."""
-        return self.replay.router.feeder.gpu_index.overlap([prefix], None).keys()
+        return self.replay.router.feeder.holders(prefix)
 
     # ---- execution -----------------------------------------------------------------------
     def execute(self, action: Action, t: float) -> None:

@@ -84,14 +84,10 @@ class IndexService:
             # not awaited: the stream consumer must not stall while the adapter answers
             self._tasks.spawn(self.request_resync(batch.worker_id, "sequence gap"))
 
-    def holders(self, prefixes: list[int]) -> list[list[str]]:
-        """The workers whose GPU cache holds each prefix's deepest block (its hash)."""
-        gpu = self.follower.feeder.gpu_index
-        return [sorted(gpu.overlap([p], None)) for p in prefixes]
-
     async def on_holders(self, query: HoldersQuery, delivery: Delivery) -> None:
         if delivery.reply:
-            reply = HoldersReply(holders=self.holders(query.prefixes))
+            holders = self.follower.feeder.holders
+            reply = HoldersReply(holders=[holders(p) for p in query.prefixes])
             await self.bus.publish(delivery.reply, reply)
 
     async def request_resync(self, worker_id: str, reason: str) -> None:
