@@ -13,6 +13,7 @@ wait forever.
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -84,20 +85,18 @@ class Admission:
         self.workers.pop(worker_id, None)
 
     def cap(self, worker_id: str) -> int:
+        load = self.workers.get(worker_id)
+        return self._cap(load.room if load is not None else None)
+
+    def _cap(self, room: WorkerRoom | None) -> int:
         if self.params.max_running:
             return self.params.max_running
-        load = self.workers.get(worker_id)
-        if load is not None and load.room is not None and load.room.max_running > 0:
-            return load.room.max_running
+        if room is not None and room.max_running > 0:
+            return room.max_running
         return self.params.fallback_max_running
 
     def running(self, worker_id: str) -> int:
-        load = self.load(worker_id)
-        if load.room is None:
-            return load.own_running
-        r = load.room
-        reported = r.running + r.queued + load.sent_since_report - load.done_since_report
-        return max(reported, load.own_running, 0)
+        return _running(self.load(worker_id))
 
     def kv_blocks(self, worker_id: str) -> int:
         """KV held by running requests once they have generated their expected output: the
@@ -107,7 +106,9 @@ class Admission:
         Prompts are not summed per request: requests sent together each count a shared
         uncached prefix that the engine holds once (on a hot prefix such a sum held the queue
         at a fraction of the real use)."""
-        load = self.load(worker_id)
+        return self._kv_blocks(self.load(worker_id))
+
+    def _kv_blocks(self, load: WorkerLoad) -> int:
         room = load.room
         if room is None or room.active_blocks is None:
             return load.own_blocks
@@ -129,30 +130,38 @@ class Admission:
     def headroom(self, worker_id: str) -> Headroom:
         """What ``has_room`` decides from, for any ``need_blocks``: valid until the next
         change to this worker's books (a charge, a discharge, a report, the clock)."""
-        running = self.running(worker_id)
         load = self.load(worker_id)
+        running, room = _running(load), load.room
         pf = self._prefill_full(load)
-        if running >= self.cap(worker_id):
+        if running >= self._cap(room):
             return Headroom(True, False, 0, 0.0, pf)
-        total = load.room.kv_total_blocks if load.room is not None else 0
+        total = room.kv_total_blocks if room is not None else 0
         if running == 0 or total <= 0:
             return Headroom(False, True, 0, 0.0, pf)
         limit = self.params.kv_watermark * total
-        return Headroom(False, False, self.kv_blocks(worker_id), limit, pf)
+        return Headroom(False, False, self._kv_blocks(load), limit, pf)
 
     def room(self, worker_id: str, need_blocks: int) -> int:
         """How many more requests of ``need_blocks`` each ``has_room`` would admit now; none
         once the cold prefill queue bound is reached (this counts credit for routers, which
         would spend it whatever a request's hit)."""
-        running = self.running(worker_id)
-        slots = self.cap(worker_id) - running
-        load = self.load(worker_id)
+        return self._room(self.load(worker_id), need_blocks)
+
+    def rooms(self, need_blocks: int, skip: Container[str] = ()) -> dict[str, int]:
+        """``room`` of every worker not in ``skip``, in one pass over the books (the
+        scheduler lends it after every dispatch pass)."""
+        return {w: self._room(ld, need_blocks) for w, ld in self.workers.items() if w not in skip}
+
+    def _room(self, load: WorkerLoad, need_blocks: int) -> int:
+        running = _running(load)
+        room = load.room
+        slots = self._cap(room) - running
         if slots <= 0 or self._prefill_full(load):
             return 0
-        total = load.room.kv_total_blocks if load.room is not None else 0
+        total = room.kv_total_blocks if room is not None else 0
         if total <= 0 or need_blocks <= 0:
             return slots
-        fit = int((self.params.kv_watermark * total - self.kv_blocks(worker_id)) // need_blocks)
+        fit = int((self.params.kv_watermark * total - self._kv_blocks(load)) // need_blocks)
         if running == 0:
             fit = max(fit, 1)  # an idle worker always takes one, however large
         return max(0, min(slots, fit))
@@ -221,6 +230,16 @@ class Admission:
             load.started_at_sum -= started_at
             if not load.started_runs:
                 load.started_output_tokens, load.started_at_sum = 0, 0.0
+
+
+def _running(load: WorkerLoad) -> int:
+    """Requests running or queued on the worker: its report plus what was sent (less what
+    ended) since, never below what this scheduler knows it has running there."""
+    r = load.room
+    if r is None:
+        return load.own_running
+    reported = r.running + r.queued + load.sent_since_report - load.done_since_report
+    return max(reported, load.own_running, 0)
 
 
 def output_blocks(req: SchedRequest) -> int:

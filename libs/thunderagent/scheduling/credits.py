@@ -158,20 +158,24 @@ class CreditIssuer:
         last = self._last.get(router_id)
         if last is None:
             return 0
-        booked_since = self.booked.get(router_id, {}).get(worker_id, 0) - last.booked.get(
-            worker_id, 0
-        )
-        return max(0, last.credits.get(worker_id, 0) - booked_since)
+        return _in_hand(last, self.booked.get(router_id, {}), worker_id)
 
     def _moved(self, router_id: str, share: Mapping[str, int]) -> bool:
         last = self._last.get(router_id)
         if last is None:
             return True
+        booked = self.booked.get(router_id, {})
         for worker in share.keys() | last.credits.keys():
-            held, new = self.in_hand(router_id, worker), share.get(worker, 0)
+            held, new = _in_hand(last, booked, worker), share.get(worker, 0)
             if new < held or (new > held and (held == 0 or new - held > held // REGRANT_SLACK)):
                 return True
         return False
+
+
+def _in_hand(last: Grant, booked: Mapping[str, int], worker_id: str) -> int:
+    """``last``'s credit for ``worker_id`` less the dispatches booked there since it."""
+    booked_since = booked.get(worker_id, 0) - last.booked.get(worker_id, 0)
+    return max(0, last.credits.get(worker_id, 0) - booked_since)
 
 
 @dataclass(slots=True)

@@ -206,9 +206,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         if self.entries or self.params.pd_mode == "disaggregated":
             return {}
         need = max(1, round(self._typical_need))
-        return {
-            w: self.admission.room(w, need) for w in self.admission.workers if w not in self.gone
-        }
+        return self.admission.rooms(need, skip=self.gone)
 
     def admitted(self, request: SchedRequest, worker_id: str, now: float) -> None:
         rid = request.request_id
