@@ -43,7 +43,15 @@ def load_report(
 
 def worker_view(state: WorkerState, cached_blocks: int = -1) -> WorkerView:
     """What a routing policy sees of a worker; ``cached_blocks``: what the router's prefix
-    index holds for it (-1: unknown)."""
+    index holds for it (-1: unknown). The view is kept on ``state`` until the state or
+    ``cached_blocks`` changes (policies only read views)."""
+    view = state.view
+    if view is None or view.cached_blocks != cached_blocks:
+        view = state.view = _build_view(state, cached_blocks)
+    return view
+
+
+def _build_view(state: WorkerState, cached_blocks: int) -> WorkerView:
     load = state.load
     if load is None:
         return WorkerView(

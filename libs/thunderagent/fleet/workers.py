@@ -7,8 +7,12 @@ re-registers when it comes back. The registry never reads a clock: every call ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from thunderagent.schemas import LoadReport, WorkerRegistration
+
+if TYPE_CHECKING:
+    from thunderagent.routing import WorkerView
 
 CARRIED_LIMIT = 4096
 """Requests carried over reports per worker at most: a start this process never hears of (a
@@ -44,6 +48,10 @@ class WorkerState:
     """request id -> KV tokens of those started since the report and still running."""
     taken_at: float | None = None
     """When ``load`` was taken (a poller's registry takes fewer reports than it gets)."""
+    view: WorkerView | None = field(default=None, repr=False)
+    """What routing saw of the worker at its last decision (``fleet.views.worker_view``),
+    kept until any of the figures above changes: a decision reads every worker, and between
+    two decisions most of a large fleet's workers have not changed."""
 
     @property
     def worker_id(self) -> str:
@@ -56,6 +64,7 @@ class WorkerState:
         return sum(self.carried_running.values()) if self.carried_running else 0
 
     def assign(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
+        self.view = None
         self.assigned[request_id] = (prefill_tokens, kv_tokens)
         self.assigned_since_report += 1
         self.assigned_prefill_since_report += prefill_tokens
@@ -64,6 +73,7 @@ class WorkerState:
     def started(self, request_id: str) -> None:
         """The request's first token is out: the engine has prefilled its prompt, so it is no
         longer queued prefill here, though its KV stays until the next report covers it."""
+        self.view = None
         got = self.assigned.get(request_id)
         if got is not None:
             if got[0]:
@@ -78,6 +88,7 @@ class WorkerState:
     def unassign(self, request_id: str) -> None:
         """The request's run ended before a report covered it: sent since the report (a short
         one, a fast engine), or carried over it."""
+        self.view = None
         got = self.assigned.pop(request_id, None)
         if got is not None:
             self.assigned_since_report -= 1
@@ -90,6 +101,7 @@ class WorkerState:
 
     def take_report(self, load: LoadReport, now: float) -> None:
         """A report covers everything sent before it; what had not started is in its backlog."""
+        self.view = None
         self.load = load
         self.renewed_at = now
         self.taken_at = now
@@ -130,7 +142,7 @@ class WorkerRegistry:
         old = self._workers.get(registration.worker_id)
         if old is not None and old.registration.registered_at == registration.registered_at:
             old.renewed_at = now
-            old.registration = registration
+            old.registration, old.view = registration, None
             return False
         self._workers[registration.worker_id] = WorkerState(registration, renewed_at=now)
         return True

@@ -219,20 +219,30 @@ class Thunder(PolicyHooks):
         return min(weight, self.max_recompute_weight)
 
     def cost(
-        self, query: RouteQuery, w: WorkerView, min_outstanding: int, recompute: float = 0.0
+        self,
+        query: RouteQuery,
+        w: WorkerView,
+        min_outstanding: int,
+        recompute: float = 0.0,
+        mean_uncached: float | None = None,
     ) -> float:
-        """Predicted seconds until ``query`` would finish on ``w``."""
+        """Predicted seconds until ``query`` would finish on ``w`` (``mean_uncached``: the
+        running mean of uncached prompts, read once per decision by ``rank``)."""
         gpu, host_only = cached_blocks(query, w.worker_id)
         cached = min((gpu + self.host_credit * host_only) * query.block_size, query.prompt_tokens)
-        decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
         own = query.prompt_tokens - cached
         parity = self.attention_parity_tokens
         own_work = prefill_work(own, cached, parity)
-        ahead = queued_prefill_tokens(w, self._uncached.get())
-        ahead_work = queued_prefill_work(ahead, w.queued + w.pending, parity)
+        lost = 0.0  # most workers of a large fleet hold nothing of the prompt: no credit to lose
+        if cached:
+            decay = math.exp(-(w.outstanding - min_outstanding) / self.load_scale)
+            lost = (1 - decay) * prefill_work(cached, 0.0, parity)
+        mean = self._uncached.get() if mean_uncached is None else mean_uncached
+        ahead_work = queued_prefill_work(
+            queued_prefill_tokens(w, mean), w.queued + w.pending, parity
+        )
         step = self.decode_s_per_kv_token * w.active_tokens + self.decode_s_per_seq * w.outstanding
         evicted = self.evict_weight * _evicted_tokens(own, w, query.block_size)
-        lost = (1 - decay) * prefill_work(cached, 0.0, parity)
         return (
             self.prefill_s_per_token * ((1 + recompute) * own_work + lost + ahead_work)
             + self.decode_weight * query.expected_output_tokens * step
@@ -256,7 +266,8 @@ class Thunder(PolicyHooks):
         least = min(w.outstanding for w in workers)
         _more_free = lambda w: -float(w.free_blocks)  # noqa: E731
         recompute = self.recompute_weight(workers, query.block_size)
-        cost = {w.worker_id: self.cost(query, w, least, recompute) for w in workers}
+        mean = self._uncached.get()
+        cost = {w.worker_id: self.cost(query, w, least, recompute, mean) for w in workers}
         hit = any(query.overlaps.get(i, 0) or query.host_overlaps.get(i, 0) for i in cost)
         if hit or self.no_hit_sample == 0 or len(workers) <= self.no_hit_sample:
             ordered = rank_by_cost(workers, cost, _ID, self.temperature, rng, secondary=_more_free)

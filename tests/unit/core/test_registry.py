@@ -106,3 +106,61 @@ def test_a_polling_registry_takes_the_first_report_after_each_boundary(poll, gap
     # the same, counted another way: the first report in each poll window, and no other
     firsts = [t for k, t in enumerate(times) if k == 0 or t // poll != times[k - 1] // poll]
     assert taken == firsts
+
+
+def test_a_view_is_kept_until_its_worker_changes():
+    r = WorkerRegistry()
+    r.register(reg("a"), now=0)
+    state = r.get("a")
+    first = worker_view(state, 7)
+    assert worker_view(state, 7) is first, "nothing changed: the same view"
+    assert worker_view(state, 8).cached_blocks == 8, "the index's count is part of the view"
+    state.assign("r1", 100, 120)
+    assert worker_view(state, 8).pending == 1
+
+
+_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["assign", "started", "unassign", "report", "renew", "held"]),
+        st.integers(0, 5),
+        st.integers(0, 400),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_STEPS)
+def test_a_kept_view_always_equals_one_built_afresh(steps):
+    """Every change to a worker's state (or to the index's count for it) shows in the next
+    view: a kept view is never stale."""
+    from thunderagent.fleet.views import _build_view
+
+    r = WorkerRegistry()
+    r.register(reg("a"), now=0)
+    state, held = r.get("a"), 0
+    for i, (op, k, n) in enumerate(steps):
+        rid = f"r{k}"
+        if op == "assign":
+            state.assign(rid, n, n + 16)
+        elif op == "started":
+            state.started(rid)
+        elif op == "unassign":
+            state.unassign(rid)
+        elif op == "report":  # a pool size of 0 (unknown) falls back to the registration's
+            report = LoadReport(
+                worker_id="a", ts=i, running=k, queued=n % 7, kv_used_blocks=k,
+                kv_total_blocks=100 * (n % 2), inflight=k + 1,
+            )  # fmt: skip
+            r.report(report, now=i)
+        elif op == "renew":  # same epoch, new figures
+            r.register(
+                WorkerRegistration(
+                    worker_id="a", model="m", engine_url="http://e", block_size=16,
+                    kv_capacity_blocks=100 + n, lease_s=10.0, registered_at=0.0,
+                ),
+                now=i,
+            )  # fmt: skip
+        else:
+            held = n
+        assert worker_view(state, held) == _build_view(state, held), (i, op)
