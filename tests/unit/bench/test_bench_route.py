@@ -19,10 +19,23 @@ def test_every_worker_is_indexed_and_a_decision_ranks_them_all() -> None:
     assert routed.query.overlaps == {}, "the timed prompt matches no worker's blocks"
 
 
-def test_main_prints_the_time_per_decision(capsys) -> None:
+def test_main_prints_the_time_per_decision_and_per_request(capsys) -> None:
     route.main(["--workers", "2", "--indexed", "20", "--decisions", "10"])
     report = json.loads(capsys.readouterr().out)
     assert report["workers"] == 2 and report["us_per_decision"] > 0
+    assert report["us_per_request"] > 0
+
+
+def test_each_timed_request_is_booked_started_and_ended_on_its_worker() -> None:
+    """The per-request figure runs the router service's whole sequence: afterwards nothing is
+    left assigned or awaiting its dispatch, and no prompt was a hit (each is its own)."""
+    core = route.build_core("thunder", workers=3, indexed=50)
+    route.time_decisions(core, blocks=4, decisions=6, lifecycle=True)
+    states = core.fleet.all()
+    assert all(not s.assigned and s.assigned_since_report == 0 for s in states)
+    assert not core._routed, "every routed request was dispatched"
+    assert not core.verifier._dispatched, "and verified at its end"
+    assert core.window.predicted_tokens == 0, "no prompt was predicted as a hit"
 
 
 def test_an_unknown_policy_is_a_usage_error(capsys) -> None:
