@@ -157,30 +157,9 @@ async def connect(
     """
     identity = identity or _identity_of(name)
     found = resolve_credentials(url, identity, creds=creds)
-    options: dict = {}
-    if found.user is not None:
-        options["user"] = found.user
-        options["password"] = found.password or ""
-    tls = tls_context(url, found)
-    if tls is not None:
-        options["tls"] = tls
-    log.debug("nats %s: credentials from %s, tls %s", name, found.source, tls is not None)
-
-    refused: list[Exception] = []
-    login_refused = asyncio.Event()
-
-    async def on_error(err: Exception) -> None:
-        if _is_auth_error(err) or isinstance(err, ssl.SSLCertVerificationError):
-            refused.append(err)
-            login_refused.set()
-        log.info("nats %s: %s", name, err)
-
-    async def on_disconnect() -> None:
-        log.info("nats %s: disconnected", name)
-
-    async def on_reconnect() -> None:
-        log.info("nats %s: reconnected", name)
-
+    options = _login_options(url, found)
+    log.debug("nats %s: credentials from %s, tls %s", name, found.source, "tls" in options)
+    events = _ConnectionEvents(name)
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + deadline_s
     delay = first_delay_s
@@ -196,18 +175,19 @@ async def connect(
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
+                error_cb=events.on_error,
+                disconnected_cb=events.on_disconnect,
+                reconnected_cb=events.on_reconnect,
                 **options,
             )
             timeout = max(0.05, min(give_up_at - loop.time(), 5.0))
-            await _until_connected_or_refused(attempt, login_refused, timeout)
+            await _until_connected_or_refused(attempt, events.login_refused, timeout)
             return client
         except Exception as err:  # nats-py raises several unrelated types for a refused connect
             await _discard(client)
             # nats-py reports a refused login (or an untrusted certificate) to error_cb and keeps
             # retrying until our timeout: neither gets better by waiting
+            refused = events.refused
             if refused or _is_auth_error(err):
                 raise ConnectionError(
                     f"NATS at {_safe(url)} refused {identity!r} (credentials from "
@@ -219,6 +199,40 @@ async def connect(
             log.info("nats %s: connect failed (%r), retry in %.2fs", name, err, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)
+
+
+def _login_options(url: str, found: Credentials) -> dict:
+    """nats-py's connect options for ``found``: user and password, TLS."""
+    options: dict = {}
+    if found.user is not None:
+        options["user"] = found.user
+        options["password"] = found.password or ""
+    tls = tls_context(url, found)
+    if tls is not None:
+        options["tls"] = tls
+    return options
+
+
+class _ConnectionEvents:
+    """nats-py's callbacks for one connection: logged, and a refused login (or an untrusted
+    certificate) kept, so the connect loop stops retrying at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.refused: list[Exception] = []
+        self.login_refused = asyncio.Event()
+
+    async def on_error(self, err: Exception) -> None:
+        if _is_auth_error(err) or isinstance(err, ssl.SSLCertVerificationError):
+            self.refused.append(err)
+            self.login_refused.set()
+        log.info("nats %s: %s", self.name, err)
+
+    async def on_disconnect(self) -> None:
+        log.info("nats %s: disconnected", self.name)
+
+    async def on_reconnect(self) -> None:
+        log.info("nats %s: reconnected", self.name)
 
 
 def _unreachable(url: str, err: Exception, deadline_s: float) -> str:

@@ -143,6 +143,18 @@ class Bucket:
                 await watcher.stop()
 
 
+def _start_config(start_seq: int, new_only: bool) -> ConsumerConfig:
+    """Where a consumer starts: at the next message (``new_only``), at ``start_seq``, or at
+    the stream's beginning (0)."""
+    if new_only:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+    if start_seq:
+        return ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+        )
+    return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+
+
 class StreamConsumer:
     """A running consumer; ``stop`` unsubscribes (the durable keeps its position).
 
@@ -150,11 +162,16 @@ class StreamConsumer:
     the server has forgotten it, so ``resume`` subscribes again from the message after the last
     one delivered (the bus calls it on every reconnect)."""
 
-    def __init__(self, sub: Any, resubscribe: Callable[[int], Awaitable[Any]] | None) -> None:
-        self._sub = sub
-        self._resubscribe = resubscribe
+    def __init__(self) -> None:
+        self._sub: Any = None
+        self._resubscribe: Callable[[int], Awaitable[Any]] | None = None
         self.last_seq = 0
         self.stopped = False
+
+    def attach(self, sub: Any, resubscribe: Callable[[int], Awaitable[Any]] | None = None) -> None:
+        """The subscription delivering to it (``resubscribe(seq)``: an ephemeral consumer's
+        way back after a reconnect)."""
+        self._sub, self._resubscribe = sub, resubscribe
 
     async def resume(self) -> None:
         if self._resubscribe is None or self.stopped:
@@ -226,25 +243,58 @@ class JetStreamMixin:
         resume.
         """
         js = self.nc.jetstream()
-        decoder = msgspec.json.Decoder(message_type)
-        if new_only:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
-        elif start_seq:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+        config = _start_config(start_seq, new_only)
+        # made before subscribing: a message delivered while ``subscribe`` is still running
+        # must already move the position a resume starts from
+        consumer = StreamConsumer()
+        if durable:
+            acks = BatchSender[Any](_ack_latest, ACK_AFTER_S, ACK_EVERY, what="stream acks")
+            on_msg = self._stream_callback(stream, message_type, handler, owner, None, acks)
+            config.ack_policy = AckPolicy.ALL
+            config.max_ack_pending = 100_000
+            with contextlib.suppress(Exception):  # no such consumer yet
+                await js.delete_consumer(stream, durable)
+            sub = await js.subscribe(
+                subject, durable=durable, stream=stream, config=config, cb=on_msg, manual_ack=True
             )
-        else:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            consumer.attach(sub)
+            return consumer
 
-        consumer: StreamConsumer | None = None
-        acks = BatchSender[Any](_ack_latest, ACK_AFTER_S, ACK_EVERY, what="stream acks")
+        on_msg = self._stream_callback(stream, message_type, handler, owner, consumer, None)
+
+        async def subscribe_from(start: int) -> Any:
+            cfg = _start_config(start, new_only=False)
+            return await js.subscribe(
+                subject, stream=stream, ordered_consumer=True, config=cfg, cb=on_msg
+            )
+
+        sub = await js.subscribe(
+            subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
+        )
+        consumer.attach(sub, subscribe_from)
+        self._ephemeral_consumers().append(consumer)
+        return consumer
+
+    def _stream_callback(
+        self,
+        stream: str,
+        message_type: Any,
+        handler: StreamHandler,
+        owner: Callable[[Any], str] | None,
+        position: StreamConsumer | None,
+        acks: BatchSender[Any] | None,
+    ) -> Callable[[Any], Awaitable[None]]:
+        """nats-py's callback for one consumer: skip what ``position`` has seen (an ephemeral
+        consumer resumed after a reconnect), decode, check the publisher, hand over, and
+        dead-letter whatever fails; ``acks``: a durable consumer's cumulative acks."""
+        decoder = msgspec.json.Decoder(message_type)
 
         async def on_msg(msg: Any) -> None:
             seq = msg.metadata.sequence.stream
-            if consumer is not None:
-                if seq <= consumer.last_seq:
+            if position is not None:
+                if seq <= position.last_seq:
                     return  # delivered again after a resume: handled already
-                consumer.last_seq = seq
+                position.last_seq = seq
             try:
                 decoded = decoder.decode(msg.data)
             except DECODE_ERRORS as err:
@@ -259,32 +309,10 @@ class JetStreamMixin:
                     except Exception as err:  # one bad message must not stop the stream
                         log.exception("stream %s seq %d: handler failed", stream, seq)
                         await self._reject_stream(msg, f"handler failed: {err!r}")
-            if durable:
+            if acks is not None:
                 acks.add(msg)
 
-        if durable:
-            config.ack_policy = AckPolicy.ALL
-            config.max_ack_pending = 100_000
-            with contextlib.suppress(Exception):  # no such consumer yet
-                await js.delete_consumer(stream, durable)
-            sub = await js.subscribe(
-                subject, durable=durable, stream=stream, config=config, cb=on_msg, manual_ack=True
-            )
-            return StreamConsumer(sub, None)
-
-        async def subscribe_from(start: int) -> Any:
-            by_seq = DeliverPolicy.BY_START_SEQUENCE
-            cfg = ConsumerConfig(deliver_policy=by_seq, opt_start_seq=start)
-            return await js.subscribe(
-                subject, stream=stream, ordered_consumer=True, config=cfg, cb=on_msg
-            )
-
-        sub = await js.subscribe(
-            subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
-        )
-        consumer = StreamConsumer(sub, subscribe_from)
-        self._ephemeral_consumers().append(consumer)
-        return consumer
+        return on_msg
 
     def _ephemeral_consumers(self) -> list[StreamConsumer]:
         """This connection's ephemeral consumers; made (with the reconnect hook that resumes
