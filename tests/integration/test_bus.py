@@ -199,3 +199,41 @@ async def test_a_durable_consumer_acks_cumulatively_and_its_lag_clears(nats_serv
     assert info.ack_floor.stream_seq == n and info.num_ack_pending == 0
     assert 3 <= len(acks) <= n // 8, f"{len(acks)} acks for {n} messages"
     await nc.close()
+
+
+async def test_a_resumed_replica_consumer_handles_each_message_once(nats_server):
+    """An ephemeral consumer (a router replica's) resumes after a reconnect from the message
+    after the last one it handled: nothing twice, nothing skipped."""
+    from thunderagent.schemas import KvEventBatch
+
+    nc = await connect(nats_server.url, name="router-0")
+    bus = Bus(nc, service="router")
+    await bus.ensure_kv_events_stream()
+    seen: list[int] = []
+
+    async def publish(first: int, last: int) -> None:
+        for i in range(first, last + 1):
+            batch = KvEventBatch(worker_id="w0", seq=i, ts=0.0, events=[])
+            await bus.stream_publish(subjects.kv_events("w0"), msgspec.json.encode(batch))
+
+    async def handled(count: int) -> None:
+        for _ in range(250):
+            if len(seen) >= count:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # a second delivery of any of them would have arrived
+
+    async def handle(batch: KvEventBatch, seq: int) -> None:
+        seen.append(batch.seq)
+
+    await publish(1, 200)
+    consumer = await bus.consume(
+        subjects.KV_EVENTS_STREAM, subjects.KV_EVENTS_WILDCARD, KvEventBatch, handle
+    )
+    await handled(200)
+    await consumer.resume()  # what a reconnect does
+    await publish(201, 300)
+    await handled(300)
+    assert seen == list(range(1, 301)), f"{len(seen)} handled for 300 published"
+    await consumer.stop()
+    await nc.close()
