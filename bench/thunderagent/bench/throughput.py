@@ -61,14 +61,24 @@ def step(rate: float, system: profile.Measured, direct: profile.Measured) -> dic
 
 def held(row: dict, bound_ms: float) -> bool:
     """Every request answered, the rate kept (by the system and by the load generator) and the
-    added p99 within the bound."""
+    added p99 within the bound, and the reference run undisturbed (``reference_disturbed``)."""
     s, p99 = row["system"], row["added_p99_ms"]
     return (
         s["errors"] == 0
         and s["achieved_rate"] >= 0.95 * row["rate"]
         and p99 is not None
         and p99 <= bound_ms
+        and not reference_disturbed(row, bound_ms)
     )
+
+
+def reference_disturbed(row: dict, bound_ms: float) -> bool:
+    """The run straight to the engines, the reference the added latency is taken from, was
+    slower at p99 than the whole system by more than the bound: a stall of the machine during
+    it, not the system's speed. Such a row says nothing about the system (its added p99 is far
+    below zero) and is not counted as held."""
+    p99 = row["added_p99_ms"]
+    return p99 is not None and p99 < -bound_ms
 
 
 def keep_going(row: dict, bound_ms: float) -> bool:
@@ -126,13 +136,13 @@ class Sweep:
             system = await run_system(rate)
             row = step(rate, system, direct)
             rows.append(row)
-            print(_line(row), file=sys.stderr)
+            print(_line(row, self.args.bound_ms), file=sys.stderr)
             if not keep_going(row, self.args.bound_ms):
                 break
         return rows
 
 
-def _line(row: dict) -> str:
+def _line(row: dict, bound_ms: float) -> str:
     s = row["system"]
     cpu = sum(v for k, v in row["cpu_us_per_req"].items() if k != "loadgen")
     return (
@@ -140,6 +150,7 @@ def _line(row: dict) -> str:
         f"{row['added_p99_ms']} ms, achieved {s['achieved_rate']}/s, errors {s['errors']}, "
         f"CPU {cpu:.0f} µs/req (+ load generator {row['cpu_us_per_req'].get('loadgen', 0)}), "
         f"load average {profile.load_average()[0]}"
+        + (", reference run disturbed: not counted" if reference_disturbed(row, bound_ms) else "")
     )
 
 

@@ -136,6 +136,10 @@ def test_the_sweep_holds_steps_on_and_stops() -> None:
     assert [throughput.keep_going(r, bound) for r in rows] == [True, True, True, False]
     assert not throughput.held(_row(100, 1.0, errors=1), bound)
     assert not throughput.held(_row(100, None), bound)
+    stalled = _row(200, -199.0)  # the run straight to the engines stalled, not the system
+    assert throughput.reference_disturbed(stalled, bound) and not throughput.held(stalled, bound)
+    assert throughput.keep_going(stalled, bound), "the next rate is measured afresh"
+    assert throughput.max_rate([rows[0], stalled], bound) == 100
     assert throughput.max_rate(rows, bound) == 200
     assert throughput.max_rate([], bound) == 0.0
     assert throughput.parse_rates("400, 100,200") == [100.0, 200.0, 400.0]
