@@ -13,8 +13,10 @@ Pass criteria, after a warm-up (a quarter of the run, at most 120 s):
 - memory flat: the least-squares slope of each process's RSS below ``--max-rss-slope`` MB/min
   (1), or its whole growth after warm-up below ``--max-rss-growth`` MB (4; a short run's slope
   is mostly noise);
-- descriptors flat: each process's count after warm-up within ``--max-fd-growth`` (2) of its
-  count at the end of warm-up.
+- descriptors flat: each process's lowest count over the last quarter of the samples within
+  ``--max-fd-growth`` (2) of its count at the end of warm-up. A keep-alive pool (the adapter's
+  to its engine opens a connection per concurrent request) grows in a burst and shrinks once
+  idle connections close; a leak raises the floor. The highest count is reported too.
 
 Reported, not judged: each service's cyclic-GC pauses over the whole run, from its own
 ``/metrics`` at the end (full collections, the longest pause of any generation, the share of
@@ -218,7 +220,7 @@ def judge(series: Series, warmup_s: float, cfg: SoakConfig) -> dict:
     fds = [series.fds[i] for i in after]
     slope = slope_per_min(t, rss)
     growth = (rss[-1] - rss[0]) if rss else 0.0
-    fd_growth = (max(fds) - fds[0]) if fds else 0
+    fd_growth = (min(fds[-max(1, len(fds) // 4) :]) - fds[0]) if fds else 0
     rss_ok = slope < cfg.max_rss_slope_mb_min or growth < cfg.max_rss_growth_mb
     return {
         "pid": series.pid,

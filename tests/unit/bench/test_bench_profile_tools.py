@@ -219,3 +219,20 @@ def test_completion_bodies_are_what_the_gateway_parses() -> None:
         assert parsed.request.model == "m/x"
         assert parsed.request.max_tokens == 1
         assert parsed.stream
+
+
+def test_soak_tells_a_descriptor_leak_from_a_pool_that_breathes() -> None:
+    """A keep-alive pool grows in a burst and shrinks after it: not a leak. Descriptors that
+    keep rising, or stay up to the end, are."""
+    from thunderagent.bench.soak import Series, SoakConfig, judge
+
+    def verdict(fds: list[int]) -> dict:
+        t = [float(i) for i in range(len(fds))]
+        return judge(Series("p", 1, t, [50.0] * len(fds), fds), warmup_s=0.0, cfg=SoakConfig())
+
+    burst = verdict([28, 28, 33, 33, 30, 28, 28, 29, 28, 28, 28, 28])
+    assert burst["ok"] and burst["fds_max"] == 33 and burst["fd_growth"] == 0
+    leak = verdict([28 + i // 2 for i in range(12)])
+    assert not leak["ok"] and leak["fd_growth"] > 2
+    kept = verdict([28, 28, 28, 28, 28, 28, 28, 28, 28, 31, 31, 31])
+    assert not kept["ok"], "still up at the end"
