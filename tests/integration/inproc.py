@@ -19,7 +19,7 @@ from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.simengine.driver import EngineDriver
-from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import Telemetry
 
 MODEL = "sim/test-model.v1"
@@ -110,7 +110,7 @@ class InprocStack:
         info = EngineInfo(model=model, block_size=engine.block_size, kv_events_config=events_config)
         info.instant = instant
         app = SimEngineApp(engine, info).app
-        runner = web.AppRunner(app, access_log=None)
+        runner = http_runner(app)
         await runner.setup()
         port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -213,3 +213,26 @@ async def _served_model(url: str) -> str:
     async with aiohttp.ClientSession() as s:
         models = await (await s.get(url + "/v1/models")).json()
     return models["data"][0]["id"]
+
+
+async def test_an_idle_connection_is_closed_as_sglangs_server_closes_it(nats_server, monkeypatch):
+    """SGLang's uvicorn closes a keep-alive connection idle for 5 s; so does the simulated
+    engine (aiohttp would keep it 75 s), so a client's pool shrinks after a burst as it would
+    in front of SGLang."""
+    from thunderagent.simengine import server
+
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.3)
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False)
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /get_load HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))  # fmt: skip
+        await reader.readexactly(length)
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(1), timeout=5) == b"", "closed by the engine"
+        assert 0.2 <= time.monotonic() - started < 3, "after its keep-alive time"
+        writer.close()

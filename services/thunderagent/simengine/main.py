@@ -14,7 +14,7 @@ from aiohttp import web
 from thunderagent.engine import get_profile
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
-from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import configure_logging, setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ async def _serve(config: SimEngineConfig) -> None:
     info.kv_pull_gbps = config.kv_pull_gbps
     info.instant = config.instant
     app = SimEngineApp(engine, info).app
-    runner = web.AppRunner(app, access_log=None)
+    runner = http_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -50,6 +50,17 @@ class EngineInfo:
     """``--engine instant``: answer ``/generate`` at once with one token (``instant.py``)."""
 
 
+KEEPALIVE_S = 5.0
+"""Seconds an idle HTTP connection stays open: SGLang's server runs uvicorn with
+``timeout_keep_alive=5`` (``entrypoints/http_server.py``). aiohttp's default is 75 s, which
+kept a burst's extra client connections open that long."""
+
+
+def http_runner(app: web.Application) -> web.AppRunner:
+    """The runner that serves a simulated engine's ``app`` as SGLang's server would."""
+    return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
+
+
 def _bad(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
