@@ -60,9 +60,8 @@ def time_decisions(
     tokens = blocks * BLOCK_SIZE
     prompt = list(range(tokens))
     rounds = 5
-    if lifecycle:  # past every worker's indexed tokens, a first token of its own each
-        first = len(core.fleet) * 4 * tokens + 10**9
-        prompts = [core.hash_tokens([first + k, *prompt[1:]], BLOCK_SIZE)
+    if lifecycle:  # a namespace (salt) of its own each: no prefix of any other prompt
+        prompts = [core.hash_tokens(prompt, BLOCK_SIZE, salt=f"request-{k}")
                    for k in range(rounds * decisions)]  # fmt: skip
     else:
         prompts = [core.hash_tokens(prompt, BLOCK_SIZE)] * (rounds * decisions)
