@@ -15,6 +15,7 @@ from thunderagent.bus import connect
 from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed
 from thunderagent.schemas import (
+    Ack,
     Candidate,
     DeadLetter,
     DirectDispatch,
@@ -312,3 +313,81 @@ async def test_a_copy_is_booked_on_the_links_only_for_the_worker_that_took_the_r
     assert [(w, o.pull is not None) for w, o in offers] == [("w1", True), ("w0", False)]
     assert planner.links.wait(time.monotonic(), "w0", "w1") == 0.0
     assert planner.hint(decision.candidates, "w1", hashes, 32 * 16 + 1, 16, time.monotonic())
+
+
+async def test_a_request_id_is_free_again_once_its_request_ended(nats_server):
+    """SGLang refuses a rid only while a request holds it; so does the scheduler. The
+    client's own retry of a request that ended (same reply subject) is still not run again."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        client = await routable(nats_server.url, 1)
+        sched = stack.services["scheduler"].runtime
+        finals = []
+        for _ in range(2):  # a deadline sends it through the scheduler's queue
+            req = GenerateRequest(model=MODEL, request_id="again-1", token_ids=[5] * 20,
+                                  max_tokens=4, deadline_ms=time.time() * 1e3 + 60_000)  # fmt: skip
+            finals.append((await client.generate(req)).final)
+        await wait_for(lambda: "again-1" not in sched.pending, what="the second run's end")
+        reply_subject = sched.finished["again-1"]
+        nc = await connect(nats_server.url, name="test-retry")
+        retry = ScheduleRequest(request=req, reply_subject=reply_subject, router_id="r1",
+                                decision=_decision("again-1"), block_hashes=[1])  # fmt: skip
+        msg = await nc.request(subjects.sched_submit(MODEL), encode(retry), timeout=5)
+        answer = msgspec.json.decode(msg.data, type=Ack)
+        await nc.close()
+        await client.close()
+    assert [f.usage.completion_tokens for f in finals] == [4, 4]
+    assert not answer.accepted and "already ran" in answer.reason
+
+
+def _decision(rid: str) -> RouteDecision:
+    return RouteDecision(
+        request_id=rid, model=MODEL, worker_id="w0", overlap_blocks=0, prompt_blocks=1,
+        candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
+    )  # fmt: skip
+
+
+async def test_a_second_request_under_an_id_in_use_is_stopped_even_when_sent_on_credit(
+    nats_server,
+):
+    """Two clients use one request id at once and two routers hand them to two workers on
+    credit (neither can know of the other). The scheduler, told of both, stops the second and
+    tells its client why; the first runs to its end."""
+    from thunderagent.schemas import ErrorReply, WorkerGenerate
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0)
+        await routable(nats_server.url, 2)
+        nc = await connect(nats_server.url, name="test-two-routers")
+        replies: dict[str, list] = {"a": [], "b": []}
+        reply_type = TokenChunk | FinalReply | ErrorReply
+
+        def collect_into(into: list):
+            async def on_msg(msg) -> None:
+                into.append(msgspec.json.decode(msg.data, type=reply_type))
+
+            return on_msg
+
+        for key, into in replies.items():
+            await nc.subscribe(f"_INBOX.dup.{key}", cb=collect_into(into))
+        for key, worker, prompt in (("a", "w0", [5] * 20), ("b", "w1", [6] * 20)):
+            req = GenerateRequest(model=MODEL, request_id="dup-1", token_ids=prompt,
+                                  max_tokens=300)  # fmt: skip
+            work = WorkerGenerate(request=req, reply_subject=f"_INBOX.dup.{key}")
+            msg = await nc.request(subjects.worker_generate(worker), encode(work), timeout=5)
+            assert msgspec.json.decode(msg.data, type=Ack).accepted
+            submit = ScheduleRequest(request=req, reply_subject=work.reply_subject,
+                                     decision=_decision("dup-1"), block_hashes=[1],
+                                     router_id=f"r-{key}")  # fmt: skip
+            await nc.publish(subjects.sched_direct(MODEL), encode(DirectDispatch(
+                submit=submit, worker_id=worker)))  # fmt: skip
+        ends = lambda: all(r and not isinstance(r[-1], TokenChunk) for r in replies.values())  # noqa: E731
+        await wait_for(ends, what="both clients answered")
+        second = stack.services["worker-w1"].runtime
+        await nc.close()
+    assert isinstance(replies["a"][-1], FinalReply)
+    assert replies["a"][-1].usage.completion_tokens == 300
+    assert isinstance(replies["b"][-1], ErrorReply)
+    assert replies["b"][-1].code == ErrorCode.BAD_REQUEST and "in use" in replies["b"][-1].message
+    assert sum(len(c.token_ids) for c in replies["b"][:-1]) < 300  # stopped, not run to its end
+    assert "dup-1" not in second.running

@@ -38,6 +38,7 @@ from thunderagent.schemas import (
     CreditGrant,
     DirectDispatch,
     ErrorCode,
+    ErrorReply,
     KvEventBatch,
     LoadReport,
     ProgramRelease,
@@ -57,9 +58,15 @@ GRANT_EVERY_S = 1.0
 """Every router gets a fresh grant this often even when nothing changed: its credits expire
 when a scheduler falls silent."""
 MAX_FINISHED = 100_000
-"""Ended request ids remembered for deduplication: minutes of traffic at high rates."""
+"""Ended request ids remembered, each with its client's reply subject, so that a client's
+retry of a request that ended is not run again: minutes of traffic at high rates."""
 MAX_RESUMES = 2
 """A request whose worker or engine failed it this many times is not tried again."""
+
+
+def _in_use(rid: str) -> str:
+    return (f"request id {rid} is in use by another request that has not finished: "
+            "give each request its own id")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -126,9 +133,10 @@ class SchedulerService:
                 if delivery.reply:
                     await self.bus.publish(delivery.reply, Ack(accepted=True))
                 return
-            refusal = Ack(accepted=False, reason=f"duplicate request id {rid}",
-                          code=ErrorCode.BAD_REQUEST)  # fmt: skip
-        elif rid in self.finished:
+            refusal = Ack(accepted=False, reason=_in_use(rid), code=ErrorCode.BAD_REQUEST)
+        elif self.finished.get(rid) == submit.reply_subject:
+            # the client's retry of a request that ended: its answer is out already. Another
+            # client may use the id again, as with SGLang's rid once its request has finished.
             refusal = Ack(
                 accepted=False,
                 reason=f"request {rid} already ran; its answer went to its reply subject",
@@ -159,7 +167,9 @@ class SchedulerService:
         rid = submit.request.request_id
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:
-            return  # told twice
+            if self.pending[rid].submit.reply_subject != submit.reply_subject:
+                self._spawn(self._stop_duplicate(direct))
+            return  # else told twice
         self.handoff.book_pull(direct.pull, direct.worker_id)
         self.issuer.routed(submit.router_id, self.clock())
         pending = self.pending[rid] = Pending(
@@ -170,6 +180,19 @@ class SchedulerService:
         for progress in self._early.take(rid):
             self._on_run_event(progress)
         self.wake.set()
+
+    async def _stop_duplicate(self, direct: DirectDispatch) -> None:
+        """Another client's request holds this id here: a router dispatched this one on credit
+        without knowing (the id check is the scheduler's). Stop it on its worker and tell its
+        client why; the first keeps running."""
+        rid = direct.submit.request.request_id
+        stopped = await self.handoff.abort(direct.worker_id, rid, "its request id is in use")
+        if stopped is not None and stopped.found:
+            log.info("request %s: a second request with this id stopped on %s",
+                     rid, direct.worker_id)  # fmt: skip
+            error = ErrorReply(code=ErrorCode.BAD_REQUEST, message=_in_use(rid), request_id=rid,
+                               service="scheduler")  # fmt: skip
+            await self.bus.publish(direct.submit.reply_subject, error)
 
     async def on_hello(self, hello: RouterHello, _: Delivery) -> None:
         if self.issuer.hello(hello.router_id, self.clock()):
