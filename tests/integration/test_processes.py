@@ -87,6 +87,7 @@ def test_sigterm_stops_every_process(tmp_path):
             nats_url, _client_env(tmp_path, dict(os.environ)), "hello from the process test"
         )
         assert final["type"] == "final"
+        assert final["text"], final  # --json asks for the answer whole: its text is in it
         children = _descendants(proc.pid)
         # nats, redis, index, scheduler, router, 2 x (engine + adapter)
         assert len(children) >= 9, children

@@ -16,7 +16,11 @@ async def _run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         request = GenerateRequest(
-            model=args.model, text=prompt, max_tokens=args.max_tokens, priority=args.priority
+            model=args.model,
+            text=prompt,
+            max_tokens=args.max_tokens,
+            priority=args.priority,
+            stream=not args.json,  # --json prints one reply: the final one, holding the text
         )
     except (ValueError, msgspec.ValidationError) as err:
         print(f"error: {err}", file=sys.stderr)

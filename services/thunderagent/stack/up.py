@@ -382,10 +382,17 @@ class Stack:
                 os.environ[CREDS_ENV] = self._saved_creds_env
 
 
+def _this_command() -> str:
+    """How the user started ``thunderagent`` (``.venv/bin/thunderagent``: not on every PATH)."""
+    launched = sys.argv[0] if sys.argv else ""
+    return launched if Path(launched).name == "thunderagent" else "thunderagent"
+
+
 def describe(stack: Stack) -> str:
     c = stack.config
     lines = [
-        f"ThunderAgent is up: {c.workers} simulated workers serving {c.model!r}",
+        f"ThunderAgent is up: {c.workers} simulated worker{'' if c.workers == 1 else 's'} "
+        f"serving {c.model!r}",
         f"  NATS   {stack.nats_url}",
     ]
     if stack.gateway_url:
@@ -400,7 +407,7 @@ def describe(stack: Stack) -> str:
         creds = f" --creds {stack.creds_dir / 'client.json'}"
     lines += [
         "Try:",
-        f"  thunderagent request --nats {stack.nats_url}{creds} --model {c.model} "
+        f"  {_this_command()} request --nats {stack.nats_url}{creds} --model {c.model} "
         "'Hello, ThunderAgent'",
     ]
     if stack.gateway_url:
