@@ -74,7 +74,7 @@ async def write_split(writer: asyncio.StreamWriter, data: bytes, step: int = 3) 
 
 async def lines_of(pool: Http1Pool) -> tuple[int, list[bytes]]:
     async with pool.stream("/generate", b'{"x": 1}', {"Content-Type": "application/json"}) as r:
-        return r.status, [line async for line in r.lines()]
+        return r.status, [line async for batch in r.line_batches() for line in batch]
 
 
 async def test_chunked_stream_split_anywhere_and_kept_alive():
@@ -185,7 +185,7 @@ async def test_leaving_early_closes_the_connection():
     async with Server(script) as server:
         pool = Http1Pool(server.url)
         async with pool.stream("/generate", b"{}", {}) as r:
-            async for _ in r.lines():
+            async for _ in r.line_batches():
                 break
         await asyncio.wait_for(seen_eof.wait(), 5)
         assert pool._idle == []
@@ -213,11 +213,39 @@ async def test_engine_client_streams_deltas_and_reports_engine_errors():
                 [c async for c in engine.generate("r2", [1], {})]
             with pytest.raises(EngineError) as refused:
                 [c async for c in engine.generate("r3", [1], {})]
+    # both lines arrived in one write: the client gets them as one chunk
+    assert [(c.new_token_ids, c.new_text, c.finished) for c in chunks] == [([5, 6], "ab", True)]
+    assert refused.value.status == 503 and "busy" in str(refused.value)
+
+
+async def test_stream_lines_that_arrive_apart_are_chunks_apart():
+    lines = [b'data: {"text": "a", "output_ids": [5], "meta_info": {"completion_tokens": 1}}\n\n',
+             b'data: {"text": "b", "output_ids": [6], "meta_info": {"completion_tokens": 2}}\n\n',
+             b'data: {"text": "c", "output_ids": [7], "meta_info": {"completion_tokens": 3, '
+             b'"finish_reason": {"type": "length"}}}\n\ndata: [DONE]\n\n']  # fmt: skip
+    body = b"".join(lines)
+    read: list[asyncio.Event] = []
+
+    async def script(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for line in lines:  # the next line only once the client has read this one
+            writer.write(line)
+            await writer.drain()
+            read.append(asyncio.Event())
+            await asyncio.wait_for(read[-1].wait(), 5)
+        return True
+
+    async with Server(script) as server:
+        async with EngineClient(server.url) as engine:
+            chunks = []
+            async for c in engine.generate("r", [1], {}):
+                chunks.append(c)
+                read[-1].set()
     assert [(c.new_token_ids, c.new_text, c.finished) for c in chunks] == [
         ([5], "a", False),
-        ([6], "b", True),
+        ([6], "b", False),
+        ([7], "c", True),
     ]
-    assert refused.value.status == 503 and "busy" in str(refused.value)
 
 
 async def test_a_connection_dropped_mid_answer_is_an_oserror_on_every_engine_call():

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
+from thunderagent.bench import procs, profile
 from thunderagent.bench.baseline_routers import (
     BASELINES,
     baseline_missing,
@@ -89,6 +90,8 @@ class Outcome:
     engine_ttft_ms: float = -1.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    token_messages: int = 0
+    """Messages (stream chunks) that carried output tokens to the client."""
     error: str = ""
 
 
@@ -124,6 +127,9 @@ class SystemResult:
             "added_latency_ms": dist(added),
             "prefix_hit_ratio": round(sum(o.cached_tokens for o in ok) / prompt, 4)
             if prompt
+            else 0,
+            "token_messages_per_request": round(sum(o.token_messages for o in ok) / len(ok), 2)
+            if ok
             else 0,
         }
 
@@ -167,8 +173,10 @@ async def run_thunderagent(nats_url: str, model: str, requests: list[LiveRequest
         request = GenerateRequest(model=model, token_ids=req.token_ids, max_tokens=req.max_tokens)
         async for reply in client.stream(request):
             now = time.perf_counter()
-            if isinstance(reply, TokenChunk) and out.ttft_ms < 0:
-                out.ttft_ms = (now - t0) * 1e3
+            if isinstance(reply, TokenChunk):
+                out.token_messages += 1
+                if out.ttft_ms < 0:
+                    out.ttft_ms = (now - t0) * 1e3
             elif isinstance(reply, FinalReply):
                 out.e2e_ms = (now - t0) * 1e3
                 out.engine_ttft_ms = reply.engine_ttft_ms
@@ -256,8 +264,10 @@ async def run_http(
                         if "error" in chunk:
                             out.error = f"stream error: {str(chunk['error'])[:120]}"
                             return
-                        if fold(chunk, out) and out.ttft_ms < 0:
-                            out.ttft_ms = (time.perf_counter() - t0) * 1e3
+                        if fold(chunk, out):
+                            out.token_messages += 1
+                            if out.ttft_ms < 0:
+                                out.ttft_ms = (time.perf_counter() - t0) * 1e3
                 out.e2e_ms = (time.perf_counter() - t0) * 1e3
             except (aiohttp.ClientError, OSError) as err:
                 out.error = f"{type(err).__name__}: {err}"
@@ -328,11 +338,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.via != "nats":
             asyncio.run(wait_http(stack.gateway_url, openai=True))
+        meter = procs.CpuMeter(profile.stack_pids(stack))
+        meter.start()
+        if args.via != "nats":
             ours = asyncio.run(run_http(stack.gateway_url, "thunderagent", requests,
                                         openai_model=config.model))  # fmt: skip
         else:
             ours = asyncio.run(run_thunderagent(stack.nats_url, config.model, requests))
+        cpu = procs.per_request_us(meter.stop(), len(requests))
         systems["thunderagent"] = ours.summary()
+        # over the run's wall time, idle work included (load reports, leases, ticks)
+        systems["thunderagent"]["cpu_us_per_req"] = procs.group(cpu, profile.SERVICE_GROUPS)
         print(dumps(systems["thunderagent"], indent=None), file=sys.stderr)
         if args.baseline:
             connections = (

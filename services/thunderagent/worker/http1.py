@@ -131,11 +131,14 @@ class Response:
         """The body was read to its end (the connection can carry another request)."""
 
     async def pieces(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, de-chunked."""
+        """The body as it arrives, de-chunked: whatever has arrived by the time the reader asks,
+        in one piece."""
         conn = self._conn
         while True:
-            while conn.body:
-                yield conn.body.popleft()
+            if conn.body:
+                piece = b"".join(conn.body)
+                conn.body.clear()
+                yield piece
             if conn.done:
                 self.complete = True
                 return
@@ -148,15 +151,16 @@ class Response:
         h = self.headers
         return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
 
-    async def lines(self) -> AsyncIterator[bytes]:
-        """The body split at newlines (server-sent events), each without its newline."""
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """The body split at newlines (server-sent events), each line without its newline; the
+        lines that arrived together come as one list."""
         rest = b""
         async for piece in self.pieces():
             *done, rest = (rest + piece).split(b"\n")
-            for line in done:
-                yield line
+            if done:
+                yield done
         if rest:
-            yield rest
+            yield [rest]
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.pieces()])
