@@ -347,7 +347,9 @@ def _priority(body: _Common, headers: Mapping[str, str]) -> int:
         try:
             value = int(value)
         except ValueError:
-            raise bad_request("x-priority must be an integer from 0 to 9") from None
+            value = -1
+        if not 0 <= value <= 9:
+            raise bad_request("x-priority must be an integer from 0 (most urgent) to 9")
     if not 0 <= value <= 9:
         raise bad_request("priority must be from 0 (most urgent) to 9", "priority")
     return value
