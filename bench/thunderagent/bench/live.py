@@ -125,6 +125,8 @@ class SystemResult:
             "ttft_ms": dist([o.ttft_ms for o in ok]),
             "e2e_ms": dist([o.e2e_ms for o in ok]),
             "added_latency_ms": dist(added),
+            # the engine's own receipt-to-first-token: the routing's share (queueing, prefill)
+            "engine_ttft_ms": dist([o.engine_ttft_ms for o in ok if o.engine_ttft_ms >= 0]),
             "prefix_hit_ratio": round(sum(o.cached_tokens for o in ok) / prompt, 4)
             if prompt
             else 0,

@@ -78,3 +78,19 @@ def test_report_adds_ratios_for_every_baseline_and_keeps_the_old_key() -> None:
     only_ours = live.build_report(args, {"thunderagent": summary(1.0, 0.1)})
     assert "ratios_thunderagent_over" not in only_ours
     assert "ratios_thunderagent_over_sglang_router" not in only_ours
+
+
+def test_summary_separates_the_engines_time_and_counts_token_messages() -> None:
+    outcomes = [
+        live.Outcome(ttft_ms=10.0, e2e_ms=20.0, engine_ttft_ms=4.0, prompt_tokens=100,
+                cached_tokens=50, token_messages=3),
+        live.Outcome(ttft_ms=30.0, e2e_ms=40.0, engine_ttft_ms=20.0, prompt_tokens=100,
+                cached_tokens=0, token_messages=5),
+        live.Outcome(error="HTTP 503: busy"),
+    ]  # fmt: skip
+    summary = live.SystemResult("s", outcomes, wall_s=1.0).summary()
+    assert summary["requests"] == summary["completed"] + summary["errors"] == 3
+    assert summary["engine_ttft_ms"]["mean"] == 12.0
+    assert summary["added_latency_ms"]["mean"] == 8.0  # (6 + 10) / 2
+    assert summary["token_messages_per_request"] == 4.0
+    assert summary["prefix_hit_ratio"] == 0.25
