@@ -138,6 +138,18 @@ def sglang_block_digests(
         raise ValueError("parent must be a 32-byte SHA-256 digest")
     digests: list[bytes] = []
     prior = parent
+    try:  # the usual prompt: every id fits 32 bits, so pack it once and hash slices of it
+        packed = memoryview(_block_bytes_narrow(token_ids))
+    except OverflowError:
+        packed = None
+    if packed is not None:
+        sha256, step = hashlib.sha256, 4 * block_size
+        for start in range(0, len(packed), step):
+            h = sha256(prior) if prior is not None else sha256()
+            h.update(packed[start : start + step])
+            prior = h.digest()
+            digests.append(prior)
+        return digests
     for start in range(0, len(token_ids), block_size):
         data, wide = _block_bytes(token_ids[start : start + block_size])
         h = hashlib.sha256()
@@ -149,6 +161,17 @@ def sglang_block_digests(
         prior = h.digest()
         digests.append(prior)
     return digests
+
+
+def _block_bytes_narrow(tokens: Sequence[int]) -> bytes:
+    """Every token as uint32 little-endian; OverflowError when one does not fit (a block
+    holding it is hashed in the wide layout)."""
+    words = array("I", tokens)
+    if words.itemsize != 4:  # pragma: no cover - exotic C ABI
+        raise OverflowError("no 32-bit array type")
+    if sys.byteorder != "little":  # pragma: no cover
+        words.byteswap()
+    return words.tobytes()
 
 
 def digest_to_int64(digest: bytes) -> int:
