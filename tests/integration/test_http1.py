@@ -293,3 +293,19 @@ async def test_a_server_that_is_not_sglang_is_named_in_one_line() -> None:
     assert "\n" not in message and len(message) < 300
     assert message.startswith("engine HTTP 404: GET /server_info: <html> <head>")
     assert message.endswith("(is this an SGLang server?)")
+
+
+async def test_body_that_arrives_with_its_end_while_the_reader_is_away_is_read():
+    """The reader takes what has arrived as one piece; what arrives while it handles that
+    piece, the response's end included, still reaches it (before the end is reported)."""
+    from thunderagent.worker.http1 import Response, _Connection
+
+    conn = _Connection()
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc")
+    conn.data_received(b"def")  # both before the reader asks: one piece
+    pieces = []
+    async for piece in Response(conn).pieces():
+        pieces.append(piece)
+        if len(pieces) == 1:
+            conn.data_received(b"ghi")  # the rest and the end, while the reader is away
+    assert pieces == [b"abcdef", b"ghi"]

@@ -135,7 +135,7 @@ class Response:
         in one piece."""
         conn = self._conn
         while True:
-            if conn.body:
+            while conn.body:  # more may arrive, and the response end, while the reader is away
                 piece = b"".join(conn.body)
                 conn.body.clear()
                 yield piece
