@@ -7,6 +7,8 @@ small stand-ins for the duration of the load only: `sys.modules` is restored aft
 
 - `load_kv_events()`: `sglang/srt/disaggregation/kv_events.py`, unmodified (event structs,
   `KVEventBatch`, `ZmqEventPublisher`, `KVEventsConfig`).
+- `load_load_snapshot()`: `sglang/srt/managers/load_snapshot.py` (`LoadSnapshot`, one rank of
+  `/v1/loads`).
 - `load_event_recorder(build_dir)`: `sglang/srt/mem_cache/events.py` (`KVCacheEventRecorder`)
   over the real hash path: `mem_cache/cpp_utils/native_hash.py` and its C++ `hash_binding.cpp`
   compiled here with g++ + pybind11 + OpenSSL instead of torch's JIT loader, and the hash
@@ -123,6 +125,32 @@ def load_kv_events(root: Path | None = None) -> types.ModuleType:
     with _stubbed(stubs | _placeholders("sglang.srt.utils.network", _KV_EVENTS)):
         _exec_file("sglang.srt.utils.network", root / "srt" / "utils" / "network.py")
         return _exec_file(_KV_EVENTS, root / "srt" / "disaggregation" / "kv_events.py")
+
+
+_LOAD_SNAPSHOT = "sglang.srt.managers.load_snapshot"
+
+
+def load_load_snapshot(root: Path | None = None) -> types.ModuleType:
+    """SGLang's own `load_snapshot` module (`LoadSnapshot`, what `/v1/loads` serves per rank),
+    executed from its file; the runtime and network helpers it names are stand-ins, unused by
+    `LoadSnapshot.to_dict`."""
+    root = root or sglang_root()
+    assert root is not None, "sglang is not installed"
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = types.SimpleNamespace()  # type: ignore[attr-defined]
+    network = types.ModuleType("sglang.srt.utils.network")
+    for name in ("is_zmq_endpoint_ipv6", "restrict_zmq_peers", "zmq_connect"):
+        setattr(network, name, None)
+    runtime = _runtime_context()
+    runtime.get_serving = runtime.get_parallel  # type: ignore[attr-defined]
+    stubs = _parents(root) | {
+        "sglang.srt.managers": _package("sglang.srt.managers", root / "srt" / "managers"),
+        "sglang.srt.environ": environ,
+        "sglang.srt.runtime_context": runtime,
+        "sglang.srt.utils.network": network,
+    }
+    with _stubbed(stubs | _placeholders(_LOAD_SNAPSHOT)):
+        return _exec_file(_LOAD_SNAPSHOT, root / "srt" / "managers" / "load_snapshot.py")
 
 
 # --- native hash -------------------------------------------------------------------------------

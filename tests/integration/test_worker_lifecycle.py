@@ -17,6 +17,7 @@ from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
 from tests.integration.test_kv_routing import conversation, routable, start_router, wait_for
 from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import GenerateRequest
+from thunderagent.sglang.load import LOADS_PATH, OLD_LOAD_PATH
 
 pytestmark = pytest.mark.integration
 
@@ -142,6 +143,30 @@ async def test_a_repeated_hand_off_is_idempotent(nats_server):
         await nc.close()
 
 
+async def test_an_engine_without_v1_loads_is_read_through_get_load(nats_server):
+    """SGLang before 0.5 has no ``/v1/loads``: on its 404 the adapter reads ``/get_load``
+    from then on and the worker stays in the fleet with its load reported."""
+    from thunderagent.worker.engine_client import EngineError
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", with_scheduler=False)
+        adapter = stack.services["worker-w0"].runtime
+        real = adapter.engine.get_json
+        asked: list[str] = []
+
+        async def older_sglang(path: str):
+            asked.append(path)
+            if path == LOADS_PATH:
+                raise EngineError(404, "Not Found")
+            return await real(path)
+
+        adapter.engine.get_json = older_sglang
+        await wait_for(lambda: asked.count(OLD_LOAD_PATH) >= 3, what="three /get_load polls")
+        report = await adapter.read_load()
+    assert asked.count(LOADS_PATH) == 1 and adapter.engine_healthy.is_set()
+    assert report.kv_total_blocks > 0 and report.running == 0
+
+
 async def test_an_engine_load_that_is_not_a_load_makes_it_unhealthy_not_the_adapter_die(
     nats_server,
 ):
@@ -154,8 +179,8 @@ async def test_an_engine_load_that_is_not_a_load_makes_it_unhealthy_not_the_adap
         real = adapter.engine.get_json
 
         async def garbage(path: str):
-            if path == "/get_load":
-                return {"num_reqs": "lots", "num_waiting_reqs": {"a": 1}}
+            if path == LOADS_PATH:
+                return {"loads": [{"num_running_reqs": "lots", "num_waiting_reqs": {"a": 1}}]}
             return await real(path)
 
         adapter.engine.get_json = garbage
@@ -291,3 +316,44 @@ async def test_an_engine_down_for_long_is_logged_once_per_doubling_and_its_retur
     failed = [r for r in caplog.records if "load poll failed" in r.getMessage()]
     assert 4 <= len(failed) <= 8, [r.getMessage() for r in failed]  # 1, 2, 4, ... 32 (64)
     assert len(back) == 1
+
+
+async def test_stopping_one_run_leaves_a_run_whose_id_it_begins(nats_server):
+    """The simulated engine aborts by rid prefix, as SGLang's /abort_request does: stopping
+    ``req-1`` must not stop ``req-10`` on the same engine (the adapter's engine ids are
+    prefix-free)."""
+    from thunderagent.schemas import (
+        AbortRequest,
+        Ack,
+        FinalReply,
+        Preempted,
+        TokenChunk,
+        WorkerGenerate,
+        subjects,
+    )
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", block_size=16, speedup=1.0,
+                               with_scheduler=False)  # fmt: skip
+        nc, bus, inbox, got = await _sender_with_inbox(nats_server.url, "prefix-abort-test")
+        for rid in ("req-1", "req-10"):
+            request = GenerateRequest(model=MODEL, request_id=rid, token_ids=[7] * 16,
+                                      max_tokens=200)  # fmt: skip
+            work = WorkerGenerate(request=request, reply_subject=f"{inbox}.{rid}")
+            await nc.subscribe(work.reply_subject, cb=got.put)
+            assert (await bus.request(subjects.worker_generate("w0"), work, Ack)).accepted
+        stop = AbortRequest(request_id="req-1", reason="test")
+        stopped = await bus.request(subjects.worker_abort("w0"), stop, Preempted)
+        assert stopped.found
+        tokens: dict[str, int] = {"req-1": 0, "req-10": 0}
+        final = None
+        while final is None:
+            msg = await asyncio.wait_for(got.get(), 20)
+            reply = msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
+            if isinstance(reply, FinalReply):
+                final = reply
+            else:
+                tokens[reply.request_id] += len(reply.token_ids)
+        await nc.close()
+    assert final.request_id == "req-10" and final.usage.completion_tokens == 200
+    assert tokens["req-10"] == 200 and tokens["req-1"] < 200

@@ -44,9 +44,12 @@ class Run:
 
 
 def engine_request_id(request_id: str, output_offset: int) -> str:
-    """The engine's id for a run: a continuation must not collide with the aborted run, which
-    the engine may not have dropped yet."""
-    return f"{request_id}#{output_offset}" if output_offset else request_id
+    """The engine's id for a run: ``<length of the id>:<id>#<offset>;``. A continuation must
+    not collide with the aborted run, which the engine may not have dropped yet; and no run's
+    id may begin another's, because SGLang's ``/abort_request`` stops every request whose rid
+    starts with the one named (``req-1`` would stop ``req-10``, ``x#1`` would stop ``x#12``).
+    The length fixes where the client's id ends, the ``;`` where the offset ends."""
+    return f"{len(request_id)}:{request_id}#{output_offset};"
 
 
 def continuation(request: GenerateRequest, output: Sequence[int]) -> GenerateRequest:

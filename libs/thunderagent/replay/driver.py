@@ -14,7 +14,7 @@ The replay runs the code that serves, fed what the services are fed:
   scheduler actually chose, ``on_started`` at each run's first token and ``on_finished`` at its
   end, as the adapters' progress events tell the router service;
 * load reports are built every ``load_interval`` virtual seconds the way the worker adapter
-  builds them: the engine's ``/get_load`` answer (``thunderagent.sglang.load``) plus the runs
+  builds them: the engine's ``/v1/loads`` answer (``thunderagent.sglang.load``) plus the runs
   accepted and not yet started (``thunderagent.fleet.AcceptedRuns``), translated into the
   router's and the scheduler's views by ``thunderagent.fleet.views``;
 * each engine step's cache events become a ``KvEventBatch`` with the worker's own sequence and
@@ -66,7 +66,7 @@ from thunderagent.schemas import (
     WorkerRegistration,
     WorkerRole,
 )
-from thunderagent.sglang.load import get_load_payload, parse_get_load
+from thunderagent.sglang.load import parse_v1_loads, v1_loads_payload
 
 if TYPE_CHECKING:
     from thunderagent.replay.migration import ReplayMigration
@@ -371,7 +371,7 @@ class Replay(SchedulerActions):
             return
         bs = self.block_size
         for w, core in enumerate(self.cores):
-            figures = parse_get_load(get_load_payload(core.load()), bs)
+            figures = parse_v1_loads(v1_loads_payload(core.load(), bs), bs)
             report = load_report(self.ids[w], t, figures, self.accepted[w], core.cache.capacity)
             self.router.report(report, t)
             if self.migration is not None:

@@ -1,17 +1,40 @@
-"""SGLang's ``/get_load`` answer, both ways: what a (simulated) engine serves and what the worker
-adapter reads from it. The virtual-time replay goes through the same pair, so a load figure
-means the same thing live and in replay.
+"""SGLang's load answers, both ways: what a (simulated) engine serves and what the worker adapter
+reads from it. The virtual-time replay goes through the same pair, so a load figure means the
+same thing live and in replay.
 
-SGLang answers one JSON object per data-parallel rank; the adapter sums them.
+SGLang 0.5 serves ``/v1/loads`` (``{"loads": [one object per data-parallel rank]}``, the fields
+of its ``LoadSnapshot``); releases before it served ``/get_load`` (a list of per-rank objects with
+other names), which the adapter falls back to. Either way the adapter sums the ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from thunderagent.engine import EngineLoad
+
+LOADS_PATH: Final = "/v1/loads?include=core"
+"""SGLang 0.5's load endpoint, its flat per-rank fields only."""
+OLD_LOAD_PATH: Final = "/get_load"
+"""The same before SGLang 0.5 (and what sglang-router 0.3 polls)."""
+
+
+def v1_loads_payload(load: EngineLoad, block_size: int, dp_rank: int = 0) -> dict[str, Any]:
+    """``/v1/loads`` for one rank: SGLang's ``LoadSnapshot`` names for what the simulated engine
+    knows, plus its KV block counts (SGLang reports tokens only)."""
+    rank = {
+        "dp_rank": dp_rank,
+        "num_running_reqs": load.num_running,
+        "num_waiting_reqs": load.num_waiting,
+        "num_used_tokens": load.num_tokens,
+        "max_total_num_tokens": load.kv_total_blocks * block_size,
+        "kv_used_blocks": load.kv_used_blocks,
+        "kv_total_blocks": load.kv_total_blocks,
+        "cached_blocks": load.cached_blocks,
+    }
+    return {"loads": [rank]}
 
 
 def get_load_payload(load: EngineLoad, dp_rank: int = 0) -> dict[str, Any]:
@@ -42,18 +65,35 @@ class EngineLoadFigures:
     """0 when the engine does not report it (the registration's capacity is used then)."""
 
 
+def parse_v1_loads(payload: Any, block_size: int) -> EngineLoadFigures:
+    """Read ``/v1/loads``; missing fields count 0. ValueError when it is not such an answer."""
+    ranks = payload.get("loads") if isinstance(payload, Mapping) else None
+    if not isinstance(ranks, list):
+        raise ValueError(f"not a /v1/loads answer (no 'loads' list): {str(payload)[:120]}")
+    tokens = _total(ranks, "num_used_tokens")
+    bs = max(block_size, 1)
+    return EngineLoadFigures(
+        running=_total(ranks, "num_running_reqs"),
+        queued=_total(ranks, "num_waiting_reqs"),
+        num_tokens=tokens,
+        kv_used_blocks=_total(ranks, "kv_used_blocks") or tokens // bs,
+        kv_total_blocks=_total(ranks, "kv_total_blocks")
+        or _total(ranks, "max_total_num_tokens") // bs,
+    )
+
+
+def _total(ranks: Sequence[Any], key: str) -> int:
+    return sum(int(r.get(key, 0) or 0) for r in ranks if isinstance(r, Mapping))
+
+
 def parse_get_load(payload: Any, block_size: int) -> EngineLoadFigures:
     """Read ``/get_load`` (an object or a list of per-rank objects); missing fields count 0."""
     ranks: Sequence[Mapping[str, Any]] = payload if isinstance(payload, list) else [payload]
-
-    def total(key: str) -> int:
-        return sum(int(r.get(key, 0) or 0) for r in ranks if isinstance(r, Mapping))
-
-    tokens = total("num_tokens")
+    tokens = _total(ranks, "num_tokens")
     return EngineLoadFigures(
-        running=total("num_reqs"),
-        queued=total("num_waiting_reqs"),
+        running=_total(ranks, "num_reqs"),
+        queued=_total(ranks, "num_waiting_reqs"),
         num_tokens=tokens,
-        kv_used_blocks=total("kv_used_blocks") or tokens // max(block_size, 1),
-        kv_total_blocks=total("kv_total_blocks"),
+        kv_used_blocks=_total(ranks, "kv_used_blocks") or tokens // max(block_size, 1),
+        kv_total_blocks=_total(ranks, "kv_total_blocks"),
     )

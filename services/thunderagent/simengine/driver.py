@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Removed, Request
 from thunderagent.sglang import kv_wire
-from thunderagent.sglang.load import get_load_payload
+from thunderagent.sglang.load import get_load_payload, v1_loads_payload
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.salts import SaltBook
 
@@ -180,6 +180,10 @@ class EngineDriver:
         """SGLang's ``/get_load`` entry for this engine (one data-parallel rank)."""
         return get_load_payload(self.core.load())
 
+    def loads(self) -> dict:
+        """SGLang 0.5's ``/v1/loads`` answer for this engine (one data-parallel rank)."""
+        return v1_loads_payload(self.core.load(), self.block_size)
+
     def flush(self) -> bool:
         flushed = self.core.flush(self.now())
         self._publish(self.core.drain_events())
@@ -268,10 +272,16 @@ class EngineDriver:
                 future.set_exception(err)
 
     def abort(self, rid: str) -> bool:
-        """Drop a running request (SGLang's /abort_request); its stream ends with an abort."""
-        stream = self._streams.pop(rid, None)
-        if stream is None:
-            return False
+        """Drop every running request whose rid starts with ``rid``, as SGLang's
+        ``/abort_request`` does (0.5.23, ``Scheduler.abort_request``); each stream ends with an
+        abort. False when none matched."""
+        matched = [r for r in self._streams if r.startswith(rid)]
+        for r in matched:
+            self._abort_one(r)
+        return bool(matched)
+
+    def _abort_one(self, rid: str) -> None:
+        stream = self._streams.pop(rid)
         finished = self.core.abort(rid, self.now())
         stream.queue.put_nowait(
             TokenEvent(
@@ -283,7 +293,6 @@ class EngineDriver:
                 finish_reason="abort",
             )
         )
-        return True
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():

@@ -79,7 +79,8 @@ class SimEngineApp:
             r.add_get(path, self.server_info)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
-        r.add_get("/get_load", self.get_load)
+        r.add_get("/v1/loads", self.loads)  # SGLang 0.5
+        r.add_get("/get_load", self.get_load)  # before it (sglang-router 0.3 polls it)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/import_kv", self.import_kv)
@@ -130,6 +131,10 @@ class SimEngineApp:
 
     async def get_load(self, _: web.Request) -> web.Response:
         return web.json_response([self.engine.load()])
+
+    async def loads(self, _: web.Request) -> web.Response:
+        answer = {"timestamp": time.time(), "version": "simulated", **self.engine.loads()}
+        return web.json_response(answer)
 
     async def flush_cache(self, _: web.Request) -> web.Response:
         if not self.engine.flush():

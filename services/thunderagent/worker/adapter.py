@@ -33,7 +33,13 @@ from thunderagent.schemas import (
     is_valid_worker_id,
     subjects,
 )
-from thunderagent.sglang.load import parse_get_load
+from thunderagent.sglang.load import (
+    LOADS_PATH,
+    OLD_LOAD_PATH,
+    EngineLoadFigures,
+    parse_get_load,
+    parse_v1_loads,
+)
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.telemetry.setup import meter
@@ -95,6 +101,8 @@ class WorkerAdapter:
         self.relay: KvRelay | None = None
         self.running: dict[str, Generation] = {}
         self.migration: WorkerMigration | None = None
+        self._old_load_api = False
+        """The engine answered 404 to ``/v1/loads``: it is read through ``/get_load``."""
         m = meter("thunderagent.worker")
         self._completed = m.create_counter(
             "thunderagent_requests_completed", description="Requests finished with a FinalReply"
@@ -325,9 +333,23 @@ class WorkerAdapter:
         neither the runs it was handed nor the prefill they still queue)."""
         reg = self.registration
         block_size = reg.block_size if reg else 1
-        figures = parse_get_load(await self.engine.get_json("/get_load"), block_size)
+        figures = await self._engine_load(block_size)
         capacity = reg.kv_capacity_blocks if reg else 0
         return load_report(self.config.worker_id, time.time(), figures, self.runs, capacity)
+
+    async def _engine_load(self, block_size: int) -> EngineLoadFigures:
+        """SGLang 0.5's ``/v1/loads``; an engine without it (404: SGLang before 0.5) is read
+        through ``/get_load`` from then on."""
+        if not self._old_load_api:
+            try:
+                return parse_v1_loads(await self.engine.get_json(LOADS_PATH), block_size)
+            except EngineError as err:
+                if err.status != 404:
+                    raise
+                log.info("engine %s has no %s: reading %s", self.engine.base_url, LOADS_PATH,
+                         OLD_LOAD_PATH)  # fmt: skip
+                self._old_load_api = True
+        return parse_get_load(await self.engine.get_json(OLD_LOAD_PATH), block_size)
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
