@@ -25,6 +25,7 @@ import yaml
 
 from thunderagent.cli.main import build_parser
 from thunderagent.embedded import find_nats_server, free_port, spawn, wait_for_port
+from thunderagent.sglang.zmq_publisher import publisher_binds
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -182,6 +183,8 @@ def test_ports_and_hosts_agree():
             config = json.loads(flag(eng_argv, "--kv-events-config"))
             assert config["publisher"] == "zmq"
             assert urlsplit(config["endpoint"]).port == events.port, name
+            # the adapter connects its subscriber: the engine's publisher has to bind
+            assert publisher_binds(config["endpoint"], config.get("bind")), name
 
 
 def _prometheus_targets() -> set[str]:
@@ -309,6 +312,10 @@ def test_k8s_manifests_hold_together():
     assert conf == (OPS / "nats.conf").read_text(), "k8s nats.conf is a copy of ops/nats.conf"
     worker_pod = by_name[("Deployment", "worker-sim")]["spec"]["template"]["spec"]
     assert [c["name"] for c in worker_pod["containers"]] == ["engine", "worker"]
+    engine, worker = worker_pod["containers"]
+    events = json.loads(flag(engine["args"], "--kv-events-config"))
+    assert publisher_binds(events["endpoint"], events.get("bind")), "nothing would bind"
+    assert urlsplit(events["endpoint"]).port == urlsplit(flag(worker["args"], "--kv-events")).port
     kustomize = yaml.safe_load((OPS / "k8s" / "kustomization.yaml").read_text())
     files = {p.name for p in (OPS / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomize["resources"]) == files

@@ -89,7 +89,10 @@ def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
     raise ValueError(f"endpoint {endpoint!r} must be tcp:// or inproc://")
 
 
-def _binds(endpoint: str, bind: bool | None) -> bool:
+def publisher_binds(endpoint: str, bind: bool | None) -> bool:
+    """Whether a publisher with this ``endpoint`` and ``bind`` setting binds (SGLang's rule: a
+    wildcard host, ipc or inproc binds unless ``bind`` says otherwise; a concrete host connects,
+    and then a subscriber has to bind, which the adapter's does not)."""
     if bind is not None:
         return bind
     return (
@@ -151,7 +154,7 @@ class ZmqKvEventPublisher:
         pub.set_hwm(self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         try:
-            if _binds(endpoint, self.config.bind):
+            if publisher_binds(endpoint, self.config.bind):
                 pub.bind(endpoint)
                 self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:

@@ -109,6 +109,7 @@ def _as_bound(kv_events_config: str | None, publisher: ZmqKvEventPublisher | Non
     reported = json.loads(kv_events_config)
     if publisher.endpoint:
         reported["endpoint"] = publisher.endpoint
+        reported["bind"] = True  # it is bound there: the adapter subscribes by connecting
     if publisher.replay_endpoint:
         reported["replay_endpoint"] = publisher.replay_endpoint
     return json.dumps(reported)

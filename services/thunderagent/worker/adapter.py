@@ -40,6 +40,7 @@ from thunderagent.sglang.load import (
     parse_get_load,
     parse_v1_loads,
 )
+from thunderagent.sglang.zmq_publisher import publisher_binds
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.telemetry.setup import meter
@@ -220,12 +221,20 @@ class WorkerAdapter:
         info = await self.engine.get_json("/server_info")
         raw = info.get("kv_events_config")
         config = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
-        endpoint = self.config.kv_events_endpoint or config.get("endpoint")
-        if not endpoint or (
-            config.get("publisher", "zmq") == "null" and not self.config.kv_events_endpoint
-        ):
-            log.warning("engine publishes no KV events: routing will not see its cache")
-            return None
+        endpoint = self.config.kv_events_endpoint
+        if not endpoint:
+            endpoint = config.get("endpoint", "tcp://*:5557")  # SGLang's defaults
+            if config.get("publisher", "null") != "zmq":
+                log.warning("engine publishes no KV events (its kv_events_config has publisher "
+                            "%r; start SGLang with --kv-events-config '{\"publisher\": \"zmq\", "
+                            "\"endpoint\": \"tcp://*:5557\"}'): routing will not see its cache",
+                            config.get("publisher", "null"))  # fmt: skip
+                return None
+            if not publisher_binds(endpoint, config.get("bind")):
+                log.warning("engine's KV publisher connects to %s instead of binding it, so it "
+                            "waits for a subscriber that binds there, which this adapter does "
+                            "not: give SGLang a wildcard endpoint (tcp://*:PORT) or \"bind\": "
+                            "true", endpoint)  # fmt: skip
         host = urlparse(self.engine.base_url).hostname or "127.0.0.1"
         replay = config.get("replay_endpoint")
         return (
@@ -446,7 +455,7 @@ def _vocab_size(tokenizer_spec: str) -> int:
 
 def _connectable(endpoint: str, host: str) -> str:
     """``tcp://*:5557`` (a bind address) -> ``tcp://<engine host>:5557``."""
-    for wildcard in ("*", "0.0.0.0"):
+    for wildcard in ("*", "0.0.0.0", "[::]"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
 
