@@ -163,10 +163,21 @@ class WorkerAdapter:
             registered_at=time.time(),
             role=self.config.role,
             tokenizer=self.config.tokenizer,
-            max_running_requests=int(info.get("max_running_requests") or 0),
+            max_running_requests=int(info.get("max_running_requests") or 0)
+            or await self._effective_max_running(),
             context_length=_context_length(info),
             vocab_size=int(info.get("vocab_size") or 0) or _vocab_size(self.config.tokenizer),
         )
+
+    async def _effective_max_running(self) -> int:
+        """SGLang's ``/server_info`` holds ``--max-running-requests`` as given (None unless set);
+        the cap it derived is in ``/v1/loads``, summed over its ranks. 0 when unknown."""
+        try:
+            answer = await self.engine.get_json(LOADS_PATH)
+            ranks = answer.get("loads") if isinstance(answer, dict) else None
+            return sum(int(r.get("max_running_requests") or 0) for r in ranks or [])
+        except (TimeoutError, OSError, EngineError, ValueError, TypeError, AttributeError):
+            return 0
 
     async def run(self, stop: asyncio.Event) -> None:
         self.registration = await self._wait_for_engine(stop)

@@ -1,10 +1,14 @@
-"""What the adapter registers as the engine's request limit, read from SGLang's server info."""
+"""What the adapter registers as the engine's limits, read from SGLang's server info and loads."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from thunderagent.worker.adapter import _context_length
+from thunderagent.sglang.load import LOADS_PATH
+from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter, _context_length
+from thunderagent.worker.engine_client import EngineError
 
 
 @pytest.mark.parametrize(
@@ -25,3 +29,32 @@ from thunderagent.worker.adapter import _context_length
 )  # fmt: skip
 def test_the_registered_limit_is_the_smaller_of_what_the_engine_reports(info, limit) -> None:
     assert _context_length(info) == limit
+
+
+class _Engine:
+    base_url = "http://127.0.0.1:30000"
+
+    def __init__(self, info: dict, loads: dict | None) -> None:
+        self.answers = {"/server_info": info, LOADS_PATH: loads}
+
+    async def get_json(self, path: str) -> dict:
+        answer = self.answers[path]
+        if answer is None:
+            raise EngineError(404, "Not Found")
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("max_running", "loads", "registered"),
+    [
+        (32, None, 32),  # --max-running-requests given: /server_info holds it
+        (None, {"loads": [{"max_running_requests": 48}, {"max_running_requests": 48}]}, 96),
+        (None, None, 0),  # SGLang before /v1/loads: unknown (the scheduler's fallback applies)
+    ],
+)
+def test_the_running_cap_sglang_derived_is_read_from_its_loads(max_running, loads, registered):
+    info = {"model_path": "m", "page_size": 16, "max_total_num_tokens": 16_000,
+            "max_running_requests": max_running}  # fmt: skip
+    config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
+    adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, loads))  # type: ignore[arg-type]
+    assert asyncio.run(adapter.describe_engine()).max_running_requests == registered
