@@ -58,7 +58,8 @@ class LoadReport(Struct, frozen=True, kw_only=True):
     kv_total_blocks: int
     """KV capacity in blocks."""
     num_tokens: int = 0
-    """Tokens held by running requests (SGLang's ``/get_load`` ``num_tokens``)."""
+    """Tokens held by running requests (SGLang's ``/v1/loads`` ``num_used_tokens``; before it,
+    ``/get_load``'s ``num_tokens``)."""
     inflight: int = 0
     """Requests accepted by the adapter and not finished yet."""
     prefill_backlog_tokens: int = -1
