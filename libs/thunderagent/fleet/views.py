@@ -1,7 +1,7 @@
 """The one translation between wire types and what the pure cores see.
 
-Every quantity is defined here once: an engine's ``/get_load`` figures plus the adapter's run
-counts become a ``LoadReport``; a registration plus its latest report become the routing
+Every quantity is defined here once: an engine's load figures (``/v1/loads``) plus the adapter's
+run counts become a ``LoadReport``; a registration plus its latest report become the routing
 policy's ``WorkerView`` and the scheduler's ``WorkerRoom``; a routed request becomes the
 scheduler's ``SchedRequest``. The services and the virtual-time replay call the same functions.
 """
@@ -18,7 +18,7 @@ from thunderagent.schemas import LoadReport, RouteDecision
 from thunderagent.sglang.load import EngineLoadFigures
 
 LOAD_REPORT_INTERVAL_S = 0.2
-"""Seconds between a worker's load reports: the adapter polls its engine's ``/get_load`` this
+"""Seconds between a worker's load reports: the adapter polls its engine's ``/v1/loads`` this
 often, and the replay builds its reports on the same beat. Each report costs the router, the
 scheduler and the migration service a decode and an update; at 0.1 s that is 15-20 % more
 control-plane CPU at 200 req/s for no latency gain (docs/benchmarks.md)."""

@@ -349,8 +349,8 @@ class WorkerAdapter:
             self._health_changed.set()
 
     async def read_load(self) -> LoadReport:
-        """The engine's ``/get_load`` plus this adapter's own run counts (SGLang reports
-        neither the runs it was handed nor the prefill they still queue)."""
+        """The engine's load answer (``/v1/loads``) plus this adapter's own run counts (SGLang
+        reports neither the runs it was handed nor the prefill they still queue)."""
         reg = self.registration
         block_size = reg.block_size if reg else 1
         figures = await self._engine_load(block_size)
