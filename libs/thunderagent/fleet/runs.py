@@ -43,13 +43,14 @@ class Run:
         return Run(self.prompt_tokens, self.max_tokens, self.output_offset + generated)
 
 
-def engine_request_id(request_id: str, output_offset: int) -> str:
-    """The engine's id for a run: ``<length of the id>:<id>#<offset>;``. A continuation must
-    not collide with the aborted run, which the engine may not have dropped yet; and no run's
-    id may begin another's, because SGLang's ``/abort_request`` stops every request whose rid
-    starts with the one named (``req-1`` would stop ``req-10``, ``x#1`` would stop ``x#12``).
-    The length fixes where the client's id ends, the ``;`` where the offset ends."""
-    return f"{len(request_id)}:{request_id}#{output_offset};"
+def engine_request_id(request_id: str, output_offset: int, run: int = 0) -> str:
+    """The engine's id for a run: ``<length of the id>:<id>#<offset>.<run>;``. A run must not
+    reuse the id of an aborted one, which the engine may not have dropped yet (SGLang refuses a
+    duplicate rid), so ``run`` numbers the runs of one adapter; and no run's id may begin
+    another's, because SGLang's ``/abort_request`` stops every request whose rid starts with
+    the one named (``req-1`` would stop ``req-10``). The length fixes where the client's id
+    ends, the ``;`` where the numbers end."""
+    return f"{len(request_id)}:{request_id}#{output_offset}.{run};"
 
 
 def continuation(request: GenerateRequest, output: Sequence[int]) -> GenerateRequest:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,7 @@ from thunderagent.worker.engine_client import EngineChunk, EngineClient, EngineE
 
 log = logging.getLogger(__name__)
 
+_RUN_NUMBERS = itertools.count()
 HAND_BACK_TRIES = 4
 HAND_BACK_PAUSE_S = 0.1
 """A failed run the scheduler does not know yet (dispatched on credit, its report in flight)
@@ -76,6 +78,8 @@ class Generation:
     prepare: Callable[[WorkerGenerate], Awaitable[None]] | None = None
     """Run before the engine gets the run, inside its time limit (a prefix copied in first:
     ``WorkerMigration.before_run``)."""
+    run_no: int = field(default_factory=lambda: next(_RUN_NUMBERS))
+    """This process's number for the run: part of its engine id, so no two runs share one."""
 
     @property
     def request_id(self) -> str:
@@ -83,7 +87,7 @@ class Generation:
 
     @property
     def engine_rid(self) -> str:
-        return engine_request_id(self.request_id, self.work.output_offset)
+        return engine_request_id(self.request_id, self.work.output_offset, self.run_no)
 
     def owes_held_reply(self, now: float, after_s: float) -> bool:
         """Accepted ``after_s`` ago or more and nothing has reached the client yet (a streamed
