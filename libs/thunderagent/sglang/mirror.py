@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import msgspec
 
@@ -39,7 +40,9 @@ class MirrorBlock(msgspec.Struct, frozen=True, gc=False):
     primary: int
     check: int
     parent_engine_hash: int | None
-    medium: Medium
+    tiers: int
+    """The tiers holding it (``_TIER_BIT``): with SGLang's hierarchical cache a block is on GPU
+    and host at once, and each tier stores and removes it by its own events."""
 
 
 @dataclass(slots=True)
@@ -130,9 +133,7 @@ class KvMirror:
                 if stored is not None:
                     out.append(stored)
             elif isinstance(ev, kv_wire.BlockRemoved):
-                removed = self._removed(ev)
-                if removed is not None:
-                    out.append(removed)
+                out += self._removed(ev)
             elif isinstance(ev, kv_wire.AllBlocksCleared):
                 self.clear()
                 out.append(AllCleared())
@@ -165,9 +166,11 @@ class KvMirror:
             self.stats.unhashable_blocks += len(ev.block_hashes)
             return None
         prev = parent_engine
-        blocks, by_primary = self.blocks, self.by_primary
+        blocks, by_primary, bit = self.blocks, self.by_primary, _TIER_BIT[medium]
         for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):
-            blocks[engine_hash] = MirrorBlock(p, c, prev, medium)
+            old = blocks.get(engine_hash)
+            tiers = old.tiers | bit if old is not None and old.primary == p else bit
+            blocks[engine_hash] = MirrorBlock(p, c, prev, tiers)
             by_primary[p] = engine_hash
             prev = engine_hash
         self.stats.stored_blocks += len(ev.block_hashes)
@@ -178,22 +181,48 @@ class KvMirror:
             medium=medium,
         )
 
-    def _removed(self, ev: kv_wire.BlockRemoved) -> BlocksRemoved | None:
+    def _removed(self, ev: kv_wire.BlockRemoved) -> list[KvEvent]:
+        """The removal, then the blocks it leaves on their other tier announced again on it:
+        the index's all-tier view drops a block with any removal, and it is still cached."""
         medium = _medium(ev.medium)
         if medium is None:  # a tier the index does not track: nothing of ours changed
-            return None
-        hashes = []
+            return []
+        bit, hashes, kept = _TIER_BIT[medium], [], []
         for engine_hash in ev.block_hashes:
             block = self.blocks.get(engine_hash)
-            if block is None or block.medium != medium:
+            if block is None or not block.tiers & bit:
                 self.stats.unknown_removals += 1
+                continue
+            hashes.append(block.primary)
+            if block.tiers & ~bit:
+                left = self.blocks[engine_hash] = msgspec.structs.replace(
+                    block, tiers=block.tiers & ~bit
+                )
+                kept.append(left)
                 continue
             del self.blocks[engine_hash]
             if self.by_primary.get(block.primary) == engine_hash:
                 del self.by_primary[block.primary]
-            hashes.append(block.primary)
         self.stats.removed_blocks += len(hashes)
-        return BlocksRemoved(hashes=hashes, medium=medium) if hashes else None
+        out: list[KvEvent] = [BlocksRemoved(hashes=hashes, medium=medium)] if hashes else []
+        for block in kept:
+            again = self._announce(block, _TIER_MEDIUM[block.tiers])
+            if again is not None:
+                out.append(again)
+        return out
+
+    def _announce(self, block: MirrorBlock, medium: Medium) -> BlocksStored | None:
+        """``block`` as stored on ``medium``, under its parent (None when the mirror lost the
+        parent: announced as a root it would claim a prefix it does not start)."""
+        parent = block.parent_engine_hash
+        if parent is not None and parent not in self.blocks:
+            return None
+        return BlocksStored(
+            hashes=[block.primary],
+            check_hashes=[block.check],
+            parent_hash=None if parent is None else self.blocks[parent].primary,
+            medium=medium,
+        )
 
     def dump(self) -> list[BlocksStored]:
         """Every mirrored block whose chain reaches a root, parents before children, each
@@ -216,19 +245,20 @@ class KvMirror:
                 if not ok:
                     continue
                 block = self.blocks[eh]
-                parent = block.parent_engine_hash
-                ordered.append(
-                    BlocksStored(
-                        hashes=[block.primary],
-                        check_hashes=[block.check],
-                        parent_hash=None if parent is None else self.blocks[parent].primary,
-                        medium=block.medium,
-                    )
-                )
+                for medium, bit in _TIER_BIT.items():
+                    if block.tiers & bit:
+                        stored = self._announce(block, medium)
+                        if stored is not None:
+                            ordered.append(stored)
 
         for engine_hash in list(self.blocks):
             emit(engine_hash)
         return ordered
+
+
+_TIER_BIT: Final = {Medium.GPU: 1, Medium.CPU_PINNED: 2}
+_TIER_MEDIUM: Final = {bit: medium for medium, bit in _TIER_BIT.items()}
+"""A single tier's bit -> its medium (the tier a block is left on after the other's removal)."""
 
 
 def _medium(name: str | None) -> Medium | None:

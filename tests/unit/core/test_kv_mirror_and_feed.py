@@ -264,3 +264,59 @@ def test_exports_find_by_our_hash_exactly_what_a_scan_of_the_mirror_finds(ops) -
             assert mirror.leading_run(chain) == run
             for depth, primary in enumerate(chain, 1):
                 assert mirror.chain_to(primary) == (run[:depth] if len(run) >= depth else None)
+
+
+CHAIN = 5
+TIERS = ("GPU", "CPU_PINNED")
+tier_ops = st.lists(
+    st.tuples(st.sampled_from(("store", "remove")), st.sampled_from(TIERS), st.integers(0, 4)),
+    max_size=40,
+)
+
+
+@given(ops=tier_ops)
+def test_hierarchical_cache_events_keep_both_tiers_of_a_block(ops):
+    """SGLang's hierarchical cache stores and removes a block on GPU and on host by separate
+    events, and a block is often on both (written through to host, evicted from GPU, loaded
+    back, its host copy released). Per tier, parents come before children and children go
+    first, as in SGLang's radix tree. After every event the index's GPU view and all-tier view
+    hold exactly the blocks the engine holds on GPU, and on any tier; a dump rebuilds both."""
+    tokens = list(range(CHAIN * PAGE))
+    hashes = kv_wire.sglang_block_hashes(tokens, PAGE)
+    ours = BlockHasher(PAGE).hash_tokens(tokens)
+    held: dict[str, set[int]] = {t: set() for t in TIERS}
+    mirror, feeder = KvMirror(PAGE), IndexFeeder(PrefixIndex(ttl_s=None))
+    seq = 0
+
+    def leading(blocks: set[int]) -> int:
+        n = 0
+        while n in blocks:
+            n += 1
+        return n
+
+    for op, tier, i in ops:
+        on = held[tier]
+        if op == "store" and i not in on and (i == 0 or i - 1 in on):
+            ev = kv_wire.BlockStored(
+                block_hashes=[hashes[i]], parent_block_hash=hashes[i - 1] if i else None,
+                token_ids=tokens[i * PAGE:(i + 1) * PAGE], block_size=PAGE, lora_id=None,
+                medium=tier,
+            )  # fmt: skip
+            on.add(i)
+        elif op == "remove" and i in on and i + 1 not in on:
+            ev = kv_wire.BlockRemoved(block_hashes=[hashes[i]], medium=tier)
+            on.discard(i)
+        else:
+            continue
+        feeder.apply(batch("w", seq, mirror.apply([ev])), 0)
+        seq += 1
+        gpu, anywhere = leading(held["GPU"]), leading(held["GPU"] | held["CPU_PINNED"])
+        assert feeder.gpu_index.overlap(ours.primary, ours.check).get("w", 0) == gpu
+        assert feeder.index.overlap(ours.primary, ours.check).get("w", 0) == anywhere
+        assert mirror.stats.unknown_removals == 0
+    rebuilt = IndexFeeder(PrefixIndex(ttl_s=None))
+    rebuilt.apply(batch("w", 0, [AllCleared(), *mirror.dump()]), 0)
+    assert rebuilt.gpu_index.overlap(ours.primary, ours.check).get("w", 0) == leading(held["GPU"])
+    assert rebuilt.index.overlap(ours.primary, ours.check).get("w", 0) == leading(
+        held["GPU"] | held["CPU_PINNED"]
+    )
