@@ -476,3 +476,27 @@ def test_block_digests_equal_sglang_native(recorder_module: ModuleType) -> None:
         assert [hash_str_to_int64(h) for h in theirs] == w.sglang_block_hashes(
             tokens, block_size, prior
         )
+
+
+def test_bigram_pages_of_eagle_decode_to_their_tokens(sgl: ModuleType) -> None:
+    """With EAGLE speculative decoding SGLang's radix keys are bigrams and its recorder
+    publishes each page as (token, next token) pairs (sglang/srt/mem_cache/events.py), which
+    its own `token_ids: list[int]` does not describe. The batch decodes (it was refused whole,
+    removals included), the pairs become their first tokens, and the mirror hashes those as it
+    hashes the same prompt's plain ids."""
+    from thunderagent.hashing import BlockHasher
+    from thunderagent.sglang.mirror import KvMirror
+
+    tokens = list(range(100, 109))  # two 4-token pages and the token after them
+    pairs = [(tokens[j], tokens[j + 1]) for j in range(8)]
+    hashes = w.sglang_block_hashes(tokens[:8], 4)
+    gpu = sgl.StorageMedium("GPU")
+    stored = sgl.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=pairs,
+                             block_size=4, lora_id=None, medium=gpu)  # fmt: skip
+    removed = sgl.BlockRemoved(block_hashes=hashes[1:], medium=gpu)
+    payload = msgspec.msgpack.encode(sgl.KVEventBatch(ts=1.0, events=[stored, removed]))
+    batch = w.decode_batch(payload)
+    assert batch.events[0].token_ids == tokens[:8]
+    [ours, gone] = KvMirror(4).apply(list(batch.events))
+    plain = BlockHasher(4).hash_tokens(tokens[:8])
+    assert ours.hashes == plain.primary and gone.hashes == plain.primary[1:]

@@ -11,7 +11,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -40,8 +40,10 @@ class BlockStored(KvEvent, tag="BlockStored"):
     """int64 hash per block, in prefix order."""
     parent_block_hash: int | None
     """Hash of the block before the first one; None when the chain starts at the root."""
-    token_ids: list[int]
-    """All token ids of the stored blocks, concatenated."""
+    token_ids: list[int | tuple[int, int]]
+    """All token ids of the stored blocks, concatenated. With EAGLE speculative decoding
+    SGLang's radix keys are bigrams and it publishes one (token, next token) pair per position;
+    ``decode_batch`` turns those into the plain ids (each pair's first)."""
     block_size: int
     """Token count of the event's blocks (SGLang sets it to the block length)."""
     lora_id: int | None
@@ -93,8 +95,22 @@ def encode_batch(batch: KvEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes | memoryview) -> KvEventBatch:
-    """Decode a payload frame; raises msgspec.DecodeError (a ValueError) on bad input."""
-    return _DECODER.decode(payload)
+    """Decode a payload frame; raises msgspec.DecodeError (a ValueError) on bad input. Stored
+    blocks keyed by bigrams (EAGLE) come out with their plain token ids."""
+    batch = _DECODER.decode(payload)
+    if any(_bigrams(ev) for ev in batch.events):
+        events = [_first_of_pairs(ev) if _bigrams(ev) else ev for ev in batch.events]
+        batch = msgspec.structs.replace(batch, events=events)
+    return batch
+
+
+def _bigrams(ev: AnyKvEvent) -> bool:
+    return type(ev) is BlockStored and bool(ev.token_ids) and type(ev.token_ids[0]) is tuple
+
+
+def _first_of_pairs(ev: Any) -> BlockStored:
+    ids = [p[0] if type(p) is tuple else p for p in ev.token_ids]
+    return msgspec.structs.replace(ev, token_ids=ids)
 
 
 # --- block hashes ------------------------------------------------------------------------------
