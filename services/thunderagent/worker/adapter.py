@@ -148,7 +148,10 @@ class WorkerAdapter:
 
     async def describe_engine(self) -> WorkerRegistration:
         info = await self.engine.get_json("/server_info")
-        block_size = int(info.get("page_size") or 1)
+        # the block its KV events name: page_size, or page_size x dcp_size under decode context
+        # parallelism, as SGLang 0.5 advertises it in kv_events (routers hash prompts in these)
+        events = info.get("kv_events") if isinstance(info.get("kv_events"), dict) else {}
+        block_size = int(events.get("block_size") or info.get("page_size") or 1)
         total_tokens = int(info.get("max_total_num_tokens") or 0)
         model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
         if not model:

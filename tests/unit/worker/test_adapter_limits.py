@@ -58,3 +58,20 @@ def test_the_running_cap_sglang_derived_is_read_from_its_loads(max_running, load
     config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
     adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, loads))  # type: ignore[arg-type]
     assert asyncio.run(adapter.describe_engine()).max_running_requests == registered
+
+
+@pytest.mark.parametrize(
+    ("info", "block_size"),
+    [
+        ({"page_size": 16}, 16),
+        # SGLang 0.5 advertises the events' block: page_size x dcp_size under decode context
+        # parallelism, where a page of 16 is keyed in blocks of 64
+        ({"page_size": 16, "kv_events": {"block_size": 64, "dp_size": 1}}, 64),
+        ({"page_size": 16, "kv_events": None}, 16),  # no publisher
+    ],
+)
+def test_the_block_size_is_the_one_the_engines_events_use(info, block_size):
+    info = {"model_path": "m", "max_total_num_tokens": 16_000, "max_running_requests": 8, **info}
+    config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
+    adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, None))  # type: ignore[arg-type]
+    assert asyncio.run(adapter.describe_engine()).block_size == block_size
