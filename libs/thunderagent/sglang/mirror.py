@@ -61,6 +61,10 @@ class MirrorStats:
     unhashable_blocks: int = 0
     """Stored blocks with token ids outside uint32 (SGLang hashes those wide; no prompt the
     router accepts has them, so they could never be hit): skipped, never a crash."""
+    lora_blocks: int = 0
+    """Stored blocks of a LoRA adapter (``lora_name``): keyed in the adapter's namespace, which
+    no request the router hashes is in, so announcing them as the base model's would be false
+    hits: skipped (their removals are dropped quietly)."""
 
     def by_outcome(self) -> dict[str, int]:
         """Blocks per outcome, as the adapter exports them (``thunderagent_kv_mirror_blocks``)."""
@@ -72,6 +76,7 @@ class MirrorStats:
             "size_mismatch": self.size_mismatches,
             "other_tier": self.other_tier_blocks,
             "unhashable": self.unhashable_blocks,
+            "lora": self.lora_blocks,
         }
 
 
@@ -85,6 +90,8 @@ class KvMirror:
     (``chain_to``, ``leading_run``) instead of scanning the whole cache, which took 16-39 ms
     at 500k blocks on the adapter's event loop, once per copy a run asks for."""
     stats: MirrorStats = field(default_factory=MirrorStats)
+    lora: set[int] = field(default_factory=set)
+    """Engine hashes of the LoRA blocks skipped, so that their removals are not unknown."""
 
     def __post_init__(self) -> None:
         self.hasher = BlockHasher(self.block_size)
@@ -92,6 +99,7 @@ class KvMirror:
     def clear(self) -> None:
         self.blocks.clear()
         self.by_primary.clear()
+        self.lora.clear()
 
     def chain_to(self, prefix_hash: int) -> list[int] | None:
         """The engine's hashes of the prefix whose deepest block is ``prefix_hash`` (ours), root
@@ -144,6 +152,10 @@ class KvMirror:
         if medium is None:
             self.stats.other_tier_blocks += len(ev.block_hashes)
             return None
+        if ev.lora_name:
+            self.stats.lora_blocks += len(ev.block_hashes)
+            self.lora.update(ev.block_hashes)
+            return None
         if ev.block_size != self.block_size:
             self.stats.size_mismatches += len(ev.block_hashes)
             return None
@@ -191,7 +203,10 @@ class KvMirror:
         for engine_hash in ev.block_hashes:
             block = self.blocks.get(engine_hash)
             if block is None or not block.tiers & bit:
-                self.stats.unknown_removals += 1
+                if engine_hash in self.lora:
+                    self.lora.discard(engine_hash)
+                else:
+                    self.stats.unknown_removals += 1
                 continue
             hashes.append(block.primary)
             if block.tiers & ~bit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -87,7 +88,7 @@ def test_every_block_the_mirror_skips_is_counted_by_its_reason():
     ]
     assert mirror.stats.by_outcome() == {
         "stored": 2, "removed": 1, "orphan": 1, "unknown_removal": 1,
-        "size_mismatch": 2, "other_tier": 1, "unhashable": 0,
+        "size_mismatch": 2, "other_tier": 1, "unhashable": 0, "lora": 0,
     }  # fmt: skip
 
 
@@ -320,3 +321,20 @@ def test_hierarchical_cache_events_keep_both_tiers_of_a_block(ops):
     assert rebuilt.index.overlap(ours.primary, ours.check).get("w", 0) == leading(
         held["GPU"] | held["CPU_PINNED"]
     )
+
+
+def test_a_lora_adapters_blocks_are_not_announced_as_the_base_models():
+    """SGLang keys a LoRA adapter's blocks in the adapter's namespace (and names it in
+    ``lora_name``); the router hashes no request there, so relaying them as base-model blocks
+    would predict hits the engine cannot give. They are skipped, counted, and their removals
+    are not unknown ones."""
+    tokens = list(range(8))
+    base, base_hashes = stored(tokens)
+    lora = msgspec.structs.replace(base, block_hashes=[h + 1 for h in base_hashes],
+                                   lora_name="adapter-a")  # fmt: skip
+    mirror = KvMirror(PAGE)
+    assert mirror.apply([lora]) == []
+    assert mirror.apply([kv_wire.BlockRemoved(block_hashes=lora.block_hashes, medium="GPU")]) == []
+    [out] = mirror.apply([base])
+    assert out.hashes == BlockHasher(PAGE).hash_tokens(tokens).primary
+    assert (mirror.stats.lora_blocks, mirror.stats.unknown_removals) == (2, 0)
