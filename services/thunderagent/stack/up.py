@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -375,6 +376,8 @@ class Stack:
             server.stop()
         self.children.clear()
         self.servers.clear()
+        if self.config.run_dir is None:  # a folder of our own: its logs and creds stay, not the
+            shutil.rmtree(self.run_dir / "nats" / "jetstream", ignore_errors=True)  # streams
         if self.creds_dir is not None and os.environ.get(CREDS_ENV) == str(self.creds_dir):
             if self._saved_creds_env is None:
                 os.environ.pop(CREDS_ENV, None)
