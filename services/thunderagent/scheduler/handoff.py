@@ -17,6 +17,7 @@ from thunderagent.scheduler.pending import Pending
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
+    DirectDispatch,
     Dispatched,
     ErrorCode,
     ErrorReply,
@@ -30,6 +31,12 @@ from thunderagent.telemetry.propagation import child_span
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("thunderagent.scheduler")
+
+
+def in_use(rid: str) -> str:
+    """Why a second request under ``rid`` does not run."""
+    return (f"request id {rid} is in use by another request that has not finished: "
+            "give each request its own id")  # fmt: skip
 
 
 class Handoff:
@@ -131,6 +138,19 @@ class Handoff:
         except BusError as err:
             log.warning("aborting %s on %s failed (%s): it keeps running", rid, worker_id, err)
             return None
+
+    async def stop_duplicate(self, direct: DirectDispatch) -> None:
+        """Another client's request holds this id: a router dispatched this one on credit
+        without knowing (the id check is the scheduler's). Stop it on its worker and tell its
+        client why; the first keeps running."""
+        rid = direct.submit.request.request_id
+        stopped = await self.abort(direct.worker_id, rid, "its request id is in use")
+        if stopped is not None and stopped.found:
+            log.info("request %s: a second request with this id stopped on %s",
+                     rid, direct.worker_id)  # fmt: skip
+            error = ErrorReply(code=ErrorCode.BAD_REQUEST, message=in_use(rid), request_id=rid,
+                               service="scheduler")  # fmt: skip
+            await self.bus.publish(direct.submit.reply_subject, error)
 
     async def fail(self, pending: Pending, code: ErrorCode, message: str) -> None:
         rid = pending.submit.request.request_id

@@ -28,7 +28,7 @@ from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
 from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.prefix_index.feed import stored_hashes
-from thunderagent.scheduler.handoff import Handoff
+from thunderagent.scheduler.handoff import Handoff, in_use
 from thunderagent.scheduler.pending import EarlyProgress, Pending
 from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject
 from thunderagent.scheduling.credits import CreditIssuer
@@ -38,7 +38,6 @@ from thunderagent.schemas import (
     CreditGrant,
     DirectDispatch,
     ErrorCode,
-    ErrorReply,
     KvEventBatch,
     LoadReport,
     ProgramRelease,
@@ -62,11 +61,6 @@ MAX_FINISHED = 100_000
 retry of a request that ended is not run again: minutes of traffic at high rates."""
 MAX_RESUMES = 2
 """A request whose worker or engine failed it this many times is not tried again."""
-
-
-def _in_use(rid: str) -> str:
-    return (f"request id {rid} is in use by another request that has not finished: "
-            "give each request its own id")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -133,7 +127,7 @@ class SchedulerService:
                 if delivery.reply:
                     await self.bus.publish(delivery.reply, Ack(accepted=True))
                 return
-            refusal = Ack(accepted=False, reason=_in_use(rid), code=ErrorCode.BAD_REQUEST)
+            refusal = Ack(accepted=False, reason=in_use(rid), code=ErrorCode.BAD_REQUEST)
         elif self.finished.get(rid) == submit.reply_subject:
             # the client's retry of a request that ended: its answer is out already. Another
             # client may use the id again, as with SGLang's rid once its request has finished.
@@ -168,7 +162,7 @@ class SchedulerService:
         self.issuer.book(submit.router_id, direct.worker_id)
         if rid in self.pending:
             if self.pending[rid].submit.reply_subject != submit.reply_subject:
-                self._spawn(self._stop_duplicate(direct))
+                self._spawn(self.handoff.stop_duplicate(direct))
             return  # else told twice
         self.handoff.book_pull(direct.pull, direct.worker_id)
         self.issuer.routed(submit.router_id, self.clock())
@@ -180,19 +174,6 @@ class SchedulerService:
         for progress in self._early.take(rid):
             self._on_run_event(progress)
         self.wake.set()
-
-    async def _stop_duplicate(self, direct: DirectDispatch) -> None:
-        """Another client's request holds this id here: a router dispatched this one on credit
-        without knowing (the id check is the scheduler's). Stop it on its worker and tell its
-        client why; the first keeps running."""
-        rid = direct.submit.request.request_id
-        stopped = await self.handoff.abort(direct.worker_id, rid, "its request id is in use")
-        if stopped is not None and stopped.found:
-            log.info("request %s: a second request with this id stopped on %s",
-                     rid, direct.worker_id)  # fmt: skip
-            error = ErrorReply(code=ErrorCode.BAD_REQUEST, message=_in_use(rid), request_id=rid,
-                               service="scheduler")  # fmt: skip
-            await self.bus.publish(direct.submit.reply_subject, error)
 
     async def on_hello(self, hello: RouterHello, _: Delivery) -> None:
         if self.issuer.hello(hello.router_id, self.clock()):
