@@ -67,9 +67,7 @@ class EngineLoadFigures:
 
 def parse_v1_loads(payload: Any, block_size: int) -> EngineLoadFigures:
     """Read ``/v1/loads``; missing fields count 0. ValueError when it is not such an answer."""
-    ranks = payload.get("loads") if isinstance(payload, Mapping) else None
-    if not isinstance(ranks, list):
-        raise ValueError(f"not a /v1/loads answer (no 'loads' list): {str(payload)[:120]}")
+    ranks = _v1_ranks(payload)
     tokens = _total(ranks, "num_used_tokens")
     bs = max(block_size, 1)
     return EngineLoadFigures(
@@ -80,6 +78,19 @@ def parse_v1_loads(payload: Any, block_size: int) -> EngineLoadFigures:
         kv_total_blocks=_total(ranks, "kv_total_blocks")
         or _total(ranks, "max_total_num_tokens") // bs,
     )
+
+
+def v1_loads_max_running(payload: Any) -> int:
+    """The running-request cap SGLang derived, summed over the ranks of a ``/v1/loads`` answer
+    (0 when it names none). ValueError when it is not such an answer."""
+    return _total(_v1_ranks(payload), "max_running_requests")
+
+
+def _v1_ranks(payload: Any) -> list:
+    ranks = payload.get("loads") if isinstance(payload, Mapping) else None
+    if not isinstance(ranks, list):
+        raise ValueError(f"not a /v1/loads answer (no 'loads' list): {str(payload)[:120]}")
+    return ranks
 
 
 def _total(ranks: Sequence[Any], key: str) -> int:

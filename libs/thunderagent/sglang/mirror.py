@@ -147,21 +147,27 @@ class KvMirror:
                 out.append(AllCleared())
         return out
 
-    def _stored(self, ev: kv_wire.BlockStored) -> BlocksStored | None:
-        medium = _medium(ev.medium)
-        if medium is None:
-            self.stats.other_tier_blocks += len(ev.block_hashes)
-            return None
-        if ev.lora_name:
-            self.stats.lora_blocks += len(ev.block_hashes)
+    def _skipped(self, ev: kv_wire.BlockStored) -> bool:
+        """Whether the stored blocks are skipped (counted by the reason)."""
+        n = len(ev.block_hashes)
+        if _medium(ev.medium) is None:
+            self.stats.other_tier_blocks += n
+        elif ev.lora_name:
+            self.stats.lora_blocks += n
             self.lora.update(ev.block_hashes)
+        elif ev.block_size != self.block_size:
+            self.stats.size_mismatches += n
+        elif len(ev.token_ids) != n * self.block_size:
+            self.stats.orphan_blocks += n
+        else:
+            return False
+        return True
+
+    def _stored(self, ev: kv_wire.BlockStored) -> BlocksStored | None:
+        if self._skipped(ev):
             return None
-        if ev.block_size != self.block_size:
-            self.stats.size_mismatches += len(ev.block_hashes)
-            return None
-        if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
-            self.stats.orphan_blocks += len(ev.block_hashes)
-            return None
+        medium = _medium(ev.medium)
+        assert medium is not None
         parent_engine = ev.parent_block_hash
         parent: tuple[int, int] | None = None
         if parent_engine is not None:

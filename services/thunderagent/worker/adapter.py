@@ -39,6 +39,7 @@ from thunderagent.sglang.load import (
     EngineLoadFigures,
     parse_get_load,
     parse_v1_loads,
+    v1_loads_max_running,
 )
 from thunderagent.sglang.zmq_publisher import publisher_binds
 from thunderagent.shell import ServiceContext
@@ -176,10 +177,8 @@ class WorkerAdapter:
         """SGLang's ``/server_info`` holds ``--max-running-requests`` as given (None unless set);
         the cap it derived is in ``/v1/loads``, summed over its ranks. 0 when unknown."""
         try:
-            answer = await self.engine.get_json(LOADS_PATH)
-            ranks = answer.get("loads") if isinstance(answer, dict) else None
-            return sum(int(r.get("max_running_requests") or 0) for r in ranks or [])
-        except (TimeoutError, OSError, EngineError, ValueError, TypeError, AttributeError):
+            return v1_loads_max_running(await self.engine.get_json(LOADS_PATH))
+        except (TimeoutError, OSError, EngineError, ValueError, TypeError):
             return 0
 
     async def run(self, stop: asyncio.Event) -> None:
