@@ -30,7 +30,11 @@ from sglang_shim import (
 )
 
 from thunderagent.sglang import kv_wire as w
-from thunderagent.sglang.zmq_publisher import KvEventsConfig, ZmqKvEventPublisher
+from thunderagent.sglang.zmq_publisher import (
+    KvEventsConfig,
+    ZmqKvEventPublisher,
+    offset_endpoint_port,
+)
 from thunderagent.sglang.zmq_subscriber import (
     Gap,
     Notice,
@@ -38,6 +42,7 @@ from thunderagent.sglang.zmq_subscriber import (
     Restarted,
     ZmqKvEventSubscriber,
 )
+from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
 
 _installed = sglang_version()
 pytestmark = pytest.mark.skipif(
@@ -500,3 +505,74 @@ def test_bigram_pages_of_eagle_decode_to_their_tokens(sgl: ModuleType) -> None:
     [ours, gone] = KvMirror(4).apply(list(batch.events))
     plain = BlockHasher(4).hash_tokens(tokens[:8])
     assert ours.hashes == plain.primary and gone.hashes == plain.primary[1:]
+
+
+# --- (d) data-parallel ranks: each publishes on rank 0's port + r ------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://10.0.0.7:6000", "inproc://cache"])
+def test_rank_endpoints_are_sglangs(sgl: ModuleType, endpoint: str) -> None:
+    for rank in range(4):
+        ours = offset_endpoint_port(endpoint, rank)
+        assert ours == sgl.ZmqEventPublisher.offset_endpoint_port(endpoint, rank)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_rank_r_is_the_publisher_at_offset_r_with_or_without_dp_attention(
+    sgl: ModuleType, dp_size: int
+) -> None:
+    """The adapter's rank r (``routed_dp_rank`` r, port + r) is SGLang's publisher r whether its
+    ranks are attention-DP ranks (one model, KV sharded per rank) or whole replicas."""
+    attention = [sgl.select_kv_publisher_dp_rank(dp_size, r, None) for r in range(dp_size)]
+    replicas = [sgl.select_kv_publisher_dp_rank(1, 0, r) for r in range(dp_size)]
+    assert attention == replicas == list(range(dp_size))
+
+
+async def test_an_adapter_of_rank_1_reads_sglangs_rank_1_publisher(sgl: ModuleType) -> None:
+    port = _two_free_ports()
+    config = {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    publishers = [
+        sgl.EventPublisherFactory.create(json.dumps(config), attn_dp_rank=r) for r in range(2)
+    ]
+    adapter = WorkerAdapter(
+        AdapterConfig(worker_id="w0-dp1", engine_url="http://127.0.0.1:30000", dp_rank=1),
+        bus=None,  # type: ignore[arg-type]
+        engine=_ServerInfo({"kv_events_config": json.dumps(config)}),  # type: ignore[arg-type]
+    )
+    endpoint, _, topic = await adapter._kv_event_source()
+    collector = Collector(ZmqKvEventSubscriber(endpoint, topic=topic), [])
+    collector.start()
+    batches = iter(sample_batches(1000, seed=6))
+    try:
+        await collector.wait_for(
+            lambda ns: received(ns),
+            publish=lambda: [p.publish(to_sglang(sgl, next(batches))) for p in publishers],
+        )
+        assert {n.batch.attn_dp_rank for n in received(collector.notices)} == {1}
+    finally:
+        for p in publishers:
+            stop_sglang(p)
+        await collector.stop()
+
+
+class _ServerInfo:
+    base_url = "http://127.0.0.1:30000"
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    async def get_json(self, path: str) -> dict:
+        return self.info
+
+
+def _two_free_ports() -> int:
+    """A port whose next one is free too (rank 1 binds it)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")

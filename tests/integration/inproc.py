@@ -15,10 +15,11 @@ from aiohttp import web
 from thunderagent.bus import Bus, connect
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
-from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+from thunderagent.sglang.zmq_publisher import start_rank_publishers
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.simengine.driver import EngineDriver
+from thunderagent.simengine.main import bound_events_config
 from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import Telemetry
 
@@ -40,6 +41,9 @@ class InprocStack:
     nats_url: str
     services: dict[str, RunningService] = field(default_factory=dict)
     engines: dict[str, EngineDriver] = field(default_factory=dict)
+    """worker id -> its engine (rank 0's, for an engine of several data-parallel ranks)."""
+    dp_ranks: dict[str, list[EngineDriver]] = field(default_factory=dict)
+    """worker id -> its engine's ranks, one driver each."""
     engine_urls: dict[str, str] = field(default_factory=dict)
     _runners: list[web.AppRunner] = field(default_factory=list)
     _engine_setup: dict[str, tuple] = field(default_factory=dict)
@@ -86,36 +90,45 @@ class InprocStack:
         host_blocks: int = 0,
         instant: bool = False,
         model: str = MODEL,
+        dp_size: int = 1,
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
         addresses (a restart: same URL, empty cache, event sequence from 0); ``instant``: the
         zero-compute mode (one token at once)."""
         if kv_events and events_config is None:
+            # one rank: ports picked here; several: their publishers draw consecutive ports
+            port_of = (lambda: free_port()) if dp_size == 1 else (lambda: "*")
             events_config = json.dumps(
                 {
                     "publisher": "zmq",
-                    "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                    "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                    "endpoint": f"tcp://127.0.0.1:{port_of()}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{port_of()}",
                     "topic": "kv",
                     # SGLang connects a PUB socket to a concrete host; bind it here instead
                     "bind": True,
                 }
             )
-        publisher = ZmqKvEventPublisher.from_cli(events_config) if kv_events else None
-        engine = EngineDriver(
-            get_profile(profile).with_engine(block_size=block_size, host_blocks=host_blocks),
-            publisher=publisher,
-            speedup=speedup,
-        )
+        publishers = start_rank_publishers(events_config, dp_size) if kv_events else []
+        ranks = [
+            EngineDriver(
+                get_profile(profile).with_engine(block_size=block_size, host_blocks=host_blocks),
+                publisher=publishers[rank] if publishers else None,
+                speedup=speedup,
+            )
+            for rank in range(dp_size)
+        ]
+        engine = ranks[0]
+        events_config = bound_events_config(events_config, publishers[0] if publishers else None)
         info = EngineInfo(model=model, block_size=engine.block_size, kv_events_config=events_config)
         info.instant = instant
-        app = SimEngineApp(engine, info).app
+        app = SimEngineApp(ranks, info).app
         runner = http_runner(app)
         await runner.setup()
         port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         self._runners.append(runner)
         self.engines[worker_id] = engine
+        self.dp_ranks[worker_id] = ranks
         self.engine_urls[worker_id] = f"http://127.0.0.1:{port}"
         self._engine_setup[worker_id] = (runner, port, events_config, profile, block_size, speedup)
         return self.engine_urls[worker_id]
@@ -125,14 +138,16 @@ class InprocStack:
         runner = self._engine_setup[worker_id][0]
         await runner.cleanup()
         self._runners.remove(runner)
-        await self.engines[worker_id].close()
+        for engine in self.dp_ranks[worker_id]:
+            await engine.close()
 
     async def restart_engine(self, worker_id: str) -> None:
         """Stop the engine and start a fresh one on the same HTTP and ZMQ addresses."""
         runner, port, events_config, profile, block_size, speedup = self._engine_setup[worker_id]
         await runner.cleanup()
         self._runners.remove(runner)
-        await self.engines[worker_id].close()
+        for engine in self.dp_ranks[worker_id]:
+            await engine.close()
         await self.start_engine(
             worker_id,
             profile=profile,
@@ -179,8 +194,9 @@ class InprocStack:
                 await self.stop_service(name)
         for runner in self._runners:
             await runner.cleanup()
-        for engine in self.engines.values():
-            await engine.close()
+        for ranks in self.dp_ranks.values():
+            for engine in ranks:
+                await engine.close()
         if crashed:
             raise AssertionError("services crashed during the test: " + "; ".join(crashed))
 
@@ -216,6 +232,7 @@ async def start_full_stack(
     from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
     from thunderagent.schemas import WorkerRole
     from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
+    from thunderagent.worker.adapter import main as adapter_main
     from thunderagent.worker.engine_client import EngineClient
 
     async def run_worker(ctx, adapter: WorkerAdapter) -> None:
@@ -234,6 +251,9 @@ async def start_full_stack(
             load_interval_s=0.05,
             role=WorkerRole(roles[i]) if roles else WorkerRole.BOTH,
         )
+        if engine_kwargs.get("dp_size", 1) > 1:  # the service's own entry: a worker per rank
+            await stack.start_service(f"worker-{wid}", lambda ctx, c=config: adapter_main(ctx, c))
+            continue
         await stack.start_service(
             f"worker-{wid}",
             run_worker,
@@ -272,6 +292,6 @@ async def start_full_stack(
     await stack.start_service(
         "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, router_config)
     )
-    await stack.wait_for_workers(workers)
+    await stack.wait_for_workers(workers * engine_kwargs.get("dp_size", 1))
     # the router subscribes to requests only after its index replica has caught up
     await asyncio.wait_for(stack.services["router"].runtime.serving.wait(), 15)

@@ -21,11 +21,11 @@ MODEL = "sim/llama-3.1-8b"
 
 
 def _start_up(
-    tmp_path: Path, env: dict[str, str], workers: int = 2
+    tmp_path: Path, env: dict[str, str], workers: int = 2, *extra: str
 ) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "thunderagent.cli.main", "up", "--workers", str(workers),
-         "--run-dir", str(tmp_path / "run"), "--speedup", "20"],
+         "--run-dir", str(tmp_path / "run"), "--speedup", "20", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     lines = []
@@ -209,3 +209,21 @@ def test_a_child_that_dies_is_restarted_and_the_stack_keeps_serving(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_with_data_parallel_engines_serves_each_rank_as_a_worker(tmp_path):
+    """``up --dp-size 2``: one engine of two ranks is two workers to the fleet, each reached
+    under its own id by the adapter's per-worker login, and a prompt comes back to its rank's
+    cache."""
+    proc, nats_url = _start_up(tmp_path, dict(os.environ), 1, "--dp-size", "2")
+    env = _client_env(tmp_path, dict(os.environ))
+    prompt = "a shared document, long enough for several KV blocks. " * 20
+    try:
+        first = _request(nats_url, env, prompt + "first question")
+        again = _request(nats_url, env, prompt + "second question")
+        assert first["worker_id"] in {"w0-dp0", "w0-dp1"}
+        assert again["worker_id"] == first["worker_id"]
+        assert again["usage"]["cached_tokens"] >= len(prompt) // 16 * 16 - 16
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)

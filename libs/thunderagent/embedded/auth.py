@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from thunderagent.schemas import subjects
+from thunderagent.schemas import dp_rank_worker_ids, subjects
 
 INBOX: Final = "_INBOX.>"
 """Request/reply answers and streamed tokens go to reply inboxes."""
@@ -64,39 +64,46 @@ def _worker_js(worker_id: str) -> tuple[str, ...]:
     )
 
 
-def worker_permissions(worker_id: str = "*") -> Permissions:
-    """One worker adapter (``*``: any worker, the shared user of ``ops/nats.conf``)."""
-    w = worker_id
-    health = subjects.health("*" if w == "*" else f"worker-{w}")
+def worker_permissions(worker_id: str = "*", dp_size: int = 1) -> Permissions:
+    """One worker adapter (``*``: any worker, the shared user of ``ops/nats.conf``); in front of
+    an engine of ``dp_size`` ranks, the adapter process speaks for a worker per rank."""
+    health = subjects.health("*" if worker_id == "*" else f"worker-{worker_id}")
+    ids = [worker_id] if worker_id == "*" else dp_rank_worker_ids(worker_id, dp_size)
     return Permissions(
-        publish=(
-            subjects.worker_load(w),
-            subjects.kv_events(w),
-            subjects.worker_progress(w),
-            subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
-            # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
-            subjects.worker_kv_import("*"),
-            subjects.worker_generate("*"),
-            # a pull at dispatch: the run's worker asks the holder to export the prefix and,
-            # once copied into its own engine, to release it
-            subjects.worker_kv_export("*"),
-            subjects.worker_kv_release("*"),
-            subjects.dead_letter("*"),
-            INBOX,  # acks, resync answers, and the tokens it streams to the client's inbox
-            *_worker_js(w),
-        ),
-        subscribe=(
-            subjects.worker_generate(w),
-            subjects.worker_abort(w),
-            subjects.worker_resync(w),
-            subjects.worker_kv_import(w),
-            subjects.worker_kv_export(w),
-            subjects.worker_kv_pull(w),
-            subjects.worker_kv_release(w),
-            health,
-            INBOX,
-        ),
+        publish=tuple(p for w in ids for p in _worker_publishes(w)) + _WORKER_SHARED_PUBLISH,
+        subscribe=tuple(s for w in ids for s in _worker_subscribes(w)) + (health, INBOX),
     )
+
+
+def _worker_publishes(w: str) -> tuple[str, ...]:
+    return (subjects.worker_load(w), subjects.kv_events(w), subjects.worker_progress(w),
+            *_worker_js(w))  # fmt: skip
+
+
+def _worker_subscribes(w: str) -> tuple[str, ...]:
+    return (
+        subjects.worker_generate(w),
+        subjects.worker_abort(w),
+        subjects.worker_resync(w),
+        subjects.worker_kv_import(w),
+        subjects.worker_kv_export(w),
+        subjects.worker_kv_pull(w),
+        subjects.worker_kv_release(w),
+    )
+
+
+_WORKER_SHARED_PUBLISH: tuple[str, ...] = (
+    subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
+    # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
+    subjects.worker_kv_import("*"),
+    subjects.worker_generate("*"),
+    # a pull at dispatch: the run's worker asks the holder to export the prefix and, once
+    # copied into its own engine, to release it
+    subjects.worker_kv_export("*"),
+    subjects.worker_kv_release("*"),
+    subjects.dead_letter("*"),
+    INBOX,  # acks, resync answers, and the tokens it streams to the client's inbox
+)
 
 
 def role_permissions(role: str) -> Permissions:
@@ -203,13 +210,16 @@ def new_password() -> str:
     return secrets.token_urlsafe(32)
 
 
-def stack_users(worker_ids: Iterable[str]) -> list[NatsUser]:
+def stack_users(worker_ids: Iterable[str], dp_size: int = 1) -> list[NatsUser]:
     """Every login of an embedded stack: admin, each service role, one user per worker it
-    starts, and the shared ``worker`` role of ``ops/nats.conf`` for adapters started by hand in
-    front of other engines (they find it when there is no login of their own)."""
+    starts (engines of ``dp_size`` ranks each), and the shared ``worker`` role of
+    ``ops/nats.conf`` for adapters started by hand in front of other engines (they find it when
+    there is no login of their own)."""
     users = [NatsUser(ADMIN, new_password(), None)]
     users += [NatsUser(r, new_password(), role_permissions(r)) for r in ROLES]
-    users += [NatsUser(f"worker-{w}", new_password(), worker_permissions(w)) for w in worker_ids]
+    users += [
+        NatsUser(f"worker-{w}", new_password(), worker_permissions(w, dp_size)) for w in worker_ids
+    ]
     return users
 
 

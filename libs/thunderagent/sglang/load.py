@@ -4,7 +4,9 @@ same thing live and in replay.
 
 SGLang 0.5 serves ``/v1/loads`` (``{"loads": [one object per data-parallel rank]}``, the fields
 of its ``LoadSnapshot``); releases before it served ``/get_load`` (a list of per-rank objects with
-other names), which the adapter falls back to. Either way the adapter sums the ranks.
+other names), which the adapter falls back to. An adapter in front of the whole engine sums
+the ranks; one in front of one rank (``--dp-size``: each rank is a worker of its own, with its
+own KV cache) reads its rank's entry.
 """
 
 from __future__ import annotations
@@ -21,10 +23,15 @@ OLD_LOAD_PATH: Final = "/get_load"
 """The same before SGLang 0.5 (and what sglang-router 0.3 polls)."""
 
 
-def v1_loads_payload(load: EngineLoad, block_size: int, dp_rank: int = 0) -> dict[str, Any]:
-    """``/v1/loads`` for one rank: SGLang's ``LoadSnapshot`` names for what the simulated engine
-    knows, plus its KV block counts (SGLang reports tokens only)."""
-    rank = {
+def v1_loads_payload(load: EngineLoad, block_size: int) -> dict[str, Any]:
+    """``/v1/loads`` for an engine of one rank."""
+    return {"loads": [v1_load_snapshot(load, block_size)]}
+
+
+def v1_load_snapshot(load: EngineLoad, block_size: int, dp_rank: int = 0) -> dict[str, Any]:
+    """One rank's entry in ``/v1/loads``'s ``loads`` list: SGLang's ``LoadSnapshot`` names for
+    what the simulated engine knows, plus its KV block counts (SGLang reports tokens only)."""
+    return {
         "dp_rank": dp_rank,
         "num_running_reqs": load.num_running,
         "num_waiting_reqs": load.num_waiting,
@@ -34,7 +41,6 @@ def v1_loads_payload(load: EngineLoad, block_size: int, dp_rank: int = 0) -> dic
         "kv_total_blocks": load.kv_total_blocks,
         "cached_blocks": load.cached_blocks,
     }
-    return {"loads": [rank]}
 
 
 def get_load_payload(load: EngineLoad, dp_rank: int = 0) -> dict[str, Any]:
@@ -65,9 +71,10 @@ class EngineLoadFigures:
     """0 when the engine does not report it (the registration's capacity is used then)."""
 
 
-def parse_v1_loads(payload: Any, block_size: int) -> EngineLoadFigures:
-    """Read ``/v1/loads``; missing fields count 0. ValueError when it is not such an answer."""
-    ranks = _v1_ranks(payload)
+def parse_v1_loads(payload: Any, block_size: int, dp_rank: int | None = None) -> EngineLoadFigures:
+    """Read ``/v1/loads``, all ranks or ``dp_rank``'s; missing fields count 0. ValueError when it
+    is not such an answer or names no such rank."""
+    ranks = _of_rank(_v1_ranks(payload), dp_rank)
     tokens = _total(ranks, "num_used_tokens")
     bs = max(block_size, 1)
     return EngineLoadFigures(
@@ -80,10 +87,10 @@ def parse_v1_loads(payload: Any, block_size: int) -> EngineLoadFigures:
     )
 
 
-def v1_loads_max_running(payload: Any) -> int:
+def v1_loads_max_running(payload: Any, dp_rank: int | None = None) -> int:
     """The running-request cap SGLang derived, summed over the ranks of a ``/v1/loads`` answer
-    (0 when it names none). ValueError when it is not such an answer."""
-    return _total(_v1_ranks(payload), "max_running_requests")
+    or ``dp_rank``'s (0 when it names none). ValueError when it is not such an answer."""
+    return _total(_of_rank(_v1_ranks(payload), dp_rank), "max_running_requests")
 
 
 def _v1_ranks(payload: Any) -> list:
@@ -93,13 +100,25 @@ def _v1_ranks(payload: Any) -> list:
     return ranks
 
 
+def _of_rank(ranks: Sequence[Any], dp_rank: int | None) -> Sequence[Any]:
+    """Every rank's entry (None), or the one of ``dp_rank`` (an entry naming none is rank 0's,
+    as SGLang's ``dp_rank`` defaults to 0)."""
+    if dp_rank is None:
+        return ranks
+    mine = [r for r in ranks if isinstance(r, Mapping) and int(r.get("dp_rank") or 0) == dp_rank]
+    if not mine:
+        raise ValueError(f"the load answer has no entry for DP rank {dp_rank}")
+    return mine
+
+
 def _total(ranks: Sequence[Any], key: str) -> int:
     return sum(int(r.get(key, 0) or 0) for r in ranks if isinstance(r, Mapping))
 
 
-def parse_get_load(payload: Any, block_size: int) -> EngineLoadFigures:
-    """Read ``/get_load`` (an object or a list of per-rank objects); missing fields count 0."""
-    ranks: Sequence[Mapping[str, Any]] = payload if isinstance(payload, list) else [payload]
+def parse_get_load(payload: Any, block_size: int, dp_rank: int | None = None) -> EngineLoadFigures:
+    """Read ``/get_load`` (an object or a list of per-rank objects), all ranks or ``dp_rank``'s;
+    missing fields count 0."""
+    ranks = _of_rank(payload if isinstance(payload, list) else [payload], dp_rank)
     tokens = _total(ranks, "num_tokens")
     return EngineLoadFigures(
         running=_total(ranks, "num_reqs"),

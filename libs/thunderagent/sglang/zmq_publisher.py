@@ -266,3 +266,36 @@ class ZmqKvEventPublisher:
             if seq >= start:
                 self._replay.send_multipart((client, b"", self._topic, seq_to_bytes(seq), payload))
         self._replay.send_multipart((client, b"", b"", REPLAY_END_SEQ, b""))
+
+
+def start_rank_publishers(
+    text: str | bytes, dp_size: int, *, tries: int = 20
+) -> list[ZmqKvEventPublisher]:
+    """One started publisher per data-parallel rank, on consecutive ports from rank 0's, as
+    SGLang lays them out (subscribers derive rank r's port as rank 0's + r); [] for "null".
+
+    A wildcard port (``tcp://host:*``) is resolved by rank 0 and the others take the ports after
+    it; when one of those is taken, all close and rank 0 draws another (up to ``tries`` times)."""
+    config = KvEventsConfig.from_cli(text)
+    if config.publisher == "null":
+        return []
+    taken: zmq.ZMQError | None = None
+    for _ in range(tries):
+        started = [ZmqKvEventPublisher(config).start()]
+        # the addresses rank 0 got: rank r offsets a concrete port, not a second wildcard
+        pinned = msgspec.structs.replace(
+            config,
+            endpoint=started[0].endpoint or config.endpoint,
+            replay_endpoint=started[0].replay_endpoint or config.replay_endpoint,
+        )
+        try:
+            for rank in range(1, dp_size):
+                started.append(ZmqKvEventPublisher(pinned, attn_dp_rank=rank).start())
+            return started
+        except zmq.ZMQError as err:
+            for publisher in started:
+                publisher.close()
+            if pinned == config:  # fixed ports: no other to draw
+                raise
+            taken = err
+    raise taken or ValueError(f"tries must be at least 1, not {tries}")

@@ -20,7 +20,7 @@ from thunderagent.schemas.generate import (
     Usage,
 )
 from thunderagent.schemas.health import Health
-from thunderagent.schemas.ids import WORKER_ID_PATTERN, is_valid_worker_id
+from thunderagent.schemas.ids import WORKER_ID_PATTERN, dp_rank_worker_ids, is_valid_worker_id
 from thunderagent.schemas.kv import (
     AllCleared,
     BlocksRemoved,
@@ -126,6 +126,7 @@ __all__ = [
     "WorkerGenerate",
     "WorkerRegistration",
     "WorkerRole",
+    "dp_rank_worker_ids",
     "is_valid_worker_id",
     "subjects",
 ]

@@ -34,3 +34,12 @@ PositiveInt = Annotated[int, Meta(gt=0)]
 
 def is_valid_worker_id(worker_id: str) -> bool:
     return bool(_WORKER_ID_RE.match(worker_id))
+
+
+def dp_rank_worker_ids(worker_id: str, dp_size: int) -> list[str]:
+    """The fleet's worker ids for an engine of ``dp_size`` data-parallel ranks: the engine's own
+    id for one rank, ``<id>-dp<r>`` for rank r of several (each rank has its own KV cache, so
+    each is a worker to the router)."""
+    if dp_size <= 1:
+        return [worker_id]
+    return [f"{worker_id}-dp{rank}" for rank in range(dp_size)]

@@ -223,6 +223,7 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             kv_blocks=args.kv_blocks,
             kv_pull_gbps=args.kv_pull_gbps,
             instant=args.engine == "instant",
+            dp_size=args.dp_size,
         )
     )
 
@@ -372,7 +373,11 @@ def _worker_command(add) -> None:
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
     _metrics_arg(p)
-    p.add_argument("--worker-id", type=worker_id, required=True)
+    p.add_argument(
+        "--worker-id", type=worker_id, required=True,
+        help="the engine's id in the fleet; an engine of N data-parallel ranks (its /server_info "
+        "dp_size) is N workers, ID-dp0 ... ID-dp<N-1>",
+    )  # fmt: skip
     p.add_argument(
         "--engine-url",
         type=http_url,
@@ -409,6 +414,11 @@ def _simengine_command(add) -> None:
         help="tokens per KV block (SGLang's flag name)",
     )  # fmt: skip
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
+    p.add_argument(
+        "--dp-size", type=at_least(1), default=1,
+        help="data-parallel ranks, each with its own KV cache and events on the next port "
+        "(SGLang's flag)",
+    )  # fmt: skip
     p.add_argument(
         "--speedup", type=positive, default=1.0, help="run the engine's clock this much faster"
     )

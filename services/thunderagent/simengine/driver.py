@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Removed, Request
 from thunderagent.sglang import kv_wire
-from thunderagent.sglang.load import get_load_payload, v1_loads_payload
+from thunderagent.sglang.load import get_load_payload, v1_load_snapshot
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.salts import SaltBook
 
@@ -176,13 +176,13 @@ class EngineDriver:
         """Engine time: wall time since start, times ``speedup``."""
         return (time.monotonic() - self._epoch) * self.speedup
 
-    def load(self) -> dict:
-        """SGLang's ``/get_load`` entry for this engine (one data-parallel rank)."""
-        return get_load_payload(self.core.load())
+    def load(self, dp_rank: int = 0) -> dict:
+        """SGLang's ``/get_load`` entry for this engine, data-parallel rank ``dp_rank``."""
+        return get_load_payload(self.core.load(), dp_rank)
 
-    def loads(self) -> dict:
-        """SGLang 0.5's ``/v1/loads`` answer for this engine (one data-parallel rank)."""
-        return v1_loads_payload(self.core.load(), self.block_size)
+    def load_snapshot(self, dp_rank: int = 0) -> dict:
+        """SGLang 0.5's ``/v1/loads`` entry (a ``LoadSnapshot``) for rank ``dp_rank``."""
+        return v1_load_snapshot(self.core.load(), self.block_size, dp_rank)
 
     def flush(self) -> bool:
         flushed = self.core.flush(self.now())

@@ -12,7 +12,7 @@ import uvloop
 from aiohttp import web
 
 from thunderagent.engine import get_profile
-from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
+from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher, start_rank_publishers
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import configure_logging, setup_telemetry
@@ -41,6 +41,9 @@ class SimEngineConfig:
     """Pace KV pulls to this link speed in GB/s; 0: as fast as NIXL copies."""
     instant: bool = False
     """Zero compute time: every ``/generate`` gets one token at once (``instant.py``)."""
+    dp_size: int = 1
+    """Data-parallel ranks, each with its own scheduler, KV cache and event publisher (SGLang's
+    ``--dp-size``); a request names its rank or takes the next in turn."""
 
 
 async def _serve(config: SimEngineConfig) -> None:
@@ -50,6 +53,8 @@ async def _serve(config: SimEngineConfig) -> None:
     if config.kv_blocks is not None:
         profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
     kv_pool = None
+    if config.kv_pool and config.dp_size > 1:
+        raise SystemExit("simengine: --kv-pool takes one data-parallel rank (--dp-size 1)")
     if config.kv_pool:
         from thunderagent.simengine.kv_pool import NixlUnavailable, pool_for
 
@@ -59,36 +64,43 @@ async def _serve(config: SimEngineConfig) -> None:
             raise SystemExit(f"simengine: {err}") from None
         log.info("KV pool: %d blocks x %d bytes, NIXL agent %s", kv_pool.slots,
                  kv_pool.slot_bytes, kv_pool.name)  # fmt: skip
-    publisher = None
+    publishers: list[ZmqKvEventPublisher] = []
     if config.kv_events_config:
-        publisher = ZmqKvEventPublisher.from_cli(config.kv_events_config)
-    engine = EngineDriver(
-        profile,
-        publisher=publisher,
-        speedup=config.speedup,
-        link_bytes_per_s=config.link_gbps * 1e9,
-        kv_pool=kv_pool,
-    )
+        publishers = start_rank_publishers(config.kv_events_config, config.dp_size)
+    ranks = [
+        EngineDriver(
+            profile,
+            publisher=publishers[rank] if publishers else None,
+            speedup=config.speedup,
+            link_bytes_per_s=config.link_gbps * 1e9,
+            kv_pool=kv_pool,
+        )
+        for rank in range(config.dp_size)
+    ]
     info = EngineInfo(
         model=config.model,
         block_size=config.block_size,
-        kv_events_config=_as_bound(config.kv_events_config, publisher),
+        kv_events_config=bound_events_config(
+            config.kv_events_config, publishers[0] if publishers else None
+        ),
     )
     info.kv_pull_gbps = config.kv_pull_gbps
     info.instant = config.instant
-    app = SimEngineApp(engine, info).app
+    app = SimEngineApp(ranks, info).app
     runner = http_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    log.info("simulated engine %s on http://%s:%d", config.model, config.host, config.port)
+    log.info("simulated engine %s on http://%s:%d (%d DP rank%s)", config.model, config.host,
+             config.port, config.dp_size, "s" if config.dp_size > 1 else "")  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
-    await engine.close()
+    for engine in ranks:
+        await engine.close()
 
 
 def serve(config: SimEngineConfig) -> None:
@@ -100,8 +112,10 @@ def serve(config: SimEngineConfig) -> None:
         telemetry.shutdown()
 
 
-def _as_bound(kv_events_config: str | None, publisher: ZmqKvEventPublisher | None) -> str | None:
-    """The events config ``/server_info`` reports, with the addresses the publisher bound: a
+def bound_events_config(
+    kv_events_config: str | None, publisher: ZmqKvEventPublisher | None
+) -> str | None:
+    """The events config ``/server_info`` reports, with the addresses rank 0's publisher bound: a
     wildcard port (``tcp://127.0.0.1:*``, what ``thunderagent up`` passes, so no port picked
     in advance can be taken by another process first) becomes the port it got."""
     if not kv_events_config or publisher is None:

@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from thunderagent.simengine.dp_ranks import DpRanks
 from thunderagent.simengine.driver import (
-    EngineDriver,
     EngineRejected,
     GenerateInput,
     first_stop,
@@ -44,8 +44,8 @@ def _bad(message: str, status: int = 400) -> web.Response:
 
 
 class OpenAIRoutes:
-    def __init__(self, engine: EngineDriver, model: str) -> None:
-        self.engine = engine
+    def __init__(self, ranks: DpRanks, model: str) -> None:
+        self.ranks = ranks
         self.model = model
         self.tokenizer = ByteTokenizer()
 
@@ -95,8 +95,12 @@ class OpenAIRoutes:
         # OpenAI leaves out of the answer), finish_reason "stop"
         hit = first_stop(stops, max_tokens)
         finish = "length" if hit is None else "stop"
+        try:
+            engine = self.ranks.pick(body)
+        except ValueError as err:
+            return _bad(str(err))
         rid = uuid.uuid4().hex
-        events = self.engine.generate(
+        events = engine.generate(
             GenerateInput(
                 rid=rid,
                 input_ids=ids,

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from thunderagent.simengine import instant
+from thunderagent.simengine.dp_ranks import DpRanks
 from thunderagent.simengine.driver import (
     EngineDriver,
     EngineRejected,
@@ -66,8 +68,11 @@ def _bad(message: str, status: int = 400) -> web.Response:
 
 
 class SimEngineApp:
-    def __init__(self, engine: EngineDriver, info: EngineInfo) -> None:
-        self.engine = engine
+    def __init__(self, engine: EngineDriver | Sequence[EngineDriver], info: EngineInfo) -> None:
+        """``engine``: one driver, or one per data-parallel rank (``--dp-size``)."""
+        self.ranks = DpRanks([engine] if isinstance(engine, EngineDriver) else engine)
+        self.engine = self.ranks.engines[0]
+        """Rank 0: what every rank shares (profile, block size, capacity) is read here."""
         self.info = info
         self.tokenizer = ByteTokenizer()
         self.app = web.Application()
@@ -86,12 +91,12 @@ class SimEngineApp:
         r.add_post("/import_kv", self.import_kv)
         r.add_get("/v1/models", self.models)
         self.mover: KvMover | None = None
-        if engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
+        if self.engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
             pace = info.kv_pull_gbps * 1e9 or None
-            self.mover = KvMover(engine, engine.kv_pool, pace_bytes_per_s=pace)
+            self.mover = KvMover(self.engine, self.engine.kv_pool, pace_bytes_per_s=pace)
             self.mover.add_routes(self.app)
             self.app.on_cleanup.append(self._close_mover)
-        OpenAIRoutes(engine, info.model).add_to(self.app)
+        OpenAIRoutes(self.ranks, info.model).add_to(self.app)
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(text="")
@@ -102,6 +107,7 @@ class SimEngineApp:
                 "model_path": self.info.model,
                 "served_model_name": self.info.model,
                 "page_size": self.info.block_size,
+                "dp_size": len(self.ranks),
                 "max_running_requests": self.engine.max_running,
                 "max_total_num_tokens": self.engine.capacity_blocks * self.info.block_size,
                 # as SGLang: the server argument (None unless overridden), and the longest
@@ -130,14 +136,14 @@ class SimEngineApp:
         )
 
     async def get_load(self, _: web.Request) -> web.Response:
-        return web.json_response([self.engine.load()])
+        return web.json_response([e.load(r) for r, e in enumerate(self.ranks.engines)])
 
     async def loads(self, _: web.Request) -> web.Response:
-        answer = {"timestamp": time.time(), "version": "simulated", **self.engine.loads()}
-        return web.json_response(answer)
+        ranks = [e.load_snapshot(r) for r, e in enumerate(self.ranks.engines)]
+        return web.json_response({"timestamp": time.time(), "version": "simulated", "loads": ranks})
 
     async def flush_cache(self, _: web.Request) -> web.Response:
-        if not self.engine.flush():
+        if not all([e.flush() for e in self.ranks.engines]):  # every rank asked, as SGLang does
             return web.Response(status=400, text="Cache not flushed: requests are running.\n")
         return web.Response(text="Cache flushed.\n")
 
@@ -149,7 +155,8 @@ class SimEngineApp:
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             return _bad("rid must be a string")
-        self.engine.abort(rid)
+        for engine in self.ranks.engines:  # SGLang hands an abort to every rank
+            engine.abort(rid)
         return web.Response(text="")
 
     async def import_kv(self, request: web.Request) -> web.Response:
@@ -163,8 +170,12 @@ class SimEngineApp:
         ids = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**63 for t in ids):
             return _bad("input_ids must be a list of integers in [0, 2**63)")  # SGLang's range
-        blocks, seconds = self.engine.import_kv(ids)
-        await asyncio.sleep(seconds / self.engine.speedup)
+        try:
+            engine = self.ranks.pick(body)
+        except ValueError as err:
+            return _bad(str(err))
+        blocks, seconds = engine.import_kv(ids)
+        await asyncio.sleep(seconds / engine.speedup)
         return web.json_response({"imported_blocks": blocks, "transfer_s": seconds})
 
     async def models(self, _: web.Request) -> web.Response:
@@ -183,9 +194,13 @@ class SimEngineApp:
         parsed = self._parse_generate(body)
         if isinstance(parsed, web.Response):
             return parsed
+        try:
+            engine = self.ranks.pick(body)
+        except ValueError as err:
+            return _bad(str(err))
         ctx = extract_context(request.headers)
         with _tracer.start_as_current_span("engine generate", context=ctx, kind=SpanKind.SERVER):
-            events = self.engine.generate(parsed)
+            events = engine.generate(parsed)
             try:
                 first = await anext(events)
             except (EngineRejected, ValueError) as err:
@@ -202,9 +217,13 @@ class SimEngineApp:
         parsed = self._parse_generate(body)
         if isinstance(parsed, web.Response):
             return parsed
+        try:
+            engine = self.ranks.pick(body)
+        except ValueError as err:
+            return _bad(str(err))
         stream = bool(body.get("stream"))
         with start_span_if_sampled(_tracer, "engine generate", request.headers, SpanKind.SERVER):
-            payload = await instant.answer(self.engine, parsed, received, stream=stream)
+            payload = await instant.answer(engine, parsed, received, stream=stream)
         kind = "text/event-stream" if stream else "application/json"
         return web.Response(body=payload, content_type=kind)
 

@@ -131,6 +131,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--engine", choices=["timed", "instant"], default="timed",
         help="simulated engines: timed (roofline model) or instant (one token at once)",
     )  # fmt: skip
+    p.add_argument(
+        "--dp-size", type=at_least(1), default=1,
+        help="data-parallel ranks per simulated engine (SGLang's --dp-size): each rank has its "
+        "own KV cache and is a worker of its own, w<i>-dp<r>",
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -160,6 +165,8 @@ class StackConfig:
     kv_blocks: int | None = None
     engine: str = "timed"
     """Simulated engines' mode: ``timed`` (roofline model) or ``instant`` (zero compute)."""
+    dp_size: int = 1
+    """Data-parallel ranks per simulated engine; each rank is a worker of the fleet."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
     engine_args: list[str] = field(default_factory=list)
@@ -195,6 +202,7 @@ class StackConfig:
             kv_pool_scale=args.kv_pool_scale,
             kv_blocks=args.kv_blocks,
             engine=args.engine,
+            dp_size=args.dp_size,
         )
 
 
@@ -227,7 +235,7 @@ class Stack:
                 wait_until_ready(
                     stack.nats_url,
                     stack.expected_services(),
-                    config.workers,
+                    config.workers * config.dp_size,
                     check=stack.raise_if_a_child_died,
                 )
             )
@@ -258,7 +266,7 @@ class Stack:
         this process's own clients (readiness, demo, benchmarks) find them in the environment."""
         c = self.config
         tls = TlsFiles(c.tls_cert, c.tls_key) if c.tls_cert and c.tls_key else None
-        users = stack_users(f"w{i}" for i in range(c.workers)) if c.auth else []
+        users = stack_users((f"w{i}" for i in range(c.workers)), c.dp_size) if c.auth else []
         if users:
             self.creds_dir = write_credentials(
                 self.run_dir / "creds", users, ca=tls.trust if tls else None
@@ -313,7 +321,7 @@ class Stack:
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,
                 "--profile", c.profile, "--page-size", str(c.block_size),
                 "--kv-events-config", events, "--speedup", str(c.speedup), *pool,
-                "--engine", c.engine, *c.engine_args,
+                "--engine", c.engine, "--dp-size", str(c.dp_size), *c.engine_args,
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
@@ -393,9 +401,12 @@ def _this_command() -> str:
 
 def describe(stack: Stack) -> str:
     c = stack.config
+    fleet = f"{c.workers} simulated worker{'' if c.workers == 1 else 's'}"
+    if c.dp_size > 1:
+        fleet = (f"{c.workers} simulated engine{'' if c.workers == 1 else 's'} x {c.dp_size} "
+                 f"data-parallel ranks ({c.workers * c.dp_size} workers)")  # fmt: skip
     lines = [
-        f"ThunderAgent is up: {c.workers} simulated worker{'' if c.workers == 1 else 's'} "
-        f"serving {c.model!r}",
+        f"ThunderAgent is up: {fleet} serving {c.model!r}",
         f"  NATS   {stack.nats_url}",
     ]
     if stack.gateway_url:

@@ -8,14 +8,16 @@ failure, reaches the client as a ``FinalReply`` or an ``ErrorReply``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
 from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, load_report
@@ -30,6 +32,7 @@ from thunderagent.schemas import (
     WorkerGenerate,
     WorkerRegistration,
     WorkerRole,
+    dp_rank_worker_ids,
     is_valid_worker_id,
     subjects,
 )
@@ -41,19 +44,21 @@ from thunderagent.sglang.load import (
     parse_v1_loads,
     v1_loads_max_running,
 )
-from thunderagent.sglang.zmq_publisher import publisher_binds
+from thunderagent.sglang.zmq_publisher import offset_endpoint_port, publisher_binds
 from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
-from thunderagent.telemetry.setup import meter
 from thunderagent.tokenizer import BYTES_SPEC, load_tokenizer
 from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.generation import Generation
 from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
+from thunderagent.worker.metrics import adapter_metrics
 from thunderagent.worker.migration import WorkerMigration
 from thunderagent.worker.waits import sleep_or_stop, wait_any
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 UNHEALTHY_AFTER = 3
 """Load polls failing in a row before the engine counts as gone (with the default 0.2 s poll,
@@ -84,6 +89,9 @@ class AdapterConfig:
     through the scheduler, and one that does not know the run (restarted since, or never told
     of a router's direct dispatch) would run it a second time. Under the clients' 5 s
     ``retry_after_s``; runs that answer sooner send nothing extra."""
+    dp_rank: int | None = None
+    """The engine's data-parallel rank this adapter stands for (``main`` runs one per rank of an
+    engine with several): its runs go there, its load and KV events are that rank's."""
 
 
 class WorkerAdapter:
@@ -105,43 +113,17 @@ class WorkerAdapter:
         self.migration: WorkerMigration | None = None
         self._old_load_api = False
         """The engine answered 404 to ``/v1/loads``: it is read through ``/get_load``."""
-        m = meter("thunderagent.worker")
-        self._completed = m.create_counter(
-            "thunderagent_requests_completed", description="Requests finished with a FinalReply"
-        )
-        self._hit_requests = m.create_counter(
-            "thunderagent_cache_hit_requests",
-            description="Finished requests the engine served partly from its prefix cache",
-        )
-        self._prompt_tokens = m.create_counter(
-            "thunderagent_prompt_tokens", unit="{token}", description="Prompt tokens finished"
-        )
-        self._cached_tokens = m.create_counter(
-            "thunderagent_cached_prompt_tokens",
-            unit="{token}",
-            description="Prompt tokens served from the engine's KV cache",
-        )
-        m.create_observable_counter(
-            "thunderagent_kv_mirror_blocks",
-            callbacks=[self._mirror_blocks],
-            unit="{block}",
-            description="Engine KV blocks the adapter relayed to the index, or skipped and why",
-        )
-        m.create_observable_counter(
-            "thunderagent_dispatch_pulls",
-            callbacks=[self._pulls],
-            description="Prefix copies made for runs before they started (PullHint), by outcome",
-        )
+        self.metrics = adapter_metrics()
+        self.metrics.adapters.add(self)
 
-    def _pulls(self, _options: CallbackOptions) -> list[Observation]:
-        return self._by_outcome(self.migration.pulls if self.migration is not None else {})
-
-    def _mirror_blocks(self, _options: CallbackOptions) -> list[Observation]:
+    def mirror_observations(self) -> list[Observation]:
         """The mirror's counts: a block skipped here is one the router never learns of, so an
         operator must see them (a lost event, a block size that does not match, a tier the
         index does not track)."""
-        counts = self.relay.mirror.stats.by_outcome() if self.relay is not None else {}
-        return self._by_outcome(counts)
+        return self._by_outcome(self.relay.mirror.stats.by_outcome() if self.relay else {})
+
+    def pull_observations(self) -> list[Observation]:
+        return self._by_outcome(self.migration.pulls if self.migration is not None else {})
 
     def _by_outcome(self, counts: Mapping[str, int]) -> list[Observation]:
         wid = self.config.worker_id
@@ -177,12 +159,12 @@ class WorkerAdapter:
         """SGLang's ``/server_info`` holds ``--max-running-requests`` as given (None unless set);
         the cap it derived is in ``/v1/loads``, summed over its ranks. 0 when unknown."""
         try:
-            return v1_loads_max_running(await self.engine.get_json(LOADS_PATH))
+            return v1_loads_max_running(await self.engine.get_json(LOADS_PATH), self.config.dp_rank)
         except (TimeoutError, OSError, EngineError, ValueError, TypeError):
             return 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.registration = await self._wait_for_engine(stop)
+        self.registration = await _once_ready(self.engine, stop, self.describe_engine)
         if self.registration is None:
             return
         self.lease = IdLease(await workers_bucket(self.bus), self.registration)
@@ -250,22 +232,12 @@ class WorkerAdapter:
                             "true", endpoint)  # fmt: skip
         host = urlparse(self.engine.base_url).hostname or "127.0.0.1"
         replay = config.get("replay_endpoint")
+        rank = self.config.dp_rank or 0  # rank r publishes on rank 0's ports + r (SGLang's rule)
         return (
-            _connectable(endpoint, host),
-            _connectable(replay, host) if replay else None,
+            offset_endpoint_port(_connectable(endpoint, host), rank) or endpoint,
+            offset_endpoint_port(_connectable(replay, host), rank) if replay else None,
             config.get("topic", ""),
         )
-
-    async def _wait_for_engine(self, stop: asyncio.Event) -> WorkerRegistration | None:
-        delay = 0.1
-        while not stop.is_set():
-            try:
-                return await self.describe_engine()
-            except (TimeoutError, OSError, EngineError) as err:
-                log.info("engine %s not ready (%s)", self.engine.base_url, err)
-            await sleep_or_stop(stop, delay)
-            delay = min(delay * 2, 2.0)
-        return None
 
     async def _lease_loop(self, stop: asyncio.Event) -> None:
         """Renew the lease while the engine answers; leave the fleet at once when it stops
@@ -362,16 +334,23 @@ class WorkerAdapter:
     async def _engine_load(self, block_size: int) -> EngineLoadFigures:
         """SGLang 0.5's ``/v1/loads``; an engine without it (404: SGLang before 0.5) is read
         through ``/get_load`` from then on."""
+        rank = self.config.dp_rank
         if not self._old_load_api:
             try:
-                return parse_v1_loads(await self.engine.get_json(LOADS_PATH), block_size)
+                return parse_v1_loads(await self._load_answer(LOADS_PATH), block_size, rank)
             except EngineError as err:
                 if err.status != 404:
                     raise
                 log.info("engine %s has no %s: reading %s", self.engine.base_url, LOADS_PATH,
                          OLD_LOAD_PATH)  # fmt: skip
                 self._old_load_api = True
-        return parse_get_load(await self.engine.get_json(OLD_LOAD_PATH), block_size)
+        return parse_get_load(await self._load_answer(OLD_LOAD_PATH), block_size, rank)
+
+    async def _load_answer(self, path: str) -> object:
+        """The engine's load answer; the ranks of one engine share theirs (it holds them all)."""
+        if self.config.dp_rank is None:
+            return await self.engine.get_json(path)
+        return await self.engine.get_shared(path, self.config.load_interval_s / 2)
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
@@ -438,11 +417,12 @@ class WorkerAdapter:
 
     def _count(self, final: FinalReply, model: str) -> None:
         attrs = {"model": model, "worker_id": self.config.worker_id}
-        self._completed.add(1, attrs)
-        self._prompt_tokens.add(final.usage.prompt_tokens, attrs)
-        self._cached_tokens.add(final.usage.cached_tokens, attrs)
+        m = self.metrics
+        m.completed.add(1, attrs)
+        m.prompt_tokens.add(final.usage.prompt_tokens, attrs)
+        m.cached_tokens.add(final.usage.cached_tokens, attrs)
         if final.usage.cached_tokens:
-            self._hit_requests.add(1, attrs)
+            m.hit_requests.add(1, attrs)
 
 
 def _context_length(info: dict) -> int:
@@ -479,6 +459,49 @@ def _doubled(failures: int) -> bool:
     return failures & (failures - 1) == 0
 
 
+def dp_size(info: Mapping) -> int:
+    """How many data-parallel ranks, each with its own KV cache, the engine runs: SGLang 0.5's
+    ``kv_events.dp_size`` (one event publisher per rank), else its ``dp_size`` server argument."""
+    events = info.get("kv_events")
+    ranks = events.get("dp_size") if isinstance(events, Mapping) else None
+    return max(1, int(ranks or info.get("dp_size") or 1))
+
+
+def rank_configs(config: AdapterConfig, ranks: int) -> list[AdapterConfig]:
+    """One adapter per rank of an engine with several: rank r is worker ``<id>-dp<r>`` to the
+    fleet (the router weighs each rank's cache and load apart, as it would two engines)."""
+    if ranks == 1 or config.dp_rank is not None:
+        return [config]
+    ids = dp_rank_worker_ids(config.worker_id, ranks)
+    return [dataclasses.replace(config, worker_id=w, dp_rank=r) for r, w in enumerate(ids)]
+
+
 async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
     async with EngineClient(config.engine_url) as engine:
-        await WorkerAdapter(config, ctx.bus, engine).run(ctx.stop)
+        info = await _once_ready(engine, ctx.stop, lambda: engine.get_json("/server_info"))
+        if info is None:
+            return
+        configs = rank_configs(config, dp_size(info))
+        if len(configs) > 1:
+            log.info("engine %s runs %d data-parallel ranks: workers %s", engine.base_url,
+                     len(configs), ", ".join(c.worker_id for c in configs))  # fmt: skip
+        async with asyncio.TaskGroup() as tg:
+            for c in configs:
+                client = engine if c.dp_rank is None else engine.for_rank(c.dp_rank)
+                tg.create_task(WorkerAdapter(c, ctx.bus, client).run(ctx.stop))
+
+
+async def _once_ready(
+    engine: EngineClient, stop: asyncio.Event, ask: Callable[[], Awaitable[T]]
+) -> T | None:
+    """``ask()``'s answer once the engine gives one, asking again with backoff while it does
+    not answer (starting up); None when stopped first."""
+    delay = 0.1
+    while not stop.is_set():
+        try:
+            return await ask()
+        except (TimeoutError, OSError, EngineError) as err:
+            log.info("engine %s not ready (%s)", engine.base_url, err)
+        await sleep_or_stop(stop, delay)
+        delay = min(delay * 2, 2.0)
+    return None

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +51,13 @@ class EngineChunk:
 class EngineClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.dp_rank: int | None = None
+        """The data-parallel rank this client's runs go to (``for_rank``); None: the engine's
+        own choice."""
         self._session: aiohttp.ClientSession | None = None
+        self._shared: dict[str, tuple[float, asyncio.Future]] = {}
+        """``get_shared``'s latest GET per path, with when it was sent (the rank views share
+        this dict: ``for_rank`` copies the reference)."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._streams = Http1Pool(self.base_url, connect_timeout_s=5)
         """``/generate``'s connections (its runs are bounded by the adapter's own limit)."""
@@ -62,6 +71,20 @@ class EngineClient:
         self._streams.close()
         if self._session is not None:
             await self._session.close()
+
+    def for_rank(self, dp_rank: int) -> EngineClient:
+        """A client whose runs and imports go to ``dp_rank``, sharing this one's connections
+        (it is opened and closed with this one). The rank travels as ``data_parallel_rank``,
+        the spelling sgl-model-gateway's DP-aware mode sends and releases before SGLang's
+        rename know; 0.5.23 still takes it, as ``routed_dp_rank``."""
+        ranked = copy.copy(self)
+        ranked.dp_rank = dp_rank
+        return ranked
+
+    def _ranked(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.dp_rank is not None:
+            body["data_parallel_rank"] = self.dp_rank
+        return body
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -80,9 +103,20 @@ class EngineClient:
         except aiohttp.ClientError as err:
             raise _broken(path, err) from err
 
+    async def get_shared(self, path: str, fresh_s: float) -> Any:
+        """``get_json(path)``, one GET for every rank view that asks within ``fresh_s`` of the
+        first: each rank's adapter polls the load, and one answer holds every rank's (an engine
+        of 8 ranks is asked once per poll, not 8 times). A failure is shared the same way."""
+        now = time.monotonic()
+        sent = self._shared.get(path)
+        if sent is None or now - sent[0] > fresh_s:
+            sent = (now, asyncio.ensure_future(self.get_json(path)))
+            self._shared[path] = sent
+        return await asyncio.shield(sent[1])  # one rank's cancellation stops not the others'
+
     async def import_kv(self, token_ids: list[int]) -> dict:
         """PD: import a prompt's KV (the simulated engine's ``/import_kv``)."""
-        body = _encode({"input_ids": token_ids})
+        body = _encode(self._ranked({"input_ids": token_ids}))
         headers = {"Content-Type": "application/json"}
         try:
             async with self.session.post(
@@ -126,7 +160,7 @@ class EngineClient:
             body["cache_salt"] = cache_salt
         headers = inject_headers({"Content-Type": "application/json"})
         # msgspec, not json.dumps: prompts are thousands of ints, on every request
-        async with self._streams.stream("/generate", _encode(body), headers) as resp:
+        async with self._streams.stream("/generate", _encode(self._ranked(body)), headers) as resp:
             if resp.status != 200:
                 raise EngineError(resp.status, (await resp.read()).decode(errors="replace")[:500])
             deltas = _Deltas()

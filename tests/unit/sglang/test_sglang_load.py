@@ -13,6 +13,8 @@ from thunderagent.sglang.load import (
     get_load_payload,
     parse_get_load,
     parse_v1_loads,
+    v1_load_snapshot,
+    v1_loads_max_running,
     v1_loads_payload,
 )
 
@@ -55,3 +57,29 @@ def test_an_answer_that_is_not_v1_loads_is_refused(answer: object) -> None:
 def test_a_rank_with_a_count_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ValueError):
         parse_v1_loads({"loads": [{"num_running_reqs": "lots"}]}, 16)
+
+
+@given(ranks=st.lists(loads, min_size=1, max_size=4), block_size=st.integers(1, 1024))
+def test_one_rank_of_an_answer_reads_as_that_rank_alone(ranks: list, block_size: int) -> None:
+    """An adapter standing for one data-parallel rank reads its own entry of either answer,
+    the same figures as an engine of that one rank; the ranks' figures add up to the whole."""
+    v1 = {"loads": [v1_load_snapshot(load, block_size, r) for r, load in enumerate(ranks)]}
+    old = [get_load_payload(load, r) for r, load in enumerate(ranks)]
+    mine = [parse_v1_loads(v1, block_size, r) for r in range(len(ranks))]
+    for rank, load in enumerate(ranks):
+        alone = parse_v1_loads(v1_loads_payload(load, block_size), block_size)
+        assert mine[rank] == alone == parse_get_load(old, block_size, rank)
+    whole = parse_v1_loads(v1, block_size)
+    assert whole.running == sum(m.running for m in mine)
+    assert whole.num_tokens == sum(m.num_tokens for m in mine)
+
+
+def test_a_rank_the_answer_does_not_name_is_refused() -> None:
+    answer = {"loads": [{"dp_rank": 0, "num_running_reqs": 1, "max_running_requests": 48}]}
+    assert v1_loads_max_running(answer, 0) == 48
+    with pytest.raises(ValueError, match="DP rank 1"):
+        parse_v1_loads(answer, 16, 1)
+    with pytest.raises(ValueError, match="DP rank 1"):
+        v1_loads_max_running(answer, 1)
+    # an entry naming no rank is rank 0's (SGLang's default), as for an older engine
+    assert parse_get_load({"num_reqs": 2}, 16, 0).running == 2

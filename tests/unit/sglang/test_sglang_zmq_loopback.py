@@ -6,6 +6,7 @@ The SGLang side of the same protocol is checked in tests/contract/test_sglang_kv
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -18,6 +19,7 @@ from thunderagent.sglang.zmq_publisher import (
     KvEventsConfig,
     PublisherClosedError,
     ZmqKvEventPublisher,
+    start_rank_publishers,
 )
 from thunderagent.sglang.zmq_subscriber import (
     Gap,
@@ -199,3 +201,35 @@ def test_config_and_lifecycle() -> None:
     pub.close()
     with pytest.raises(PublisherClosedError):
         pub.publish([])
+
+
+def test_rank_publishers_take_consecutive_ports_from_a_wildcard() -> None:
+    """SGLang's ranks publish on rank 0's ports + r, and subscribers count on it: a wildcard
+    port is drawn once, by rank 0, and the other ranks bind the ports after it."""
+    config = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "bind": True,
+                         "replay_endpoint": "tcp://127.0.0.1:*"})  # fmt: skip
+    publishers = start_rank_publishers(config, 3)
+    try:
+        ports = [int(p.endpoint.rsplit(":", 1)[1]) for p in publishers]
+        replays = [int(p.replay_endpoint.rsplit(":", 1)[1]) for p in publishers]
+        assert ports == [ports[0] + r for r in range(3)]
+        assert replays == [replays[0] + r for r in range(3)]
+        assert [p.attn_dp_rank for p in publishers] == [0, 1, 2]
+    finally:
+        for p in publishers:
+            p.close()
+    assert start_rank_publishers('{"publisher": "null"}', 2) == []
+
+
+def test_rank_publishers_on_a_fixed_port_that_is_taken_fail_with_every_socket_closed() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = json.dumps(
+            {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port - 1}", "bind": True}
+        )
+        with pytest.raises(zmq.ZMQError):
+            start_rank_publishers(config, 2)  # rank 1 would take the port in use
+    # rank 0's socket was closed: its port binds again
+    start_rank_publishers(config, 1)[0].close()

@@ -24,9 +24,9 @@ class _Engine:
         return self.info
 
 
-def _source(events: dict | None, *, override: str | None = None):
+def _source(events: dict | None, *, override: str | None = None, dp_rank: int | None = None):
     config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url,
-                           kv_events_endpoint=override)  # fmt: skip
+                           kv_events_endpoint=override, dp_rank=dp_rank)  # fmt: skip
     adapter = WorkerAdapter(config, bus=None, engine=_Engine(events))  # type: ignore[arg-type]
     return asyncio.run(adapter._kv_event_source())
 
@@ -57,3 +57,15 @@ def test_a_publisher_that_connects_is_named_as_the_reason_nothing_arrives(caplog
 
 def test_the_workers_own_setting_wins() -> None:
     assert _source(None, override="tcp://127.0.0.1:6000") == ("tcp://127.0.0.1:6000", None, "")
+
+
+def test_a_data_parallel_rank_reads_the_ports_its_rank_publishes_on() -> None:
+    """SGLang's rank r binds rank 0's ports + r (``offset_endpoint_port``; the contract test
+    checks it against SGLang's own); rank 0 and an adapter of the whole engine read the base."""
+    events = {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv",
+              "replay_endpoint": "tcp://*:6000"}  # fmt: skip
+    assert _source(events, dp_rank=0) == _source(events) == (
+        "tcp://10.0.0.7:5557", "tcp://10.0.0.7:6000", "kv",
+    )  # fmt: skip
+    assert _source(events, dp_rank=3) == ("tcp://10.0.0.7:5560", "tcp://10.0.0.7:6003", "kv")
+    assert _source(None, override="tcp://127.0.0.1:6000", dp_rank=1)[0] == "tcp://127.0.0.1:6001"

@@ -7,7 +7,13 @@ import asyncio
 import pytest
 
 from thunderagent.sglang.load import LOADS_PATH
-from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter, _context_length
+from thunderagent.worker.adapter import (
+    AdapterConfig,
+    WorkerAdapter,
+    _context_length,
+    dp_size,
+    rank_configs,
+)
 from thunderagent.worker.engine_client import EngineError
 
 
@@ -75,3 +81,39 @@ def test_the_block_size_is_the_one_the_engines_events_use(info, block_size):
     config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
     adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, None))  # type: ignore[arg-type]
     assert asyncio.run(adapter.describe_engine()).block_size == block_size
+
+
+def test_a_rank_registers_its_own_running_cap() -> None:
+    info = {"model_path": "m", "page_size": 16, "max_total_num_tokens": 16_000}
+    loads = {"loads": [{"dp_rank": 0, "max_running_requests": 48},
+                       {"dp_rank": 1, "max_running_requests": 40}]}  # fmt: skip
+    caps = []
+    for rank in (None, 0, 1):
+        config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url, dp_rank=rank)
+        adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, loads))  # type: ignore[arg-type]
+        caps.append(asyncio.run(adapter.describe_engine()).max_running_requests)
+    assert caps == [88, 48, 40]
+
+
+@pytest.mark.parametrize(
+    ("info", "ranks"),
+    [
+        ({}, 1),  # SGLang before data parallelism, or the simulated engine's default
+        ({"dp_size": 4}, 4),  # its server argument
+        ({"dp_size": 4, "kv_events": {"dp_size": 4, "block_size": 16}}, 4),  # 0.5's publishers
+        ({"dp_size": None, "kv_events": None}, 1),
+    ],
+)
+def test_the_ranks_are_read_from_the_engine_and_each_is_a_worker(info, ranks) -> None:
+    assert dp_size(info) == ranks
+    config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
+    configs = rank_configs(config, ranks)
+    if ranks == 1:
+        assert configs == [config]  # one rank: the engine is the worker, its id unchanged
+    else:
+        assert [(c.worker_id, c.dp_rank) for c in configs] == [
+            (f"w0-dp{r}", r) for r in range(ranks)
+        ]
+    # an adapter told its rank stands for that rank alone
+    one = AdapterConfig(worker_id="w0-dp2", engine_url=_Engine.base_url, dp_rank=2)
+    assert rank_configs(one, ranks) == [one]

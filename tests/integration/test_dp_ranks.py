@@ -1,0 +1,53 @@
+"""An engine with several data-parallel ranks (SGLang's ``--dp-size``): each rank has its own
+KV cache, publishes its events on its own port and reports its own load, so the adapter makes
+each a worker of the fleet and sends a rank's runs there. Over real NATS and HTTP, with the
+simulated engine laid out as SGLang lays out its ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import PAGE, conversation, holder_known, routable
+from thunderagent.schemas import GenerateRequest
+from thunderagent.sglang.kv_wire import sglang_block_hashes
+
+pytestmark = pytest.mark.integration
+
+
+def _cached_blocks(engine, prompt: list[int]) -> int:
+    """Leading blocks of ``prompt`` this rank's cache holds."""
+    return engine.core.cache.match(sglang_block_hashes(prompt, PAGE)).gpu
+
+
+async def test_each_rank_is_a_worker_and_a_prefix_comes_back_to_its_rank(nats_server):
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, dp_size=2, policy="thunder",
+                               profile="llama-3.1-8b-h100", speedup=50)  # fmt: skip
+        router = stack.services["router"].runtime.core
+        assert sorted(w.registration.worker_id for w in router.fleet.for_model(MODEL)) == [
+            "w0-dp0",
+            "w0-dp1",
+        ]
+        client = await routable(nats_server.url, 2)
+        ranks = stack.dp_ranks["w0"]
+        served: set[str] = set()
+        for seed in range(4):
+            prefix = conversation(seed + 1, 12)
+            first = await client.generate(
+                GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+            )
+            worker = first.final.worker_id
+            rank = int(worker.removeprefix("w0-dp"))
+            # the run went to the rank its worker names, and only there
+            assert _cached_blocks(ranks[rank], prefix) == 12
+            assert _cached_blocks(ranks[1 - rank], prefix) == 0
+            await holder_known(router, prefix, worker)  # that rank's events, not the other's
+            second = await client.generate(
+                GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
+            )
+            assert second.final.worker_id == worker
+            assert second.final.usage.cached_tokens == 12 * PAGE
+            served.add(worker)
+        await client.close()
+    assert served == {"w0-dp0", "w0-dp1"}  # the router spread the prefixes over both ranks
