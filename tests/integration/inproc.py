@@ -91,6 +91,7 @@ class InprocStack:
         instant: bool = False,
         model: str = MODEL,
         dp_size: int = 1,
+        lora_adapters: list[str] | None = None,
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
         addresses (a restart: same URL, empty cache, event sequence from 0); ``instant``: the
@@ -121,6 +122,7 @@ class InprocStack:
         events_config = bound_events_config(events_config, publishers[0] if publishers else None)
         info = EngineInfo(model=model, block_size=engine.block_size, kv_events_config=events_config)
         info.instant = instant
+        info.lora_adapters = list(lora_adapters or [])
         app = SimEngineApp(ranks, info).app
         runner = http_runner(app)
         await runner.setup()

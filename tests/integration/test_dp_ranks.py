@@ -51,3 +51,34 @@ async def test_each_rank_is_a_worker_and_a_prefix_comes_back_to_its_rank(nats_se
             served.add(worker)
         await client.close()
     assert served == {"w0-dp0", "w0-dp1"}  # the router spread the prefixes over both ranks
+
+
+async def test_a_process_per_rank_stands_for_its_rank_alone(nats_server):
+    """``thunderagent worker --dp-rank R``: adapters in separate processes (one per rank, so no
+    single Python process carries every rank's streams) register a worker each, as one adapter
+    for the whole engine would."""
+    from tests.integration.test_kv_routing import wait_for
+    from thunderagent.worker.adapter import AdapterConfig
+    from thunderagent.worker.adapter import main as adapter_main
+
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=0, policy="thunder")
+        url = await stack.start_engine("gpu0", dp_size=2, speedup=50)
+        for rank in (1, 0):
+            config = AdapterConfig(worker_id="gpu0", engine_url=url, dp_rank=rank,
+                                   lease_s=2.0, load_interval_s=0.05)  # fmt: skip
+            await stack.start_service(
+                f"worker-gpu0-{rank}", lambda ctx, c=config: adapter_main(ctx, c)
+            )
+        router = stack.services["router"].runtime.core
+        await wait_for(lambda: len(router.fleet.for_model(MODEL)) == 2, what="two rank workers")
+        assert sorted(w.registration.worker_id for w in router.fleet.for_model(MODEL)) == [
+            "gpu0-dp0",
+            "gpu0-dp1",
+        ]
+        client = await routable(nats_server.url, 2)
+        done = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=conversation(9, 4), max_tokens=2)
+        )
+        await client.close()
+    assert done.final.worker_id in {"gpu0-dp0", "gpu0-dp1"}

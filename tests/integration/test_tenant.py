@@ -4,7 +4,9 @@ hashes and names the salt on its ``BlockStored`` events, the adapter's mirror re
 chains into the tenant's namespace, and the router hashes a salted prompt the same way.
 
 So two tenants sending the same prompt share no cached tokens, and the router predicts none;
-the same tenant does hit, and so do unsalted requests among themselves.
+the same tenant does hit, and so do unsalted requests among themselves. LoRA adapters the same
+way (``GenerateRequest.lora_name``, SGLang's ``lora_path`` and its events' ``lora_name``): an
+adapter's KV is its own, apart from the base model's and every other adapter's.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import asyncio
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import wait_for
 from thunderagent.bus import Bus, connect
-from thunderagent.client import ThunderClient
-from thunderagent.hashing import BlockHasher
+from thunderagent.client import RequestFailed, ThunderClient
+from thunderagent.hashing import BlockHasher, kv_namespace
 from thunderagent.schemas import BlocksStored, GenerateRequest, KvEventBatch, subjects
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
-from thunderagent.simengine.salts import SaltBook
+from thunderagent.simengine.salts import CacheNamespace, SaltBook
+from thunderagent.worker.adapter import AdapterConfig
+from thunderagent.worker.adapter import main as adapter_main
 
 BLOCK = 16
 
@@ -63,11 +68,11 @@ def test_mirror_hashes_a_salted_chain_like_the_router():
 
 
 def test_the_salt_book_forgets_what_nothing_holds():
-    book, cached = SaltBook(), {1, 2}
-    book.hold([1, 2, 3], "a")
-    book.hold([3], "a")
+    book, cached, a = SaltBook(), {1, 2}, CacheNamespace("a", None)
+    book.hold([1, 2, 3], a)
+    book.hold([3], a)
     book.release([1, 2, 3], cached.__contains__)
-    assert (book.salt_of(1), book.salt_of(3)) == ("a", "a")  # 3: still held by the second
+    assert (book.salt_of(1), book.salt_of(3)) == (a, a)  # 3: still held by the second
     book.release([3], cached.__contains__)
     assert book.salt_of(3) is None and len(book) == 2
     cached.discard(1)
@@ -78,16 +83,20 @@ def test_the_salt_book_forgets_what_nothing_holds():
 # --- live: two tenants, one prompt --------------------------------------------------------
 
 
-async def _run(client: ThunderClient, tokens: list[int], salt: str | None):
-    request = GenerateRequest(model=MODEL, token_ids=tokens, max_tokens=2, cache_salt=salt)
+async def _run(client: ThunderClient, tokens: list[int], salt: str | None, lora: str | None = None):
+    request = GenerateRequest(model=MODEL, token_ids=tokens, max_tokens=2, cache_salt=salt,
+                              lora_name=lora)  # fmt: skip
     done = await client.generate(request)
     return done.final
 
 
-async def _hit(client: ThunderClient, tokens: list[int], salt: str | None, expect_blocks: int):
+async def _hit(
+    client: ThunderClient, tokens: list[int], salt: str | None, expect_blocks: int,
+    lora: str | None = None,
+):  # fmt: skip
     """Repeat until the router has seen the events of the first run (a few ms)."""
     for _ in range(100):
-        final = await _run(client, tokens, salt)
+        final = await _run(client, tokens, salt, lora)
         if final.predicted_cached_tokens >= expect_blocks * BLOCK:
             return final
         await asyncio.sleep(0.05)
@@ -129,3 +138,58 @@ async def test_tenants_share_no_cached_prefix_and_the_router_predicts_none(nats_
 
 async def _append(events: list, batch: KvEventBatch) -> None:
     events.append(batch)
+
+
+@pytest.mark.integration
+async def test_lora_adapters_share_no_cached_prefix_with_each_other_or_the_base_model(nats_server):
+    tokens = prompt(8, seed=2) + [7]
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, policy="thunder", speedup=100,
+                               lora_adapters=["sql-adapter", "chat-adapter"])  # fmt: skip
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        try:
+            first = await _run(client, tokens, None, "sql-adapter")
+            assert first.usage.cached_tokens == 0
+            again = await _hit(client, tokens, None, 8, "sql-adapter")
+            assert again.usage.cached_tokens >= 8 * BLOCK  # the same adapter hits
+            for salt, lora in ((None, "chat-adapter"), (None, None), ("tenant-a", "sql-adapter")):
+                other = await _run(client, tokens, salt, lora)
+                assert other.predicted_cached_tokens == 0, f"router predicted a hit: {lora}"
+                assert other.usage.cached_tokens == 0, f"engine served another's KV: {lora}"
+            # each adapter's blocks reach the router's index in the adapter's namespace
+            index = stack.services["router"].runtime.core.feeder.gpu_index
+            for lora in ("sql-adapter", "chat-adapter"):
+                mine = BlockHasher(BLOCK, kv_namespace(None, lora)).hash_tokens(tokens)
+                await wait_for(lambda m=mine: index.overlap(m.primary, m.check) == {"w0": 8},
+                               what=f"{lora}'s blocks in the router's index")  # fmt: skip
+        finally:
+            await client.close()
+
+
+@pytest.mark.integration
+async def test_a_request_for_an_adapter_goes_only_where_it_is_loaded(nats_server):
+    """Workers list their loaded adapters (SGLang's ``/v1/models``); a request naming one goes
+    to a worker that has it, and one naming an adapter no worker has is refused with why."""
+    tokens = prompt(4, seed=3)
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", speedup=100)
+        await stack.stop_service("worker-w1")  # w1 again, with an adapter loaded
+        await stack.start_engine("w1-lora", lora_adapters=["sql-adapter"])
+        config = AdapterConfig(worker_id="w1", engine_url=stack.engine_urls["w1-lora"],
+                               lease_s=2.0, load_interval_s=0.05)  # fmt: skip
+        await stack.start_service("worker-w1", lambda ctx: adapter_main(ctx, config))
+        router = stack.services["router"].runtime.core
+        await wait_for(lambda: (w := router.fleet.get("w1")) is not None
+                       and w.registration.lora_adapters == ["sql-adapter"],
+                       what="w1's adapters in the router's fleet")  # fmt: skip
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        try:
+            served = {(await _run(client, tokens + [i], None, "sql-adapter")).worker_id
+                      for i in range(6)}  # fmt: skip
+            assert served == {"w1"}
+            with pytest.raises(RequestFailed) as refused:
+                await _run(client, tokens, None, "chat-adapter")
+            assert "no worker of model" in str(refused.value)
+            assert "'chat-adapter'" in str(refused.value)
+        finally:
+            await client.close()

@@ -172,8 +172,12 @@ class WorkerRegistry:
             del self._workers[wid]
         return gone
 
-    def for_model(self, model: str) -> list[WorkerState]:
-        return [s for s in self._workers.values() if s.registration.model == model]
+    def for_model(self, model: str, lora_name: str | None = None) -> list[WorkerState]:
+        """The workers serving ``model``, with LoRA adapter ``lora_name`` loaded if one is named."""
+        states = [s for s in self._workers.values() if s.registration.model == model]
+        if lora_name:
+            states = [s for s in states if lora_name in s.registration.lora_adapters]
+        return states
 
     def models(self) -> set[str]:
         return {s.registration.model for s in self._workers.values()}

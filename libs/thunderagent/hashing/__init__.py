@@ -6,6 +6,8 @@ from thunderagent.hashing.blocks import (
     BlockHasher,
     BlockHashes,
     CheckHash,
+    Namespace,
+    kv_namespace,
     namespace_roots,
 )
 
@@ -15,5 +17,7 @@ __all__ = [
     "BlockHasher",
     "BlockHashes",
     "CheckHash",
+    "Namespace",
+    "kv_namespace",
     "namespace_roots",
 ]

@@ -4,10 +4,11 @@ Scheme (version 1, pinned by known-answer tests in ``tests/unit/hashing``):
 
 * Token ids are packed as uint32 little-endian; ``block_size`` tokens make a block. A partial last
   block is not hashed (it cannot be cached by a paged engine, so it cannot be routed on).
-* Root seeds come from the namespace (LoRA id, cache namespace, model...)::
+* Root seeds come from the namespace (a tenant's cache salt, a LoRA adapter...)::
 
       payload      = b"thunderagent.blocks.v1\\x00" + tag + value
-                     (tag b"i" + int as uint64 LE, or tag b"s" + str as UTF-8)
+                     (tag b"i" + int as uint64 LE, tag b"s" + str as UTF-8, or tag b"t" + a
+                     tuple of str, each as uint32 LE length + UTF-8)
       root_primary = xxh3_64(payload, seed=0)
       root_check   = xxh64(payload, seed=CHECK_SEED)
 
@@ -87,14 +88,32 @@ class BlockHashes(NamedTuple):
         return self.primary[-1], self.check[-1]
 
 
-def namespace_roots(namespace: int | str = 0) -> tuple[BlockHash, CheckHash]:
+Namespace = int | str | tuple[str, ...]
+"""What roots a chain: 0 (shared), a str (a tenant's cache salt), a tuple of str (parts that
+together name one namespace, e.g. a LoRA adapter and a salt; no str collides with one)."""
+
+
+def kv_namespace(cache_salt: str | None = None, lora_name: str | None = None) -> Namespace:
+    """The namespace a request's KV blocks are cached in, as the engine keys them: by its LoRA
+    adapter (an adapter's KV differs from the base model's) and its tenant's salt together."""
+    if lora_name:
+        return ("lora", lora_name, cache_salt or "")
+    return cache_salt or 0
+
+
+def namespace_roots(namespace: Namespace = 0) -> tuple[BlockHash, CheckHash]:
     """Root (primary, check) seeds for a namespace; see the module docstring for the payload."""
     if isinstance(namespace, str):
         payload = ROOT_DOMAIN + b"s" + namespace.encode()
+    elif isinstance(namespace, tuple) and all(isinstance(p, str) for p in namespace):
+        parts = [p.encode() for p in namespace]
+        payload = ROOT_DOMAIN + b"t" + b"".join(len(p).to_bytes(4, "little") + p for p in parts)
     elif isinstance(namespace, int) and 0 <= namespace <= _U64_MAX:
         payload = ROOT_DOMAIN + b"i" + namespace.to_bytes(8, "little")
     else:
-        raise ValueError(f"namespace must be a str or an int in [0, 2**64), got {namespace!r}")
+        raise ValueError(
+            f"namespace must be a str, a tuple of str or an int in [0, 2**64), got {namespace!r}"
+        )
     return BlockHash(xxh3_64_intdigest(payload, 0)), CheckHash(xxh64_intdigest(payload, CHECK_SEED))
 
 
@@ -147,7 +166,7 @@ class BlockHasher:
 
     __slots__ = ("_step", "block_size", "namespace", "root")
 
-    def __init__(self, block_size: int, namespace: int | str = 0) -> None:
+    def __init__(self, block_size: int, namespace: Namespace = 0) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thunderagent.fleet import WorkerRegistry, WorkerState, worker_view
-from thunderagent.hashing import BlockHasher, BlockHashes
+from thunderagent.hashing import BlockHasher, BlockHashes, kv_namespace
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes
@@ -146,11 +146,13 @@ class RouterCore:
     # ---- hashing -------------------------------------------------------------------------
 
     def hash_tokens(
-        self, token_ids: Sequence[int], block_size: int, salt: str | None = None
-    ) -> BlockHashes:
-        """The prompt's chained block hashes; a salt (tenant) opens its own namespace."""
-        if salt:  # tenants are unbounded: a salted hasher is built per call (two hashes)
-            return BlockHasher(block_size, salt).hash_tokens(token_ids)
+        self, token_ids: Sequence[int], block_size: int, salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> BlockHashes:  # fmt: skip
+        """The prompt's chained block hashes; a salt (tenant) and a LoRA adapter open their own
+        namespace (``kv_namespace``), as the engine caches them."""
+        if salt or lora_name:  # unbounded: such a hasher is built per call (two hashes)
+            return BlockHasher(block_size, kv_namespace(salt, lora_name)).hash_tokens(token_ids)
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size)
@@ -174,10 +176,12 @@ class RouterCore:
         expected_output_tokens: int,
         now: float,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> Routed | None:
-        """Rank the workers serving ``model`` for this prompt; None when none serves it. Only
-        remembers the answer until ``on_dispatched``: ranking itself changes no state."""
-        states = self.fleet.for_model(model)
+        """Rank the workers serving ``model`` (with LoRA adapter ``lora_name`` loaded, if named)
+        for this prompt; None when none serves it. Only remembers the answer until
+        ``on_dispatched``: ranking itself changes no state."""
+        states = self.fleet.for_model(model, lora_name)
         if not states:
             return None
         started = self.timer() if self.timer is not None else 0.0

@@ -11,7 +11,10 @@ Tenants: a request with a ``cache_salt`` is cached by SGLang in its own namespac
 hashes are seeded by the salt, and its ``BlockStored`` events carry the salt). The mirror starts
 such a chain at the salt's root (``namespace_roots(salt)``), exactly as the router hashes a
 salted prompt, so a tenant's blocks are found only by that tenant's requests; unsalted chains
-keep the shared root. Children continue from their parent's (already salted) hash.
+keep the shared root. Children continue from their parent's (already salted) hash. LoRA
+adapters alike: SGLang keys an adapter's blocks in the adapter's namespace and names it on their
+events (``lora_name``), so such a chain starts at the root of (adapter, salt), as the router
+hashes a request for that adapter (``kv_namespace``).
 
 A stored block whose parent the mirror does not know (an event was lost for good) cannot be
 chained: it is skipped and counted. Such blocks simply never produce hits, which the approximate
@@ -26,7 +29,7 @@ from typing import Final
 
 import msgspec
 
-from thunderagent.hashing import BlockHasher, namespace_roots
+from thunderagent.hashing import BlockHasher, kv_namespace, namespace_roots
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEvent, Medium
 from thunderagent.sglang import kv_wire
 
@@ -61,10 +64,6 @@ class MirrorStats:
     unhashable_blocks: int = 0
     """Stored blocks with token ids outside uint32 (SGLang hashes those wide; no prompt the
     router accepts has them, so they could never be hit): skipped, never a crash."""
-    lora_blocks: int = 0
-    """Stored blocks of a LoRA adapter (``lora_name``): keyed in the adapter's namespace, which
-    no request the router hashes is in, so announcing them as the base model's would be false
-    hits: skipped (their removals are dropped quietly)."""
 
     def by_outcome(self) -> dict[str, int]:
         """Blocks per outcome, as the adapter exports them (``thunderagent_kv_mirror_blocks``)."""
@@ -76,7 +75,6 @@ class MirrorStats:
             "size_mismatch": self.size_mismatches,
             "other_tier": self.other_tier_blocks,
             "unhashable": self.unhashable_blocks,
-            "lora": self.lora_blocks,
         }
 
 
@@ -90,8 +88,9 @@ class KvMirror:
     (``chain_to``, ``leading_run``) instead of scanning the whole cache, which took 16-39 ms
     at 500k blocks on the adapter's event loop, once per copy a run asks for."""
     stats: MirrorStats = field(default_factory=MirrorStats)
-    lora: set[int] = field(default_factory=set)
-    """Engine hashes of the LoRA blocks skipped, so that their removals are not unknown."""
+    namespaced_roots: set[int] = field(default_factory=set)
+    """Engine hashes of the first blocks of chains in a tenant's or an adapter's namespace (their
+    children are in it too): such a prefix is not offered for a copy (``namespaced``)."""
 
     def __post_init__(self) -> None:
         self.hasher = BlockHasher(self.block_size)
@@ -99,7 +98,7 @@ class KvMirror:
     def clear(self) -> None:
         self.blocks.clear()
         self.by_primary.clear()
-        self.lora.clear()
+        self.namespaced_roots.clear()
 
     def chain_to(self, prefix_hash: int) -> list[int] | None:
         """The engine's hashes of the prefix whose deepest block is ``prefix_hash`` (ours), root
@@ -115,6 +114,11 @@ class KvMirror:
             h = block.parent_engine_hash
         chain.reverse()
         return chain or None
+
+    def namespaced(self, chain: Sequence[int]) -> bool:
+        """Whether the engine chain (root first) is a tenant's or a LoRA adapter's: a copy would
+        land in the base namespace at the target (neither a copy nor a warm-up carries it)."""
+        return bool(chain) and chain[0] in self.namespaced_roots
 
     def leading_run(self, chain: Sequence[int]) -> list[int]:
         """The engine's hashes of the longest leading run of ``chain`` (ours, root first) the
@@ -152,9 +156,6 @@ class KvMirror:
         n = len(ev.block_hashes)
         if _medium(ev.medium) is None:
             self.stats.other_tier_blocks += n
-        elif ev.lora_name:
-            self.stats.lora_blocks += n
-            self.lora.update(ev.block_hashes)
         elif ev.block_size != self.block_size:
             self.stats.size_mismatches += n
         elif len(ev.token_ids) != n * self.block_size:
@@ -176,8 +177,12 @@ class KvMirror:
                 self.stats.orphan_blocks += len(ev.block_hashes)
                 return None
             parent = (known.primary, known.check)
-        # a salted chain starts at its tenant's root, as the router hashes a salted prompt
-        start = parent or (namespace_roots(ev.cache_salt) if ev.cache_salt else None)
+        # a tenant's or an adapter's chain starts at its namespace's root, as the router
+        # hashes such a request's prompt
+        start = parent
+        if start is None and (ev.cache_salt or ev.lora_name) and ev.block_hashes:
+            start = namespace_roots(kv_namespace(ev.cache_salt, ev.lora_name))
+            self.namespaced_roots.add(ev.block_hashes[0])
         try:
             ours = self.hasher.hash_tokens(ev.token_ids, start)
         except (OverflowError, ValueError, TypeError):
@@ -209,10 +214,7 @@ class KvMirror:
         for engine_hash in ev.block_hashes:
             block = self.blocks.get(engine_hash)
             if block is None or not block.tiers & bit:
-                if engine_hash in self.lora:
-                    self.lora.discard(engine_hash)
-                else:
-                    self.stats.unknown_removals += 1
+                self.stats.unknown_removals += 1
                 continue
             hashes.append(block.primary)
             if block.tiers & ~bit:
@@ -222,6 +224,7 @@ class KvMirror:
                 kept.append(left)
                 continue
             del self.blocks[engine_hash]
+            self.namespaced_roots.discard(engine_hash)
             if self.by_primary.get(block.primary) == engine_hash:
                 del self.by_primary[block.primary]
         self.stats.removed_blocks += len(hashes)

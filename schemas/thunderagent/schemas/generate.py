@@ -71,6 +71,11 @@ class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Tenant namespace of the prompt's KV cache (as Dynamo's and vLLM's ``cache_salt``): mixed
     into every block hash, so requests with different salts never share cached prefixes and
     cannot time-probe each other's. None: the shared namespace."""
+    lora_name: str | None = None
+    """The LoRA adapter to serve it with, by the name the engine loaded it under (SGLang's
+    ``lora_path`` in a request, ``lora_name`` in its KV events). An adapter's KV is its own:
+    its blocks are cached, and hashed for routing, in the adapter's namespace. None: the base
+    model."""
     retry: Annotated[int, Meta(ge=0)] = 0
     """0 on the first try; the client resent this request (same id, same reply subject) this
     many times. A retry always goes through the scheduler, which runs a request id at most once

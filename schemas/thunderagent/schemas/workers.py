@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 
 class WorkerRole(enum.StrEnum):
@@ -40,6 +40,10 @@ class WorkerRegistration(Struct, frozen=True, kw_only=True):
     """Longest prompt + output the engine serves, in tokens (0 when unknown: not checked)."""
     vocab_size: int = 0
     """Token ids must be below this (0 when unknown: not checked)."""
+    lora_adapters: list[str] = field(default_factory=list)
+    """The LoRA adapters the engine has loaded, by name (SGLang's ``/v1/models`` cards with a
+    parent); a request for an adapter goes only to workers that list it. Kept current while the
+    worker serves (SGLang loads and unloads adapters at run time)."""
 
 
 class LoadReport(Struct, frozen=True, kw_only=True):

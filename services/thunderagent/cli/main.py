@@ -156,6 +156,7 @@ def _cmd_worker(args: argparse.Namespace) -> None:
         role=WorkerRole(args.role),
         tokenizer=args.tokenizer,
         kv_events_endpoint=args.kv_events,
+        dp_rank=args.dp_rank,
     )
     run_service(
         f"worker-{args.worker_id}", args.nats, lambda ctx: main(ctx, config),
@@ -224,6 +225,7 @@ def _cmd_simengine(args: argparse.Namespace) -> None:
             kv_pull_gbps=args.kv_pull_gbps,
             instant=args.engine == "instant",
             dp_size=args.dp_size,
+            lora_adapters=[spec.split("=", 1)[0] for spec in args.lora_paths],
         )
     )
 
@@ -277,6 +279,7 @@ def _stack_commands(add) -> None:
     p.add_argument("--priority", type=int, choices=range(10), default=0, help="0 most urgent .. 9")
     p.add_argument("--json", action="store_true", help="print the final reply as JSON")
     p.add_argument("--timeout", type=positive, default=60.0, help="idle timeout, seconds")
+    p.add_argument("--lora", default=None, help="LoRA adapter, by the name the engines loaded it")
 
 
 def _control_plane_commands(add) -> None:
@@ -368,7 +371,7 @@ def _gateway_command(add) -> None:
 
 
 def _worker_command(add) -> None:
-    from thunderagent.shell.argtypes import http_url, positive, worker_id, zmq_endpoint
+    from thunderagent.shell.argtypes import at_least, http_url, positive, worker_id, zmq_endpoint
 
     p = add("worker", "run a worker adapter in front of one engine", _cmd_worker)
     _nats_arg(p)
@@ -377,6 +380,11 @@ def _worker_command(add) -> None:
         "--worker-id", type=worker_id, required=True,
         help="the engine's id in the fleet; an engine of N data-parallel ranks (its /server_info "
         "dp_size) is N workers, ID-dp0 ... ID-dp<N-1>",
+    )  # fmt: skip
+    p.add_argument(
+        "--dp-rank", type=at_least(0), default=None,
+        help="stand for this data-parallel rank only (a process per rank; default: every rank "
+        "of the engine in this process)",
     )  # fmt: skip
     p.add_argument(
         "--engine-url",
@@ -414,6 +422,11 @@ def _simengine_command(add) -> None:
         help="tokens per KV block (SGLang's flag name)",
     )  # fmt: skip
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
+    p.add_argument(
+        "--lora-paths", nargs="*", default=[], metavar="NAME[=PATH]",
+        help="LoRA adapters to serve, by name (SGLang's flag; the path is not read: the "
+        "simulated engine keeps an adapter's KV apart, it has no weights)",
+    )  # fmt: skip
     p.add_argument(
         "--dp-size", type=at_least(1), default=1,
         help="data-parallel ranks, each with its own KV cache and events on the next port "

@@ -20,6 +20,7 @@ async def _run(args: argparse.Namespace) -> int:
             text=prompt,
             max_tokens=args.max_tokens,
             priority=args.priority,
+            lora_name=args.lora,
             stream=not args.json,  # --json prints one reply: the final one, holding the text
         )
     except (ValueError, msgspec.ValidationError) as err:

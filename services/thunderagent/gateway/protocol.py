@@ -16,6 +16,7 @@ Extensions, each as a body field and as a header (the body wins when both are gi
 | agent program / session | ``program_id``, ``session_id``, ``session_params.id`` (SGLang) | ``x-session-id``, ``x-dynamo-session-id`` (Dynamo) |
 | deadline | ``deadline_ms`` (absolute Unix ms) | ``x-deadline-ms`` (absolute), ``x-timeout-ms`` (from now) |
 | tenant (KV-cache namespace) | ``cache_salt`` (vLLM), ``nvext.cache_salt`` (Dynamo) | ``x-tenant-id`` |
+| LoRA adapter | ``model`` as ``<model>:<adapter>``, ``lora_path`` (SGLang; the ``model`` form wins) | — |
 | expected output length | ``expected_output_tokens``, ``nvext.agent_hints.osl`` (Dynamo) | — |
 | generate exactly ``max_tokens`` | ``ignore_eos`` (SGLang / vLLM) | — |
 """  # noqa: E501
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,7 @@ class _Common(Struct, kw_only=True):
     session_params: _SessionParams | None = None
     deadline_ms: float | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None
     expected_output_tokens: int | None = None
     nvext: _NvExt | None = None
 
@@ -150,7 +152,7 @@ def request_id_from(headers: Mapping[str, str]) -> str:
 
 def parse_chat(
     raw: bytes, headers: Mapping[str, str], *, request_id: str, now_ms: float,
-    defaults: Defaults = Defaults(),
+    defaults: Defaults = Defaults(), served: Collection[str] = (),
 ) -> Parsed:  # fmt: skip
     body = _decode(_chat_decoder, raw)
     _refuse_chat_features(body)
@@ -158,13 +160,13 @@ def parse_chat(
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
     max_tokens = _first(body.max_completion_tokens, body.max_tokens, defaults.chat_max_tokens)
-    req = _build(body, headers, request_id, now_ms, defaults, max_tokens, messages=messages)
+    req = _build(body, headers, request_id, now_ms, defaults, max_tokens, served, messages=messages)
     return Parsed(req, chat=True, stream=bool(body.stream), include_usage=_usage_on(body))
 
 
 def parse_completion(
     raw: bytes, headers: Mapping[str, str], *, request_id: str, now_ms: float,
-    defaults: Defaults = Defaults(),
+    defaults: Defaults = Defaults(), served: Collection[str] = (),
 ) -> Parsed:  # fmt: skip
     body = _decode(_completion_decoder, raw)
     if body.echo:
@@ -178,9 +180,11 @@ def parse_completion(
     prompt = _prompt(body.prompt)
     max_tokens = _first(body.max_tokens, defaults.completion_max_tokens)
     if isinstance(prompt, str):
-        req = _build(body, headers, request_id, now_ms, defaults, max_tokens, text=prompt)
+        req = _build(body, headers, request_id, now_ms, defaults, max_tokens, served, text=prompt)
     else:
-        req = _build(body, headers, request_id, now_ms, defaults, max_tokens, token_ids=prompt)
+        req = _build(
+            body, headers, request_id, now_ms, defaults, max_tokens, served, token_ids=prompt
+        )
     return Parsed(req, chat=False, stream=bool(body.stream), include_usage=_usage_on(body))
 
 
@@ -287,9 +291,10 @@ def _usage_on(body: _Common) -> bool:
 
 def _build(
     body: _Common, headers: Mapping[str, str], request_id: str, now_ms: float,
-    defaults: Defaults, max_tokens: int, **prompt: Any,
+    defaults: Defaults, max_tokens: int, served: Collection[str], **prompt: Any,
 ) -> GenerateRequest:  # fmt: skip
     _check_common(body, max_tokens)
+    model, adapter = split_adapter(body.model, served)
     sampling = SamplingParams(
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -307,7 +312,7 @@ def _build(
         if _HAS_EXPECTED:
             extra["expected_output_tokens"] = expected
     return GenerateRequest(
-        model=body.model,
+        model=model,
         request_id=request_id,
         max_tokens=max_tokens,
         sampling=sampling,
@@ -318,9 +323,22 @@ def _build(
         cache_salt=_text_field(
             "cache_salt", body.cache_salt or nvext.cache_salt or headers.get("x-tenant-id")
         ),
+        lora_name=_text_field("lora_path", adapter or body.lora_path),
         **prompt,
         **extra,
     )
+
+
+def split_adapter(model: str, served: Collection[str]) -> tuple[str, str | None]:
+    """``model`` as (base model, LoRA adapter), by SGLang's rule for its OpenAI API: a name
+    served as it is names no adapter; ``<served name>:<adapter>`` names one (the longest served
+    name wins, so a served name may hold ':'); otherwise the first ':' splits them."""
+    if ":" not in model or model in served:
+        return model, None
+    base = max((m for m in served if model.startswith(m + ":")), key=len, default=None)
+    if base is None:
+        base = model.split(":", 1)[0]
+    return base.strip(), model[len(base) + 1 :].strip() or None
 
 
 def _check_common(body: _Common, max_tokens: int) -> None:

@@ -211,7 +211,7 @@ class Gateway:
             message = f"request body over {self.config.max_body_bytes} bytes ({err.text})"
             raise from_code(ErrorCode.PAYLOAD_TOO_LARGE, message) from None
         parsed = parse(raw, headers, request_id=request_id, now_ms=time.time() * 1e3,
-                       defaults=self.config.defaults)  # fmt: skip
+                       defaults=self.config.defaults, served=self.registry.models())  # fmt: skip
         with _tracer.start_as_current_span(
             f"gateway POST {request.path}", context=extract_context(headers), kind=SpanKind.SERVER
         ) as span:

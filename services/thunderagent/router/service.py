@@ -140,7 +140,7 @@ class Router:
         if not self.fleet_ready.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.fleet_ready.wait(), FLEET_WAIT_S)
-        workers = self.core.fleet.for_model(req.model)
+        workers = self.core.fleet.for_model(req.model, req.lora_name)
         if not workers:
             await self._no_worker(reply, req)
             return
@@ -215,7 +215,7 @@ class Router:
     ) -> tuple[ScheduleRequest, Routed] | None:
         """The core's decision wrapped for the scheduler (no I/O)."""
         token_ids = req.token_ids or []
-        hashes = self.core.hash_tokens(token_ids, block_size, req.cache_salt)
+        hashes = self.core.hash_tokens(token_ids, block_size, req.cache_salt, req.lora_name)
         # ignore_eos: the engine generates exactly max_tokens, so that is the output length
         hint = req.expected_output_tokens or (req.max_tokens if req.sampling.ignore_eos else None)
         expected = self.core.expected_output(req.max_tokens, hint)
@@ -228,6 +228,7 @@ class Router:
             expected_output_tokens=expected,
             now=time.time(),
             priority=req.priority,
+            lora_name=req.lora_name,
         )
         if routed is None:
             return None
@@ -333,6 +334,10 @@ class Router:
         """No live worker serves ``req.model``: unknown if none ever did and others are served;
         unavailable while no worker is live at all, or once its workers have left."""
         live = self.core.fleet.models()
+        if req.lora_name and req.model in live:
+            message = f"no worker of model {req.model!r} has LoRA adapter {req.lora_name!r} loaded"
+            await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
+            return
         if req.model in self.served_models or not live:
             message = f"no live worker serves model {req.model!r} now (served: "
             message += f"{', '.join(sorted(live)) or 'none'}); retry"

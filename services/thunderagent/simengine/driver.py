@@ -25,7 +25,7 @@ from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Rem
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.load import get_load_payload, v1_load_snapshot
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
-from thunderagent.simengine.salts import SaltBook
+from thunderagent.simengine.salts import CacheNamespace, SaltBook, cache_namespace
 
 if TYPE_CHECKING:  # the pool pulls in numpy and NIXL; engines without one never load them
     from thunderagent.simengine.kv_pool import KvPool
@@ -54,6 +54,8 @@ class GenerateInput:
     max_new_tokens: int
     cache_salt: str | None = None
     """Tenant namespace (SGLang's ``cache_salt``): blocks are shared only within one salt."""
+    lora_name: str | None = None
+    """LoRA adapter (SGLang's ``lora_path``): its blocks are its own, shared within the adapter."""
     stop_matched: str | None = None
     """The stop string the output reaches first (``max_new_tokens`` then ends before it)."""
 
@@ -109,9 +111,10 @@ class _Stream:
 def to_wire(
     events: list[CacheEvent],
     block_size: int,
-    salt_of: Callable[[int], str | None] = lambda key: None,
+    salt_of: Callable[[int], CacheNamespace | None] = lambda key: None,
 ) -> list[kv_wire.AnyKvEvent]:
-    """Engine cache events -> SGLang 0.5.23 KV events (``salt_of``: a block's tenant salt)."""
+    """Engine cache events -> SGLang 0.5.23 KV events (``salt_of``: a block's tenant salt and
+    LoRA adapter)."""
     out: list[kv_wire.AnyKvEvent] = []
     for ev in events:
         if isinstance(ev, AllCleared):
@@ -119,6 +122,7 @@ def to_wire(
         elif isinstance(ev, Removed):
             out.append(kv_wire.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium.value))
         else:
+            space = salt_of(ev.block_hashes[0]) if ev.block_hashes else None
             out.append(
                 kv_wire.BlockStored(
                     block_hashes=ev.block_hashes,
@@ -127,7 +131,8 @@ def to_wire(
                     block_size=block_size,
                     lora_id=None,
                     medium=ev.medium.value,
-                    cache_salt=salt_of(ev.block_hashes[0]) if ev.block_hashes else None,
+                    cache_salt=space.cache_salt if space else None,
+                    lora_name=space.lora_name if space else None,
                 )
             )
     return out
@@ -199,18 +204,19 @@ class EngineDriver:
             )
         output = [output_token(i) for i in range(req.max_new_tokens)]
         token_ids = req.input_ids + output
-        # SGLang seeds a salted request's block hashes with its salt: no tenant shares a block
-        seed = kv_wire.sglang_salt_parent(req.cache_salt) if req.cache_salt else None
-        keys = kv_wire.sglang_block_hashes(token_ids, self.block_size, seed)
+        # SGLang seeds a salted (or an adapter's) request's block hashes with its namespace: no
+        # tenant or adapter shares a block with another
+        space = cache_namespace(req.cache_salt, req.lora_name)
+        keys = kv_wire.sglang_block_hashes(token_ids, self.block_size, space and space.seed())
         request = Request(req.rid, len(req.input_ids), keys, req.max_new_tokens, token_ids)
-        if req.cache_salt:
-            self.salts.hold(keys, req.cache_salt)
+        if space:
+            self.salts.hold(keys, space)
         try:  # aclosing: a client that goes away aborts the run at once, not at GC
             async with contextlib.aclosing(self._run_request(req, request, output)) as events:
                 async for event in events:
                     yield event
         finally:
-            if req.cache_salt:
+            if space:
                 self.salts.release(keys, self.core.cache.__contains__)
 
     async def _run_request(

@@ -18,6 +18,7 @@ import msgspec
 
 from thunderagent.sglang import kv_wire
 from thunderagent.simengine.driver import EngineDriver, GenerateInput, output_token
+from thunderagent.simengine.salts import cache_namespace
 from thunderagent.tokenizer import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode
@@ -52,19 +53,19 @@ async def cache_prompt(engine: EngineDriver, req: GenerateInput) -> int:
     full = len(req.input_ids) - len(req.input_ids) % size
     if not full:
         return 0
-    seed = kv_wire.sglang_salt_parent(req.cache_salt) if req.cache_salt else None
-    keys = kv_wire.sglang_block_hashes(req.input_ids[:full], size, seed)
+    space = cache_namespace(req.cache_salt, req.lora_name)
+    keys = kv_wire.sglang_block_hashes(req.input_ids[:full], size, space and space.seed())
     cache = engine.core.cache
     cached = cache.match(keys).gpu
     if cached < len(keys):
 
         def store() -> None:
-            if req.cache_salt:  # BlockStored events name the tenant's salt
-                engine.salts.hold(keys, req.cache_salt)
+            if space:  # BlockStored events name the tenant's salt and the adapter
+                engine.salts.hold(keys, space)
             engine.core.import_blocks(keys, req.input_ids[:full])
 
         await engine.between_steps(store)
-        if req.cache_salt:
+        if space:
             engine.salts.release(keys, cache.__contains__)
     # like SGLang, the last prompt token is always computed: a full hit still leaves one
     return min(cached * size, len(req.input_ids) - 1)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvloop
 from aiohttp import web
@@ -41,6 +41,9 @@ class SimEngineConfig:
     """Pace KV pulls to this link speed in GB/s; 0: as fast as NIXL copies."""
     instant: bool = False
     """Zero compute time: every ``/generate`` gets one token at once (``instant.py``)."""
+    lora_adapters: list[str] = field(default_factory=list)
+    """LoRA adapters loaded, by name (SGLang's ``--lora-paths NAME=PATH``; the path is not read:
+    the simulated engine models an adapter's KV namespace, not its weights)."""
     dp_size: int = 1
     """Data-parallel ranks, each with its own scheduler, KV cache and event publisher (SGLang's
     ``--dp-size``); a request names its rank or takes the next in turn."""
@@ -86,6 +89,7 @@ async def _serve(config: SimEngineConfig) -> None:
     )
     info.kv_pull_gbps = config.kv_pull_gbps
     info.instant = config.instant
+    info.lora_adapters = list(config.lora_adapters)
     app = SimEngineApp(ranks, info).app
     runner = http_runner(app)
     await runner.setup()

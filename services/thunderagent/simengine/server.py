@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -50,6 +50,8 @@ class EngineInfo:
     """Pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies."""
     instant: bool = False
     """``--engine instant``: answer ``/generate`` at once with one token (``instant.py``)."""
+    lora_adapters: list[str] = field(default_factory=list)
+    """LoRA adapters loaded, by name (SGLang's ``--lora-paths``): a request may name one."""
 
 
 KEEPALIVE_S = 5.0
@@ -121,6 +123,8 @@ class SimEngineApp:
                 # check token ids (with SGLang it reads it from the model's tokenizer)
                 "vocab_size": self.engine.profile.model.vocab_size,
                 "kv_events_config": self.info.kv_events_config,
+                "enable_lora": bool(self.info.lora_adapters),
+                "lora_paths": list(self.info.lora_adapters) or None,
                 "version": "thunderagent-simengine",
                 "kv_transfer": self.mover.info() if self.mover else None,
             }
@@ -179,9 +183,11 @@ class SimEngineApp:
         return web.json_response({"imported_blocks": blocks, "transfer_s": seconds})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.info.model, "object": "model"}]}
-        )
+        """SGLang's list: the base model, then each loaded adapter with the base as parent."""
+        base = {"id": self.info.model, "object": "model", "root": self.info.model, "parent": None}
+        adapters = [{"id": name, "object": "model", "root": name, "parent": self.info.model}
+                    for name in self.info.lora_adapters]  # fmt: skip
+        return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
@@ -249,6 +255,11 @@ class SimEngineApp:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return _bad("cache_salt must be a string (batches are not supported)")
+        lora = body.get("lora_path")
+        if lora is not None and not isinstance(lora, str):
+            return _bad("lora_path must be an adapter's name (batches are not supported)")
+        if lora and lora not in self.info.lora_adapters:  # SGLang's registry refuses it so
+            return _bad(f"The following requested LoRA adapters are not loaded: {lora}")
         stop = stop_strings(params.get("stop"))
         if stop is None:
             return _bad("sampling_params.stop must be a string or a list of strings")
@@ -260,6 +271,7 @@ class SimEngineApp:
         rid = body.get("rid") or uuid.uuid4().hex
         return GenerateInput(
             rid=str(rid), input_ids=ids, max_new_tokens=max_new, cache_salt=salt or None,
+            lora_name=lora or None,
             stop_matched=hit[1] if hit is not None else None,
         )  # fmt: skip
 

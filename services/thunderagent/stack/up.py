@@ -132,6 +132,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated engines: timed (roofline model) or instant (one token at once)",
     )  # fmt: skip
     p.add_argument(
+        "--lora-paths", nargs="*", default=[], metavar="NAME",
+        help="LoRA adapters every simulated engine serves (request one as "
+        "\"model\": \"<model>:<adapter>\")",
+    )  # fmt: skip
+    p.add_argument(
         "--dp-size", type=at_least(1), default=1,
         help="data-parallel ranks per simulated engine (SGLang's --dp-size): each rank has its "
         "own KV cache and is a worker of its own, w<i>-dp<r>",
@@ -167,6 +172,8 @@ class StackConfig:
     """Simulated engines' mode: ``timed`` (roofline model) or ``instant`` (zero compute)."""
     dp_size: int = 1
     """Data-parallel ranks per simulated engine; each rank is a worker of the fleet."""
+    lora_adapters: list[str] = field(default_factory=list)
+    """LoRA adapters every simulated engine serves."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
     engine_args: list[str] = field(default_factory=list)
@@ -203,6 +210,7 @@ class StackConfig:
             kv_blocks=args.kv_blocks,
             engine=args.engine,
             dp_size=args.dp_size,
+            lora_adapters=list(args.lora_paths),
         )
 
 
@@ -322,6 +330,7 @@ class Stack:
                 "--profile", c.profile, "--page-size", str(c.block_size),
                 "--kv-events-config", events, "--speedup", str(c.speedup), *pool,
                 "--engine", c.engine, "--dp-size", str(c.dp_size), *c.engine_args,
+                *(["--lora-paths", *c.lora_adapters] if c.lora_adapters else []),
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)

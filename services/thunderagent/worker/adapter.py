@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlparse
 
+import msgspec
 from opentelemetry.metrics import Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
@@ -113,6 +114,8 @@ class WorkerAdapter:
         self.migration: WorkerMigration | None = None
         self._old_load_api = False
         """The engine answered 404 to ``/v1/loads``: it is read through ``/get_load``."""
+        self._lora = False
+        """The engine serves LoRA adapters (``enable_lora``): which ones is read as it runs."""
         self.metrics = adapter_metrics()
         self.metrics.adapters.add(self)
 
@@ -136,6 +139,7 @@ class WorkerAdapter:
         events = info.get("kv_events") if isinstance(info.get("kv_events"), dict) else {}
         block_size = int(events.get("block_size") or info.get("page_size") or 1)
         total_tokens = int(info.get("max_total_num_tokens") or 0)
+        self._lora = bool(info.get("enable_lora"))
         model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
         if not model:
             raise RuntimeError("engine reports no model name; pass --model")
@@ -153,7 +157,38 @@ class WorkerAdapter:
             or await self._effective_max_running(),
             context_length=_context_length(info),
             vocab_size=int(info.get("vocab_size") or 0) or _vocab_size(self.config.tokenizer),
+            lora_adapters=(await self._read_adapters() or []) if self._lora else [],
         )
+
+    async def _lora_adapters(self) -> list[str]:
+        """The LoRA adapters the engine has loaded: SGLang lists each in ``/v1/models`` as a
+        card whose ``parent`` is the base model."""
+        answer = await self._shared_answer("/v1/models")
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(cards, list):
+            raise ValueError(f"not a /v1/models answer: {str(answer)[:120]}")
+        return sorted(
+            str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent") and c.get("id")
+        )
+
+    async def _read_adapters(self) -> list[str] | None:
+        """``_lora_adapters``, or None (said once per failure) when the engine did not tell."""
+        try:
+            return await self._lora_adapters()
+        except (TimeoutError, OSError, EngineError, ValueError) as err:
+            log.warning("LoRA adapters of %s not read: %s", self.engine.base_url, err)
+            return None
+
+    async def _refresh_adapters(self) -> None:
+        """Follow adapters loaded and unloaded at run time: the next renewal carries them."""
+        adapters = await self._read_adapters()
+        reg = self.registration
+        if adapters is None or reg is None or self.lease is None:
+            return
+        if adapters != reg.lora_adapters:
+            log.info("LoRA adapters now %s", adapters)
+            self.registration = msgspec.structs.replace(reg, lora_adapters=adapters)
+            self.lease.amend(self.registration)
 
     async def _effective_max_running(self) -> int:
         """SGLang's ``/server_info`` holds ``--max-running-requests`` as given (None unless set);
@@ -248,6 +283,8 @@ class WorkerAdapter:
             healthy = self.engine_healthy.is_set()
             try:
                 if healthy:
+                    if self._lora:
+                        await self._refresh_adapters()
                     if not await self.lease.renew():
                         log.error("%s", self.lease.taken)
                         stop.set()
@@ -337,17 +374,18 @@ class WorkerAdapter:
         rank = self.config.dp_rank
         if not self._old_load_api:
             try:
-                return parse_v1_loads(await self._load_answer(LOADS_PATH), block_size, rank)
+                return parse_v1_loads(await self._shared_answer(LOADS_PATH), block_size, rank)
             except EngineError as err:
                 if err.status != 404:
                     raise
                 log.info("engine %s has no %s: reading %s", self.engine.base_url, LOADS_PATH,
                          OLD_LOAD_PATH)  # fmt: skip
                 self._old_load_api = True
-        return parse_get_load(await self._load_answer(OLD_LOAD_PATH), block_size, rank)
+        return parse_get_load(await self._shared_answer(OLD_LOAD_PATH), block_size, rank)
 
-    async def _load_answer(self, path: str) -> object:
-        """The engine's load answer; the ranks of one engine share theirs (it holds them all)."""
+    async def _shared_answer(self, path: str) -> object:
+        """The engine's answer at ``path``; the ranks of one engine share one (it is the whole
+        engine's: its load holds every rank's, its adapters are every rank's)."""
         if self.config.dp_rank is None:
             return await self.engine.get_json(path)
         return await self.engine.get_shared(path, self.config.load_interval_s / 2)
@@ -469,11 +507,16 @@ def dp_size(info: Mapping) -> int:
 
 def rank_configs(config: AdapterConfig, ranks: int) -> list[AdapterConfig]:
     """One adapter per rank of an engine with several: rank r is worker ``<id>-dp<r>`` to the
-    fleet (the router weighs each rank's cache and load apart, as it would two engines)."""
-    if ranks == 1 or config.dp_rank is not None:
+    fleet (the router weighs each rank's cache and load apart, as it would two engines). A
+    config naming its rank (``--dp-rank``: a process per rank) is that rank's alone. ValueError
+    for a rank the engine does not have."""
+    if config.dp_rank is not None and not 0 <= config.dp_rank < ranks:
+        raise ValueError(f"--dp-rank {config.dp_rank}: the engine has {ranks} rank(s)")
+    if ranks == 1:
         return [config]
     ids = dp_rank_worker_ids(config.worker_id, ranks)
-    return [dataclasses.replace(config, worker_id=w, dp_rank=r) for r, w in enumerate(ids)]
+    every = [dataclasses.replace(config, worker_id=w, dp_rank=r) for r, w in enumerate(ids)]
+    return every if config.dp_rank is None else [every[config.dp_rank]]
 
 
 async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
@@ -481,7 +524,10 @@ async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
         info = await _once_ready(engine, ctx.stop, lambda: engine.get_json("/server_info"))
         if info is None:
             return
-        configs = rank_configs(config, dp_size(info))
+        try:
+            configs = rank_configs(config, dp_size(info))
+        except ValueError as err:
+            raise SystemExit(f"worker: {err}") from None
         if len(configs) > 1:
             log.info("engine %s runs %d data-parallel ranks: workers %s", engine.base_url,
                      len(configs), ", ".join(c.worker_id for c in configs))  # fmt: skip

@@ -143,13 +143,15 @@ class EngineClient:
         sampling_params: dict[str, Any],
         *,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[EngineChunk]:
         """Stream ``/generate``. SGLang sends cumulative ``text``/``output_ids`` by default and
         incremental ones with ``--incremental-streaming-output``; both are turned into deltas.
 
         ``cache_salt``: the tenant's KV namespace (SGLang's ``GenerateReqInput.cache_salt``): the
-        engine reuses cached prefixes only between requests with the same salt. The body is read
-        to its end (past ``[DONE]``), so the connection can carry the next request."""
+        engine reuses cached prefixes only between requests with the same salt. ``lora_name``:
+        the LoRA adapter, by its loaded name (SGLang's ``lora_path``). The body is read to its end
+        (past ``[DONE]``), so the connection can carry the next request."""
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": input_ids,
@@ -158,6 +160,8 @@ class EngineClient:
         }
         if cache_salt:
             body["cache_salt"] = cache_salt
+        if lora_name:
+            body["lora_path"] = lora_name
         headers = inject_headers({"Content-Type": "application/json"})
         # msgspec, not json.dumps: prompts are thousands of ints, on every request
         async with self._streams.stream("/generate", _encode(self._ranked(body)), headers) as resp:

@@ -175,7 +175,8 @@ class Generation:
         meta: dict = {}
         try:
             stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req),
-                                          cache_salt=req.cache_salt)  # fmt: skip
+                                          cache_salt=req.cache_salt,
+                                          lora_name=req.lora_name)  # fmt: skip
             async for chunk in stream:
                 meta = chunk.meta
                 if chunk.new_token_ids:
@@ -221,10 +222,10 @@ class Generation:
         decode = self.work.decode_worker
         try:
             prefill = {**_sampling(req), "max_new_tokens": 1}
-            salt = req.cache_salt
             async for chunk in self.engine.generate(
-                self.engine_rid, req.token_ids or [], prefill, cache_salt=salt
-            ):
+                self.engine_rid, req.token_ids or [], prefill, cache_salt=req.cache_salt,
+                lora_name=req.lora_name,
+            ):  # fmt: skip
                 if chunk.new_token_ids:
                     await self._started()
                     if req.stream:

@@ -48,6 +48,14 @@ class IdLease:
         if now is not None and now[0] != seen[0]:
             raise SystemExit(_id_in_use(self.worker_id, now[1]))
 
+    def amend(self, registration: WorkerRegistration) -> None:
+        """Write ``registration`` from the next renewal on (same worker and start: what the
+        engine serves changed, e.g. a LoRA adapter loaded)."""
+        assert registration.worker_id == self.worker_id
+        assert registration.registered_at == self.registration.registered_at
+        self.registration = registration
+        self._payload = msgspec.json.encode(registration)
+
     async def renew(self) -> bool:
         """Write the registration unless another adapter took the id since our last write (then
         False, and ``taken`` says why): a compare-and-set on our last revision, so the common

@@ -171,6 +171,11 @@ class WorkerMigration:
         chain = self._held_chain(req)
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
+        mirror = self.mirror()
+        if mirror is not None and mirror.namespaced(chain):
+            return refuse(
+                "a tenant's or a LoRA adapter's prefix: a copy cannot carry its namespace"
+            )
         if self.kv_transfer is not None:
             body = {"export_id": req.migration_id, "block_hashes": chain, "hold_s": req.hold_s}
             try:
@@ -261,11 +266,13 @@ class WorkerMigration:
         replay does). Only with a NIXL pool; a copy that fails leaves the run to prefill."""
         if self.kv_transfer is None or work.output_offset:
             return
+        if work.request.cache_salt or work.request.lora_name:  # copies are of the base model's,
+            return  # in the shared namespace: a tenant's or an adapter's prefix is never one
         tokens = work.request.token_ids or []
         incoming = self._incoming_for(tokens)
         if incoming is not None:
             await asyncio.shield(incoming)
-        elif work.pull is not None and not work.request.cache_salt:
+        elif work.pull is not None:
             with child_span(_tracer, "worker pull") as span:  # in the run's trace, if sampled
                 await self._fetch(work.pull, work.request.request_id, tokens, span)
 

@@ -10,6 +10,7 @@ from thunderagent.hashing import BlockHasher
 from thunderagent.prefix_index import PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.state import capture, restore
+from thunderagent.router_core import RouterCore, RouterParams
 from thunderagent.router_core.verification import Dispatch, Verifier
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch, Medium
 from thunderagent.sglang import kv_wire
@@ -88,7 +89,7 @@ def test_every_block_the_mirror_skips_is_counted_by_its_reason():
     ]
     assert mirror.stats.by_outcome() == {
         "stored": 2, "removed": 1, "orphan": 1, "unknown_removal": 1,
-        "size_mismatch": 2, "other_tier": 1, "unhashable": 0, "lora": 0,
+        "size_mismatch": 2, "other_tier": 1, "unhashable": 0,
     }  # fmt: skip
 
 
@@ -323,18 +324,27 @@ def test_hierarchical_cache_events_keep_both_tiers_of_a_block(ops):
     )
 
 
-def test_a_lora_adapters_blocks_are_not_announced_as_the_base_models():
-    """SGLang keys a LoRA adapter's blocks in the adapter's namespace (and names it in
-    ``lora_name``); the router hashes no request there, so relaying them as base-model blocks
-    would predict hits the engine cannot give. They are skipped, counted, and their removals
-    are not unknown ones."""
-    tokens = list(range(8))
-    base, base_hashes = stored(tokens)
-    lora = msgspec.structs.replace(base, block_hashes=[h + 1 for h in base_hashes],
-                                   lora_name="adapter-a")  # fmt: skip
+def test_a_lora_adapters_blocks_are_announced_in_the_adapters_namespace():
+    """SGLang keys a LoRA adapter's blocks in the adapter's namespace and names it on their
+    events (``lora_name``): the mirror chains them from the root of (adapter, salt), where the
+    router hashes a request for that adapter, so a hit is predicted for that adapter's requests
+    alone; children follow their parent's namespace and removals translate as any other."""
+    tokens = list(range(16))
+    base, base_hashes = stored(tokens[:8])
     mirror = KvMirror(PAGE)
-    assert mirror.apply([lora]) == []
-    assert mirror.apply([kv_wire.BlockRemoved(block_hashes=lora.block_hashes, medium="GPU")]) == []
-    [out] = mirror.apply([base])
-    assert out.hashes == BlockHasher(PAGE).hash_tokens(tokens).primary
-    assert (mirror.stats.lora_blocks, mirror.stats.unknown_removals) == (2, 0)
+    [plain] = mirror.apply([base])
+    for salt in (None, "tenant-a"):
+        head = msgspec.structs.replace(base, block_hashes=[h + 1 for h in base_hashes],
+                                       lora_name="adapter-a", cache_salt=salt)  # fmt: skip
+        tail = msgspec.structs.replace(head, block_hashes=[h + 2 for h in base_hashes],
+                                       parent_block_hash=head.block_hashes[-1],
+                                       token_ids=tokens[8:])  # fmt: skip
+        [first] = mirror.apply([head])
+        [second] = mirror.apply([tail])
+        router = RouterCore(RouterParams(policy="thunder"))
+        expected = router.hash_tokens(tokens, PAGE, salt, "adapter-a").primary
+        assert first.hashes + second.hashes == expected
+        assert set(expected).isdisjoint(plain.hashes)  # no hit for the base model's requests
+        [gone] = mirror.apply([kv_wire.BlockRemoved(block_hashes=tail.block_hashes, medium="GPU")])
+        assert gone.hashes == second.hashes
+    assert mirror.stats.unknown_removals == 0

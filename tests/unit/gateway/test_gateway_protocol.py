@@ -173,3 +173,22 @@ def test_completion_prompt_forms():
 )
 def test_completion_refusals(body, words):
     assert words in refused(completion, body).message
+
+
+@pytest.mark.parametrize(
+    ("model", "lora_path", "served", "expected"),
+    [
+        ("m", None, ["m"], ("m", None)),  # the base model
+        ("m:sql", None, ["m"], ("m", "sql")),  # SGLang's <model>:<adapter>
+        ("m", "sql", ["m"], ("m", "sql")),  # SGLang's lora_path
+        ("m:sql", "chat", ["m"], ("m", "sql")),  # the model form wins, as in SGLang
+        ("llama3:8b", None, ["llama3:8b"], ("llama3:8b", None)),  # a served name with ':'
+        ("llama3:8b:sql", None, ["llama3:8b", "llama3"], ("llama3:8b", "sql")),  # longest wins
+        ("x:y", None, [], ("x", "y")),  # nothing served yet: the first ':' splits
+        ("m:", None, ["m"], ("m", None)),
+    ],
+)
+def test_a_lora_adapter_is_named_as_sglangs_openai_api_names_it(model, lora_path, served, expected):
+    body = {**BASE, "model": model, **({"lora_path": lora_path} if lora_path else {})}
+    req = chat(body, served=served).request
+    assert (req.model, req.lora_name) == expected

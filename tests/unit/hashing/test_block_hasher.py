@@ -10,7 +10,13 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thunderagent.hashing import SCHEME_VERSION, BlockHasher, BlockHashes, namespace_roots
+from thunderagent.hashing import (
+    SCHEME_VERSION,
+    BlockHasher,
+    BlockHashes,
+    kv_namespace,
+    namespace_roots,
+)
 
 CHECK_SEED = 0x9E3779B97F4A7C15
 DOMAIN = b"thunderagent.blocks.v1\x00"
@@ -192,3 +198,28 @@ def test_block_ids_chain(ids: list[int], cut: int) -> None:
     tail = hasher.hash_block_ids(ids[cut:], head.last)
     assert head.primary + tail.primary == whole.primary
     assert head.check + tail.check == whole.check
+
+
+def test_a_requests_namespace_is_its_salt_and_its_lora_adapter() -> None:
+    """Without an adapter, a salt roots its chain as before (hashes unchanged); an adapter opens
+    a namespace of its own, per salt, that no salt string can open."""
+    assert kv_namespace() == 0 and kv_namespace(None, "") == 0
+    assert kv_namespace("tenant-a") == "tenant-a"
+    roots = {
+        namespace_roots(kv_namespace(salt, lora))
+        for salt in (None, "tenant-a")
+        for lora in (None, "sql-adapter", "chat-adapter")
+    }
+    assert len(roots) == 6
+    # the parts of a lora namespace joined in any way are a salt like any other
+    for salt in ("lorasql-adapter", "lora\x00sql-adapter\x00", "('lora', 'sql-adapter', '')"):
+        assert namespace_roots(salt) != namespace_roots(kv_namespace(None, "sql-adapter"))
+
+
+@given(
+    a=st.tuples(st.text(max_size=8), st.text(max_size=8)),
+    b=st.tuples(st.text(max_size=8), st.text(max_size=8)),
+)
+def test_tuple_namespaces_are_told_apart_part_by_part(a, b) -> None:
+    """Length-prefixed parts: ("ab", "c") and ("a", "bc") are different namespaces."""
+    assert (namespace_roots(a) == namespace_roots(b)) == (a == b)

@@ -4,11 +4,16 @@ prefix to an engine without KV import."""
 
 from __future__ import annotations
 
-from thunderagent.hashing import BlockHasher
+import asyncio
+
+import msgspec
+
+from thunderagent.hashing import BlockHasher, kv_namespace
+from thunderagent.schemas import KvExportRequest
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import Gap, Received, Restarted
-from thunderagent.worker.migration import TokenTap
+from thunderagent.worker.migration import TokenTap, WorkerMigration
 
 BS = 4
 
@@ -76,3 +81,29 @@ def test_the_tap_reads_the_relays_notices_and_forgets_all_on_an_engine_restart()
     assert tap.tokens([1]) == [5, 6, 7, 8]
     tap.take(Restarted(seq=0))
     assert tap.tokens([1]) is None and tap.blocks == {}
+
+
+def test_a_tenants_or_an_adapters_prefix_is_not_offered_for_a_copy() -> None:
+    """Neither a NIXL copy nor a warm-up carries a namespace: the target would cache the
+    prefix as the base model's. The source refuses to offer it; a base-model prefix it offers."""
+    tokens = list(range(300, 308))
+    mirror = KvMirror(BS)
+    base = stored([31, 32], None, tokens)
+    adapter = msgspec.structs.replace(base, block_hashes=[41, 42], lora_name="sql-adapter")
+    tenant = msgspec.structs.replace(base, block_hashes=[51, 52], cache_salt="tenant-a")
+    mirror.apply([base, adapter, tenant])
+    migration = WorkerMigration("w0", bus=None, engine=None, mirror=lambda: mirror, block_size=BS)  # type: ignore[arg-type]
+    migration.tap = TokenTap(BS)
+    migration.tap.apply([base, adapter, tenant])
+    offers = {}
+    for name, namespace in (("base", 0), ("adapter", kv_namespace(None, "sql-adapter")),
+                            ("tenant", "tenant-a")):  # fmt: skip
+        deepest = BlockHasher(BS, namespace).hash_tokens(tokens).primary[-1]
+        request = KvExportRequest(migration_id=name, prefix_hash=deepest)
+        offers[name] = asyncio.run(migration.export(request))
+    assert offers["base"].blocks == 2 and offers["base"].token_ids == tokens
+    for name in ("adapter", "tenant"):
+        assert offers[name].blocks == 0 and "namespace" in offers[name].reason
+    assert mirror.namespaced([41, 42]) and not mirror.namespaced([31, 32])
+    mirror.apply([kv_wire.BlockRemoved(block_hashes=[42, 41], medium="GPU")])
+    assert mirror.namespaced_roots == {51}  # forgotten with its chain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -114,6 +115,45 @@ def test_the_ranks_are_read_from_the_engine_and_each_is_a_worker(info, ranks) ->
         assert [(c.worker_id, c.dp_rank) for c in configs] == [
             (f"w0-dp{r}", r) for r in range(ranks)
         ]
-    # an adapter told its rank stands for that rank alone
-    one = AdapterConfig(worker_id="w0-dp2", engine_url=_Engine.base_url, dp_rank=2)
-    assert rank_configs(one, ranks) == [one]
+    # an adapter told its rank stands for that rank alone (a process per rank)
+    one = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url, dp_rank=ranks - 1)
+    [alone] = rank_configs(one, ranks)
+    assert alone.dp_rank == ranks - 1
+    assert alone.worker_id == ("w0" if ranks == 1 else f"w0-dp{ranks - 1}")
+    with pytest.raises(ValueError, match="has"):
+        rank_configs(dataclasses.replace(one, dp_rank=ranks), ranks)
+
+
+class _Lease:
+    def __init__(self) -> None:
+        self.amended: list = []
+
+    def amend(self, registration) -> None:
+        self.amended.append(registration.lora_adapters)
+
+
+def test_the_loaded_lora_adapters_are_registered_and_followed() -> None:
+    """SGLang lists each loaded adapter in ``/v1/models`` as a card with the base as parent;
+    the adapter registers them and amends its registration when they change at run time."""
+    info = {"model_path": "m", "page_size": 16, "max_total_num_tokens": 16_000,
+            "max_running_requests": 8, "enable_lora": True}  # fmt: skip
+    base = {"id": "m", "object": "model", "root": "m", "parent": None}
+    models = {"object": "list", "data": [base, {"id": "sql", "root": "/a/sql", "parent": "m"}]}
+    engine = _Engine(info, None)
+    engine.answers["/v1/models"] = models
+    adapter = WorkerAdapter(AdapterConfig(worker_id="w0", engine_url=_Engine.base_url),
+                            bus=None, engine=engine)  # type: ignore[arg-type]  # fmt: skip
+    adapter.registration = asyncio.run(adapter.describe_engine())
+    assert adapter.registration.lora_adapters == ["sql"]
+    adapter.lease = _Lease()  # type: ignore[assignment]
+    models["data"].append({"id": "chat", "root": "/a/chat", "parent": "m"})  # loaded later
+    asyncio.run(adapter._refresh_adapters())
+    asyncio.run(adapter._refresh_adapters())  # nothing changed: nothing amended
+    assert adapter.lease.amended == [["chat", "sql"]]
+    assert adapter.registration.lora_adapters == ["chat", "sql"]
+    engine.answers["/v1/models"] = {"detail": "Not Found"}  # an answer that is not a list
+    asyncio.run(adapter._refresh_adapters())  # said, and the last known list kept
+    assert adapter.registration.lora_adapters == ["chat", "sql"]
+    no_lora = WorkerAdapter(AdapterConfig(worker_id="w1", engine_url=_Engine.base_url),
+                            bus=None, engine=_Engine({**info, "enable_lora": False}, None))  # type: ignore[arg-type]  # fmt: skip
+    assert asyncio.run(no_lora.describe_engine()).lora_adapters == []
