@@ -234,8 +234,8 @@ async def start_full_stack(
     from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
     from thunderagent.schemas import WorkerRole
     from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
-    from thunderagent.worker.adapter import main as adapter_main
     from thunderagent.worker.engine_client import EngineClient
+    from thunderagent.worker.service import main as adapter_main
 
     async def run_worker(ctx, adapter: WorkerAdapter) -> None:
         async with adapter.engine:

@@ -59,7 +59,7 @@ async def test_a_process_per_rank_stands_for_its_rank_alone(nats_server):
     for the whole engine would."""
     from tests.integration.test_kv_routing import wait_for
     from thunderagent.worker.adapter import AdapterConfig
-    from thunderagent.worker.adapter import main as adapter_main
+    from thunderagent.worker.service import main as adapter_main
 
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=0, policy="thunder")

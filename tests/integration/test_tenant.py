@@ -25,7 +25,7 @@ from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.simengine.salts import CacheNamespace, SaltBook
 from thunderagent.worker.adapter import AdapterConfig
-from thunderagent.worker.adapter import main as adapter_main
+from thunderagent.worker.service import main as adapter_main
 
 BLOCK = 16
 

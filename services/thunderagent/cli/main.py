@@ -145,7 +145,8 @@ def _cmd_index(args: argparse.Namespace) -> None:
 def _cmd_worker(args: argparse.Namespace) -> None:
     from thunderagent.schemas import WorkerRole
     from thunderagent.shell import run_service
-    from thunderagent.worker.adapter import AdapterConfig, main
+    from thunderagent.worker.adapter import AdapterConfig
+    from thunderagent.worker.service import main
 
     config = AdapterConfig(
         worker_id=args.worker_id,

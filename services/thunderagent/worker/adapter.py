@@ -8,11 +8,10 @@ failure, reaches the client as a ``FinalReply`` or an ``ErrorReply``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlparse
@@ -33,7 +32,6 @@ from thunderagent.schemas import (
     WorkerGenerate,
     WorkerRegistration,
     WorkerRole,
-    dp_rank_worker_ids,
     is_valid_worker_id,
     subjects,
 )
@@ -46,7 +44,6 @@ from thunderagent.sglang.load import (
     v1_loads_max_running,
 )
 from thunderagent.sglang.zmq_publisher import offset_endpoint_port, publisher_binds
-from thunderagent.shell import ServiceContext
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.tokenizer import BYTES_SPEC, load_tokenizer
 from thunderagent.worker.engine_client import EngineClient, EngineError
@@ -55,7 +52,7 @@ from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.metrics import adapter_metrics
 from thunderagent.worker.migration import WorkerMigration
-from thunderagent.worker.waits import sleep_or_stop, wait_any
+from thunderagent.worker.waits import once_ready, sleep_or_stop, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +196,7 @@ class WorkerAdapter:
             return 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.registration = await _once_ready(self.engine, stop, self.describe_engine)
+        self.registration = await once_ready(self.engine.base_url, stop, self.describe_engine)
         if self.registration is None:
             return
         self.lease = IdLease(await workers_bucket(self.bus), self.registration)
@@ -495,59 +492,3 @@ def _doubled(failures: int) -> bool:
     """Log the 1st, 2nd, 4th, 8th... failure in a row: an engine or NATS away for minutes is
     a few lines, not several a second."""
     return failures & (failures - 1) == 0
-
-
-def dp_size(info: Mapping) -> int:
-    """How many data-parallel ranks, each with its own KV cache, the engine runs: SGLang 0.5's
-    ``kv_events.dp_size`` (one event publisher per rank), else its ``dp_size`` server argument."""
-    events = info.get("kv_events")
-    ranks = events.get("dp_size") if isinstance(events, Mapping) else None
-    return max(1, int(ranks or info.get("dp_size") or 1))
-
-
-def rank_configs(config: AdapterConfig, ranks: int) -> list[AdapterConfig]:
-    """One adapter per rank of an engine with several: rank r is worker ``<id>-dp<r>`` to the
-    fleet (the router weighs each rank's cache and load apart, as it would two engines). A
-    config naming its rank (``--dp-rank``: a process per rank) is that rank's alone. ValueError
-    for a rank the engine does not have."""
-    if config.dp_rank is not None and not 0 <= config.dp_rank < ranks:
-        raise ValueError(f"--dp-rank {config.dp_rank}: the engine has {ranks} rank(s)")
-    if ranks == 1:
-        return [config]
-    ids = dp_rank_worker_ids(config.worker_id, ranks)
-    every = [dataclasses.replace(config, worker_id=w, dp_rank=r) for r, w in enumerate(ids)]
-    return every if config.dp_rank is None else [every[config.dp_rank]]
-
-
-async def main(ctx: ServiceContext, config: AdapterConfig) -> None:
-    async with EngineClient(config.engine_url) as engine:
-        info = await _once_ready(engine, ctx.stop, lambda: engine.get_json("/server_info"))
-        if info is None:
-            return
-        try:
-            configs = rank_configs(config, dp_size(info))
-        except ValueError as err:
-            raise SystemExit(f"worker: {err}") from None
-        if len(configs) > 1:
-            log.info("engine %s runs %d data-parallel ranks: workers %s", engine.base_url,
-                     len(configs), ", ".join(c.worker_id for c in configs))  # fmt: skip
-        async with asyncio.TaskGroup() as tg:
-            for c in configs:
-                client = engine if c.dp_rank is None else engine.for_rank(c.dp_rank)
-                tg.create_task(WorkerAdapter(c, ctx.bus, client).run(ctx.stop))
-
-
-async def _once_ready(
-    engine: EngineClient, stop: asyncio.Event, ask: Callable[[], Awaitable[T]]
-) -> T | None:
-    """``ask()``'s answer once the engine gives one, asking again with backoff while it does
-    not answer (starting up); None when stopped first."""
-    delay = 0.1
-    while not stop.is_set():
-        try:
-            return await ask()
-        except (TimeoutError, OSError, EngineError) as err:
-            log.info("engine %s not ready (%s)", engine.base_url, err)
-        await sleep_or_stop(stop, delay)
-        delay = min(delay * 2, 2.0)
-    return None

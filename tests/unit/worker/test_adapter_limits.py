@@ -12,10 +12,9 @@ from thunderagent.worker.adapter import (
     AdapterConfig,
     WorkerAdapter,
     _context_length,
-    dp_size,
-    rank_configs,
 )
 from thunderagent.worker.engine_client import EngineError
+from thunderagent.worker.service import dp_size, rank_configs
 
 
 @pytest.mark.parametrize(
