@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 from urllib.parse import urlparse
 
 import msgspec
@@ -56,7 +55,6 @@ from thunderagent.worker.waits import once_ready, sleep_or_stop, wait_any
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 UNHEALTHY_AFTER = 3
 """Load polls failing in a row before the engine counts as gone (with the default 0.2 s poll,
@@ -113,6 +111,8 @@ class WorkerAdapter:
         """The engine answered 404 to ``/v1/loads``: it is read through ``/get_load``."""
         self._lora = False
         """The engine serves LoRA adapters (``enable_lora``): which ones is read as it runs."""
+        self._adapter_failures = 0
+        """Reads of the engine's adapters failed in a row (said on the 1st, 2nd, 4th...)."""
         self.metrics = adapter_metrics()
         self.metrics.adapters.add(self)
 
@@ -169,12 +169,17 @@ class WorkerAdapter:
         )
 
     async def _read_adapters(self) -> list[str] | None:
-        """``_lora_adapters``, or None (said once per failure) when the engine did not tell."""
+        """``_lora_adapters``, or None when the engine did not tell (the last known list holds)."""
         try:
-            return await self._lora_adapters()
+            adapters = await self._lora_adapters()
         except (TimeoutError, OSError, EngineError, ValueError) as err:
-            log.warning("LoRA adapters of %s not read: %s", self.engine.base_url, err)
+            self._adapter_failures += 1
+            if _doubled(self._adapter_failures):
+                log.warning("LoRA adapters of %s not read (%d in a row): %s",
+                            self.engine.base_url, self._adapter_failures, err)  # fmt: skip
             return None
+        self._adapter_failures = 0
+        return adapters
 
     async def _refresh_adapters(self) -> None:
         """Follow adapters loaded and unloaded at run time: the next renewal carries them."""
