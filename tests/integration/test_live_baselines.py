@@ -38,3 +38,26 @@ async def test_baseline_serves_the_load_generator(nats_server, tmp_path, baselin
         assert summary["added_latency_ms"]["p50"] >= 0  # the engine's own TTFT came through
         # the same prompt again: cache_aware keeps it where its prefix is cached
         assert summary["prefix_hit_ratio"] > 0.5, log
+
+
+async def test_smg_dp_aware_routes_to_the_ranks_of_a_simulated_engine(nats_server, tmp_path):
+    """SMG's ``--dp-aware`` reads the engines' ``dp_size`` and names a rank on every request;
+    the simulated engine serves the same discovery and honours the rank, so a repeated prompt
+    stays on one rank (engine-level routing would spread it over both by SGLang's round robin)."""
+    if routers.baseline_missing("smg-dp-aware"):
+        pytest.skip(routers.baseline_missing("smg-dp-aware"))
+    prompt = live.block_tokens(3, 64) + live.block_tokens(4, 64)
+    requests = [live.LiveRequest(i, i * 0.05, prompt, 2) for i in range(6)]
+    async with inproc_stack(nats_server.url) as stack:
+        url = await stack.start_engine("e0", kv_events=False, dp_size=2)
+        proc, router_url = routers.start_router("smg-dp-aware", [url], tmp_path / "smg.log")
+        try:
+            await routers.wait_http(router_url)
+            summary = (await live.run_http(router_url, "smg-dp-aware", requests)).summary()
+        finally:
+            await asyncio.to_thread(routers.stop_router, proc)
+        blocks = [e.load_snapshot()["cached_blocks"] for e in stack.dp_ranks["e0"]]
+    log = (tmp_path / "smg.log").read_text()[-2000:]
+    assert (summary["completed"], summary["errors"]) == (6, 0), log
+    assert summary["prefix_hit_ratio"] > 0.7, log  # five of six served from the first's cache
+    assert sorted(blocks)[0] == 0 and sorted(blocks)[1] > 0, blocks  # one rank holds it all

@@ -17,23 +17,28 @@ import aiohttp
 
 from thunderagent.embedded import free_port
 
-BASELINES = ("sglang-router", "smg")
-"""HTTP routers ``--baseline`` can put in front of the engines (the pip package named)."""
+BASELINES = ("sglang-router", "smg", "smg-dp-aware")
+"""HTTP routers ``--baseline`` can put in front of the engines (the pip package named).
+``smg-dp-aware``: SMG with its ``--dp-aware`` setting (off as it ships), which reads each
+engine's ``dp_size`` and routes to its data-parallel ranks as workers of their own."""
+_PACKAGE = {"sglang-router": "sglang_router", "smg": "smg", "smg-dp-aware": "smg"}
+_SETTINGS = {"smg-dp-aware": ["--dp-aware"]}
 FRESH_SUFFIX = "/fresh-connections"
 """System-name suffix of a baseline measured with a new client connection per request."""
 
 
 def router_argv(baseline: str, port: int, metrics_port: int, engine_urls: list[str]) -> list[str]:
-    """The baseline's launch command: ``--policy cache_aware`` and nothing tuned; only the
-    listening and metrics ports are set (both routers default their metrics to 0.0.0.0:29000)."""
+    """The baseline's launch command: ``--policy cache_aware`` and nothing tuned but the setting
+    its name says (``_SETTINGS``); only the listening and metrics ports are set (both routers
+    default their metrics to 0.0.0.0:29000)."""
     launcher = {
-        "sglang-router": ["-m", "sglang_router.launch_router"],
+        "sglang_router": ["-m", "sglang_router.launch_router"],
         "smg": ["-m", "smg", "launch"],
-    }[baseline]
+    }[_PACKAGE[baseline]]
     return [
         sys.executable, *launcher, "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--policy", "cache_aware", "--worker-urls", *engine_urls,
+        "--policy", "cache_aware", *_SETTINGS.get(baseline, []), "--worker-urls", *engine_urls,
     ]  # fmt: skip
 
 
@@ -62,7 +67,7 @@ def stop_router(proc: subprocess.Popen) -> None:
 
 def baseline_missing(baseline: str) -> str | None:
     """Why the baseline cannot run here, or None."""
-    module = {"sglang-router": "sglang_router", "smg": "smg"}[baseline]
+    module = _PACKAGE[baseline]
     try:
         __import__(module)
     except ImportError:

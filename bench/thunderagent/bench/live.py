@@ -284,6 +284,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=positive, default=50.0, help="requests per second")
     p.add_argument("--duration", type=positive, default=20.0, help="seconds of arrivals")
     p.add_argument("--workers", type=at_least(1), default=4)
+    p.add_argument(
+        "--dp-size", type=at_least(1), default=1,
+        help="data-parallel ranks per simulated engine (each its own KV cache); compare "
+        "--baseline smg (engine-level routing, SGLang's round robin over the ranks) with "
+        "smg-dp-aware",
+    )  # fmt: skip
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--speedup", type=positive, default=20.0, help="simulated engines' clock speed")
     p.add_argument(
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = StackConfig(
         workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
-        **entry_point_settings(args.via),
+        dp_size=args.dp_size, **entry_point_settings(args.via),
     )  # fmt: skip
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)
@@ -372,6 +378,7 @@ def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
         "rate": args.rate,
         "duration_s": args.duration,
         "workers": args.workers,
+        "dp_size": args.dp_size,
         "profile": args.profile,
         "engine_speedup": args.speedup,
         "tokens_per_block": args.tokens_per_block,

@@ -14,22 +14,25 @@ def test_parse_baselines_accepts_a_comma_separated_list() -> None:
     assert routers.parse_baselines("sglang-router,smg") == ["sglang-router", "smg"]
     assert routers.parse_baselines(" smg , smg ") == ["smg"]
     for bad in ("nginx", "smg,nginx", ",", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="choose from sglang-router, smg"):
+        with pytest.raises(argparse.ArgumentTypeError, match="choose from sglang-router, smg,"):
             routers.parse_baselines(bad)
     args = live._parser().parse_args(["--trace", "t", "--baseline", "sglang-router,smg"])
     assert args.baseline == ["sglang-router", "smg"] and args.client_connections == "both"
     assert live._parser().parse_args(["--trace", "t"]).baseline == []
 
 
-@pytest.mark.parametrize("baseline", ["sglang-router", "smg"])
+@pytest.mark.parametrize("baseline", ["sglang-router", "smg", "smg-dp-aware"])
 def test_router_argv_is_cache_aware_with_defaults(baseline: str) -> None:
     argv = routers.router_argv(baseline, 8000, 9000, ["http://e0", "http://e1"])
     assert argv[argv.index("--policy") + 1] == "cache_aware"
     assert argv[argv.index("--worker-urls") + 1 :] == ["http://e0", "http://e1"]
     flags = {a for a in argv if a.startswith("--")}
-    # only where to listen is set: every routing knob keeps its shipped default
+    # only where to listen is set, and the one setting a name says: every other routing knob
+    # keeps its shipped default
+    named = {"--dp-aware"} if baseline == "smg-dp-aware" else set()
     assert flags == {
-        "--host", "--port", "--prometheus-host", "--prometheus-port", "--policy", "--worker-urls"
+        "--host", "--port", "--prometheus-host", "--prometheus-port", "--policy", "--worker-urls",
+        *named,
     }  # fmt: skip
     assert (argv[argv.index("--port") + 1], argv[argv.index("--prometheus-port") + 1]) == (
         "8000",
