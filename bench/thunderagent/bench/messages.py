@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import uvloop
 
@@ -140,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.requests < 1:
         p.error("--requests must be at least 1")
     print(f"starting the stack ({args.workers} instant engines) ...", file=sys.stderr)
-    run_dir = Path(tempfile.mkdtemp(prefix="thunderagent-messages-"))
-    stack = profile.start_stack(args.workers, run_dir)
+    stack = profile.start_stack(args.workers, "messages")
     try:
         rows = uvloop.run(count(stack, args.rates, args.requests))
     finally:

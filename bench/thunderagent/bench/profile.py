@@ -24,7 +24,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +78,15 @@ def tracing_env(endpoint: str, ratio: float) -> dict[str, str]:
     }
 
 
-def start_stack(
-    workers: int, run_dir: Path | None = None, routers: int = 1, via: str = "nats"
-) -> Stack:
+def start_stack(workers: int, name: str, routers: int = 1, via: str = "nats") -> Stack:
     """Instant engines, the stack's own defaults for everything else; a gateway only when the
     requests go through one (``via`` ``gateway``, or ``gateway-embedded``: the router inside
-    it and no router service)."""
+    it and no router service). Its run folder is its own (``thunderagent-<name>-*``): its logs
+    stay, the NATS server's JetStream store goes when it stops."""
     settings = entry_point_settings(via, routers)
-    return Stack.start(StackConfig(workers=workers, engine="instant", run_dir=run_dir, **settings))
+    config = StackConfig(workers=workers, engine="instant", run_dir_prefix=f"thunderagent-{name}-",
+                         **settings)  # fmt: skip
+    return Stack.start(config)
 
 
 @dataclass
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.perf_counter()
     print(f"starting the stack ({args.workers} instant engines) ...", file=sys.stderr)
-    stack = start_stack(args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-profile-")))
+    stack = start_stack(args.workers, "profile")
     try:
         report |= uvloop.run(run(stack, args, receiver))
     finally:

@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import uvloop
 
@@ -293,10 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.perf_counter()
     print(f"starting the stack ({args.workers} instant engines) ...", file=sys.stderr)
-    stack = profile.start_stack(
-        args.workers, Path(tempfile.mkdtemp(prefix="thunderagent-throughput-")), args.routers,
-        via=args.via,
-    )  # fmt: skip
+    stack = profile.start_stack(args.workers, "throughput", args.routers, via=args.via)
     try:
         sweep = Sweep(args, stack.engine_urls)
         if args.stack:

@@ -155,6 +155,8 @@ class StackConfig:
     routers: int = 1
     speedup: float = 1.0
     run_dir: Path | None = None
+    run_dir_prefix: str = "thunderagent-"
+    """Without ``run_dir``: the name the stack's own temp folder starts with (a benchmark's)."""
     metrics: bool = False
     auth: bool = True
     """Generate NATS logins (per role, per worker) for an embedded server; False: open bus."""
@@ -233,7 +235,7 @@ class Stack:
 
     @classmethod
     def start(cls, config: StackConfig) -> Stack:
-        run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="thunderagent-"))
+        run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix=config.run_dir_prefix))
         run_dir.mkdir(parents=True, exist_ok=True)
         stack = cls(config=config, run_dir=run_dir)
         try:
