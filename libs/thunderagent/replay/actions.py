@@ -25,7 +25,7 @@ from thunderagent.engine import Request
 from thunderagent.scheduling import Dispatch, Preempt, Reject
 
 if TYPE_CHECKING:
-    from thunderagent.replay.driver import Record
+    from thunderagent.replay.records import Record
 
 INF = math.inf
 STALL_STEP_S = 1e-6

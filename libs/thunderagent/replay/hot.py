@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from thunderagent.stats import percentile
 
 if TYPE_CHECKING:
-    from thunderagent.replay.driver import Record
+    from thunderagent.replay.records import Record
     from thunderagent.replay.traces import TraceRequest
 
 

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from thunderagent.engine import TimingModel
-from thunderagent.replay.driver import Record, ReplayResult
 from thunderagent.replay.metrics import load_imbalance
+from thunderagent.replay.records import Record, ReplayResult
 from thunderagent.stats import percentile, summary
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from thunderagent.replay.driver import Replay, ReplayConfig, ReplayResult
+from thunderagent.replay.driver import Replay
+from thunderagent.replay.records import ReplayConfig, ReplayResult
 from thunderagent.replay.traces import TraceRequest
 from thunderagent.workloads import AgentWorkload, WorkRequest
 
