@@ -88,6 +88,12 @@ class KvMirror:
     (``chain_to``, ``leading_run``) instead of scanning the whole cache, which took 16-39 ms
     at 500k blocks on the adapter's event loop, once per copy a run asks for."""
     stats: MirrorStats = field(default_factory=MirrorStats)
+    twins: dict[int, set[int]] = field(default_factory=dict)
+    """Our primary hash -> the engine hashes of the blocks that have it, where more than one do:
+    SGLang keys a LoRA adapter's blocks by the adapter's load, so after a reload the old load's
+    blocks (never matched again, evicted in time) and the new load's hash to the same prefix
+    here. A removal is announced only when no twin is left on that tier (the old load's eviction
+    must not take the new load's blocks out of the index)."""
     namespaced_roots: set[int] = field(default_factory=set)
     """Engine hashes of the first blocks of chains in a tenant's or an adapter's namespace (their
     children are in it too): such a prefix is not offered for a copy (``namespaced``)."""
@@ -98,6 +104,7 @@ class KvMirror:
     def clear(self) -> None:
         self.blocks.clear()
         self.by_primary.clear()
+        self.twins.clear()
         self.namespaced_roots.clear()
 
     def chain_to(self, prefix_hash: int) -> list[int] | None:
@@ -194,6 +201,9 @@ class KvMirror:
             old = blocks.get(engine_hash)
             tiers = old.tiers | bit if old is not None and old.primary == p else bit
             blocks[engine_hash] = MirrorBlock(p, c, prev, tiers)
+            held = by_primary.get(p)
+            if held is not None and held != engine_hash and held in blocks:
+                self.twins.setdefault(p, {held}).add(engine_hash)
             by_primary[p] = engine_hash
             prev = engine_hash
         self.stats.stored_blocks += len(ev.block_hashes)
@@ -216,17 +226,21 @@ class KvMirror:
             if block is None or not block.tiers & bit:
                 self.stats.unknown_removals += 1
                 continue
-            hashes.append(block.primary)
+            twins = [self.blocks[t] for t in self.twins.get(block.primary, ()) if t != engine_hash]
+            announced = not any(t.tiers & bit for t in twins)  # else a twin still holds it
+            if announced:
+                hashes.append(block.primary)
+                kept += [t for t in twins if t.tiers]  # the all-tier view loses them too
             if block.tiers & ~bit:
                 left = self.blocks[engine_hash] = msgspec.structs.replace(
                     block, tiers=block.tiers & ~bit
                 )
-                kept.append(left)
+                if announced:
+                    kept.append(left)
                 continue
             del self.blocks[engine_hash]
             self.namespaced_roots.discard(engine_hash)
-            if self.by_primary.get(block.primary) == engine_hash:
-                del self.by_primary[block.primary]
+            self._forget_primary(block.primary, engine_hash)
         self.stats.removed_blocks += len(hashes)
         out: list[KvEvent] = [BlocksRemoved(hashes=hashes, medium=medium)] if hashes else []
         for block in kept:
@@ -234,6 +248,19 @@ class KvMirror:
             if again is not None:
                 out.append(again)
         return out
+
+    def _forget_primary(self, primary: int, engine_hash: int) -> None:
+        """``engine_hash`` left the mirror: ``primary`` is found at a twin of it, or nowhere."""
+        twins = self.twins.get(primary)
+        if twins is not None:
+            twins.discard(engine_hash)
+            if len(twins) <= 1:
+                del self.twins[primary]
+        if self.by_primary.get(primary) == engine_hash:
+            if twins:
+                self.by_primary[primary] = next(iter(twins))
+            else:
+                del self.by_primary[primary]
 
     def _announce(self, block: MirrorBlock, medium: Medium) -> BlocksStored | None:
         """``block`` as stored on ``medium``, under its parent (None when the mirror lost the

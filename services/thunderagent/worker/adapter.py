@@ -150,16 +150,18 @@ class WorkerAdapter:
             registered_at=time.time(),
             role=self.config.role,
             tokenizer=self.config.tokenizer,
-            max_running_requests=int(info.get("max_running_requests") or 0)
-            or await self._effective_max_running(),
+            # the cap SGLang derived (per rank: under DP attention it divides the argument by
+            # the ranks, and it bounds it by the KV pool), else the argument as given
+            max_running_requests=await self._effective_max_running()
+            or int(info.get("max_running_requests") or 0),
             context_length=_context_length(info),
             vocab_size=int(info.get("vocab_size") or 0) or _vocab_size(self.config.tokenizer),
             lora_adapters=(await self._read_adapters() or []) if self._lora else [],
         )
 
     async def _lora_adapters(self) -> list[str]:
-        """The LoRA adapters the engine has loaded: SGLang lists each in ``/v1/models`` as a
-        card whose ``parent`` is the base model."""
+        """The LoRA adapters the engine lists in ``/v1/models`` (a card whose ``parent`` is the
+        base model), each loaded now."""
         answer = await self._shared_answer("/v1/models")
         cards = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(cards, list):
@@ -182,11 +184,14 @@ class WorkerAdapter:
         return adapters
 
     async def _refresh_adapters(self) -> None:
-        """Follow adapters loaded and unloaded at run time: the next renewal carries them."""
-        adapters = await self._read_adapters()
+        """Follow adapters loaded at run time: the next renewal carries them. One that leaves
+        the list stays registered: SGLang unloads adapters (``--max-loaded-loras`` evicts the
+        least used) but serves any it has ever loaded, loading it again on demand."""
+        listed = await self._read_adapters()
         reg = self.registration
-        if adapters is None or reg is None or self.lease is None:
+        if listed is None or reg is None or self.lease is None:
             return
+        adapters = sorted(set(listed) | set(reg.lora_adapters))
         if adapters != reg.lora_adapters:
             log.info("LoRA adapters now %s", adapters)
             self.registration = msgspec.structs.replace(reg, lora_adapters=adapters)

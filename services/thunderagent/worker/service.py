@@ -19,10 +19,14 @@ log = logging.getLogger(__name__)
 
 def dp_size(info: Mapping) -> int:
     """How many data-parallel ranks, each with its own KV cache, the engine runs: SGLang 0.5's
-    ``kv_events.dp_size`` (one event publisher per rank), else its ``dp_size`` server argument."""
+    ``kv_events.dp_size`` (one event publisher per rank), else from its server arguments:
+    ``dp_size`` x ``attn_dp_size`` (``--dp-size N --enable-dp-attention`` becomes
+    ``attn_dp_size`` N and ``dp_size`` 1)."""
     events = info.get("kv_events")
     ranks = events.get("dp_size") if isinstance(events, Mapping) else None
-    return max(1, int(ranks or info.get("dp_size") or 1))
+    if not ranks:
+        ranks = int(info.get("dp_size") or 1) * int(info.get("attn_dp_size") or 1)
+    return max(1, int(ranks))
 
 
 def rank_configs(config: AdapterConfig, ranks: int) -> list[AdapterConfig]:

@@ -348,3 +348,30 @@ def test_a_lora_adapters_blocks_are_announced_in_the_adapters_namespace():
         [gone] = mirror.apply([kv_wire.BlockRemoved(block_hashes=tail.block_hashes, medium="GPU")])
         assert gone.hashes == second.hashes
     assert mirror.stats.unknown_removals == 0
+
+
+def test_a_reloaded_adapters_old_blocks_leave_without_taking_the_new_ones():
+    """SGLang keys an adapter's blocks by the adapter's load: after a reload, the old load's
+    blocks (never matched again) and the new load's are both named by the adapter and hash to
+    the same prefix here. The old ones' eviction announces no removal while the new ones hold
+    the tier; the last one's does, and a twin on the other tier is announced there again."""
+    tokens = list(range(8))
+    first, hashes = stored(tokens)
+    old = msgspec.structs.replace(first, block_hashes=[h + 1 for h in hashes], lora_name="sql")
+    new = msgspec.structs.replace(old, block_hashes=[h + 2 for h in hashes])
+    mirror = KvMirror(PAGE)
+    [stored_old] = mirror.apply([old])
+    [stored_new] = mirror.apply([new])
+    assert stored_new.hashes == stored_old.hashes  # one prefix, two loads
+    children_first = list(reversed(old.block_hashes))
+    assert mirror.apply([kv_wire.BlockRemoved(block_hashes=children_first, medium="GPU")]) == []
+    assert mirror.chain_to(stored_new.hashes[-1]) == new.block_hashes  # still found, at the new
+    gone = mirror.apply([kv_wire.BlockRemoved(block_hashes=[new.block_hashes[1]], medium="GPU")])
+    assert gone == [BlocksRemoved(hashes=[stored_new.hashes[1]])]
+    # across tiers: the old load on the host tier, the new one's GPU copy evicted
+    host = msgspec.structs.replace(old, medium="CPU_PINNED")
+    mirror.apply([host])
+    out = mirror.apply([kv_wire.BlockRemoved(block_hashes=[new.block_hashes[0]], medium="GPU")])
+    assert out[0] == BlocksRemoved(hashes=[stored_new.hashes[0]])
+    assert [(e.hashes, e.medium) for e in out[1:]] == [([stored_new.hashes[0]], Medium.CPU_PINNED)]
+    assert mirror.stats.unknown_removals == 0

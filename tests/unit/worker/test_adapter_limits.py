@@ -53,8 +53,10 @@ class _Engine:
 @pytest.mark.parametrize(
     ("max_running", "loads", "registered"),
     [
-        (32, None, 32),  # --max-running-requests given: /server_info holds it
+        (32, None, 32),  # --max-running-requests given, SGLang before /v1/loads: as given
         (None, {"loads": [{"max_running_requests": 48}, {"max_running_requests": 48}]}, 96),
+        # given, and bounded by the KV pool (or divided among attention-DP ranks): as derived
+        (64, {"loads": [{"max_running_requests": 16}, {"max_running_requests": 16}]}, 32),
         (None, None, 0),  # SGLang before /v1/loads: unknown (the scheduler's fallback applies)
     ],
 )
@@ -100,6 +102,7 @@ def test_a_rank_registers_its_own_running_cap() -> None:
     [
         ({}, 1),  # SGLang before data parallelism, or the simulated engine's default
         ({"dp_size": 4}, 4),  # its server argument
+        ({"dp_size": 1, "attn_dp_size": 4, "kv_events": None}, 4),  # DP attention, no events
         ({"dp_size": 4, "kv_events": {"dp_size": 4, "block_size": 16}}, 4),  # 0.5's publishers
         ({"dp_size": None, "kv_events": None}, 1),
     ],
@@ -149,6 +152,9 @@ def test_the_loaded_lora_adapters_are_registered_and_followed() -> None:
     asyncio.run(adapter._refresh_adapters())
     asyncio.run(adapter._refresh_adapters())  # nothing changed: nothing amended
     assert adapter.lease.amended == [["chat", "sql"]]
+    assert adapter.registration.lora_adapters == ["chat", "sql"]
+    del models["data"][1]  # "sql" evicted (--max-loaded-loras): SGLang reloads it on demand
+    asyncio.run(adapter._refresh_adapters())
     assert adapter.registration.lora_adapters == ["chat", "sql"]
     engine.answers["/v1/models"] = {"detail": "Not Found"}  # an answer that is not a list
     asyncio.run(adapter._refresh_adapters())  # said, and the last known list kept
