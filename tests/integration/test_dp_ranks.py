@@ -5,11 +5,28 @@ simulated engine laid out as SGLang lays out its ranks."""
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
-from tests.integration.test_kv_routing import PAGE, conversation, holder_known, routable
-from thunderagent.schemas import GenerateRequest
+from tests.integration.test_kv_routing import (
+    PAGE,
+    conversation,
+    holder_known,
+    routable,
+    wait_for,
+)
+from tests.integration.test_worker_lifecycle import _sender_with_inbox
+from thunderagent.schemas import (
+    Ack,
+    FinalReply,
+    GenerateRequest,
+    TokenChunk,
+    WorkerGenerate,
+    subjects,
+)
 from thunderagent.sglang.kv_wire import sglang_block_hashes
 
 pytestmark = pytest.mark.integration
@@ -21,24 +38,32 @@ def _cached_blocks(engine, prompt: list[int]) -> int:
 
 
 async def test_each_rank_is_a_worker_and_a_prefix_comes_back_to_its_rank(nats_server):
+    """A run handed to each rank's worker lands on that rank alone; the rank's KV events reach
+    the router under that worker, and the prompt's next turn goes back there with its hit."""
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=1, dp_size=2, policy="thunder",
                                profile="llama-3.1-8b-h100", speedup=50)  # fmt: skip
         router = stack.services["router"].runtime.core
-        assert sorted(w.registration.worker_id for w in router.fleet.for_model(MODEL)) == [
-            "w0-dp0",
-            "w0-dp1",
-        ]
+        await wait_for(
+            lambda: (
+                sorted(w.registration.worker_id for w in router.fleet.for_model(MODEL))
+                == ["w0-dp0", "w0-dp1"]
+            ),
+            what="a worker per rank in the router's fleet",
+        )
         client = await routable(nats_server.url, 2)
+        nc, bus, inbox, got = await _sender_with_inbox(nats_server.url, "dp-test")
         ranks = stack.dp_ranks["w0"]
-        served: set[str] = set()
-        for seed in range(4):
-            prefix = conversation(seed + 1, 12)
-            first = await client.generate(
-                GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
-            )
-            worker = first.final.worker_id
-            rank = int(worker.removeprefix("w0-dp"))
+        for rank in (0, 1):
+            worker, prefix = f"w0-dp{rank}", conversation(rank + 1, 12)
+            request = GenerateRequest(model=MODEL, request_id=f"first-{rank}",
+                                      token_ids=prefix + [9, 9], max_tokens=4)  # fmt: skip
+            work = WorkerGenerate(request=request, reply_subject=inbox)
+            assert (
+                await bus.request(subjects.worker_generate(worker), work, Ack, timeout=5)
+            ).accepted
+            while not isinstance(await _reply(got), FinalReply):
+                pass
             # the run went to the rank its worker names, and only there
             assert _cached_blocks(ranks[rank], prefix) == 12
             assert _cached_blocks(ranks[1 - rank], prefix) == 0
@@ -48,16 +73,19 @@ async def test_each_rank_is_a_worker_and_a_prefix_comes_back_to_its_rank(nats_se
             )
             assert second.final.worker_id == worker
             assert second.final.usage.cached_tokens == 12 * PAGE
-            served.add(worker)
         await client.close()
-    assert served == {"w0-dp0", "w0-dp1"}  # the router spread the prefixes over both ranks
+        await nc.close()
+
+
+async def _reply(got: asyncio.Queue):
+    msg = await asyncio.wait_for(got.get(), 10)
+    return msgspec.json.decode(msg.data, type=TokenChunk | FinalReply)
 
 
 async def test_a_process_per_rank_stands_for_its_rank_alone(nats_server):
     """``thunderagent worker --dp-rank R``: adapters in separate processes (one per rank, so no
     single Python process carries every rank's streams) register a worker each, as one adapter
     for the whole engine would."""
-    from tests.integration.test_kv_routing import wait_for
     from thunderagent.worker.adapter import AdapterConfig
     from thunderagent.worker.service import main as adapter_main
 

@@ -144,7 +144,9 @@ async def _append(events: list, batch: KvEventBatch) -> None:
 async def test_lora_adapters_share_no_cached_prefix_with_each_other_or_the_base_model(nats_server):
     tokens = prompt(8, seed=2) + [7]
     async with inproc_stack(nats_server.url) as stack:
+        # a pool that holds every namespace's copy (the tiny profile's 32 blocks evict one)
         await start_full_stack(stack, workers=1, policy="thunder", speedup=100,
+                               profile="llama-3.1-8b-h100",
                                lora_adapters=["sql-adapter", "chat-adapter"])  # fmt: skip
         client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
         try:
