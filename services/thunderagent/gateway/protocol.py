@@ -295,6 +295,8 @@ def _build(
 ) -> GenerateRequest:  # fmt: skip
     _check_common(body, max_tokens)
     model, adapter = split_adapter(body.model, served)
+    if not model:
+        raise bad_request("model must name a model before ':<adapter>'", "model")
     sampling = SamplingParams(
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

@@ -192,3 +192,9 @@ def test_a_lora_adapter_is_named_as_sglangs_openai_api_names_it(model, lora_path
     body = {**BASE, "model": model, **({"lora_path": lora_path} if lora_path else {})}
     req = chat(body, served=served).request
     assert (req.model, req.lora_name) == expected
+
+
+@pytest.mark.parametrize("model", [":", ":sql", " :sql"])
+def test_an_adapter_without_a_model_is_refused(model):
+    error = refused(chat, {**BASE, "model": model})
+    assert "before ':<adapter>'" in str(error)
