@@ -140,7 +140,12 @@ async def test_program_steps_and_release(nats_server):
     assert len(set(workers)) == 1, f"a program should stay on the worker with its KV: {workers}"
 
 
-async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other(nats_server):
+@pytest.mark.parametrize(("salt", "lora"), [(None, None), ("tenant-a", "sql-adapter")])
+async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other(
+    nats_server, salt, lora
+):
+    """The prompt's KV moves to the decode worker in the namespace it was cached in (a tenant's
+    salt, a LoRA adapter), so the decode run finds it there."""
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(
             stack,
@@ -150,15 +155,19 @@ async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other
             policy="thunder",
             profile="llama-3.1-8b-h100",
             speedup=20,
+            lora_adapters=["sql-adapter"],
         )
         client = await routable(nats_server.url, 2)
         sched = stack.services["scheduler"].runtime
         # the scheduler learns the roles from the load reports
         await wait_for(lambda: len(sched.core.admission.workers) == 2, what="both workers' rooms")
         prompt = list(range(1000, 1000 + 160))  # 10 full blocks
-        chunks, final, _ = await collect(
-            client, GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=12)
-        )
+        request = GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=12, cache_salt=salt,
+                                  lora_name=lora)  # fmt: skip
+        if lora:  # the router has the workers' adapters once it has their registrations
+            await wait_for(lambda: len(stack.services["router"].runtime.core.fleet.for_model(
+                MODEL, lora)) == 2, what="both workers' adapters")  # fmt: skip
+        chunks, final, _ = await collect(client, request)
         decode_engine = stack.engines["w1"]
         await wait_for(lambda: sched.core.stats()["pd_inflight"] == 0, what="the transfer to end")
         await client.close()

@@ -258,6 +258,10 @@ class KvTransfer(Struct, frozen=True, kw_only=True):
     """The prompt (and first token) whose full blocks the decode engine imports."""
     source_worker: str
     """Prefill worker the KV comes from."""
+    cache_salt: str | None = None
+    """The request's tenant salt: the blocks are imported in its namespace, as they were cached."""
+    lora_name: str | None = None
+    """The request's LoRA adapter: likewise."""
 
 
 class RequestProgress(Struct, frozen=True, kw_only=True):

@@ -241,13 +241,22 @@ class EngineDriver:
             if self._streams.pop(req.rid, None) is not None:
                 self.core.abort(req.rid, self.now())  # client went away mid-stream
 
-    def import_kv(self, token_ids: list[int]) -> tuple[int, float]:
+    def import_kv(
+        self, token_ids: list[int], space: CacheNamespace | None = None
+    ) -> tuple[int, float]:
         """PD: the full blocks of ``token_ids`` arrive from a prefill engine and become cached
-        here. Returns (blocks imported, modelled transfer seconds at ``link_bytes_per_s``)."""
+        here, in ``space`` (the request's salt and adapter) as the prefill engine cached them.
+        Returns (blocks imported, modelled transfer seconds at ``link_bytes_per_s``)."""
         full = len(token_ids) - len(token_ids) % self.block_size
-        keys = kv_wire.sglang_block_hashes(token_ids[:full], self.block_size)
+        keys = kv_wire.sglang_block_hashes(
+            token_ids[:full], self.block_size, space and space.seed()
+        )
+        if space:  # the events of the imported blocks name the namespace
+            self.salts.hold(keys, space)
         blocks = self.core.import_blocks(keys, token_ids[:full])
         self._publish(self.core.drain_events())
+        if space:
+            self.salts.release(keys, self.core.cache.__contains__)
         seconds = blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
         return blocks, seconds
 

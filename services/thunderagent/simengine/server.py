@@ -34,6 +34,7 @@ from thunderagent.simengine.driver import (
 )
 from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
+from thunderagent.simengine.salts import cache_namespace
 from thunderagent.telemetry import extract_context, start_span_if_sampled
 from thunderagent.tokenizer import ByteTokenizer
 
@@ -174,11 +175,14 @@ class SimEngineApp:
         ids = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**63 for t in ids):
             return _bad("input_ids must be a list of integers in [0, 2**63)")  # SGLang's range
+        salt, lora = body.get("cache_salt"), body.get("lora_path")
+        if not all(x is None or isinstance(x, str) for x in (salt, lora)):
+            return _bad("cache_salt and lora_path must be strings")
         try:
             engine = self.ranks.pick(body)
         except ValueError as err:
             return _bad(str(err))
-        blocks, seconds = engine.import_kv(ids)
+        blocks, seconds = engine.import_kv(ids, cache_namespace(salt, lora))
         await asyncio.sleep(seconds / engine.speedup)
         return web.json_response({"imported_blocks": blocks, "transfer_s": seconds})
 

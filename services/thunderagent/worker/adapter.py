@@ -436,7 +436,9 @@ class WorkerAdapter:
     async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
         """PD: the decode side takes over a prefilled prompt's KV before its continuation."""
         try:
-            result = await self.engine.import_kv(transfer.token_ids)
+            result = await self.engine.import_kv(
+                transfer.token_ids, cache_salt=transfer.cache_salt, lora_name=transfer.lora_name
+            )
             answer = Ack(accepted=True)
             imported = result.get("imported_blocks")
             log.debug("imported %s blocks for %s", imported, transfer.request_id)

@@ -114,9 +114,17 @@ class EngineClient:
             self._shared[path] = sent
         return await asyncio.shield(sent[1])  # one rank's cancellation stops not the others'
 
-    async def import_kv(self, token_ids: list[int]) -> dict:
-        """PD: import a prompt's KV (the simulated engine's ``/import_kv``)."""
-        body = _encode(self._ranked({"input_ids": token_ids}))
+    async def import_kv(
+        self, token_ids: list[int], *, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> dict:
+        """PD: import a prompt's KV (the simulated engine's ``/import_kv``), in the namespace of
+        its tenant's salt and LoRA adapter."""
+        fields: dict[str, Any] = {"input_ids": token_ids}
+        if cache_salt:
+            fields["cache_salt"] = cache_salt
+        if lora_name:
+            fields["lora_path"] = lora_name
+        body = _encode(self._ranked(fields))
         headers = {"Content-Type": "application/json"}
         try:
             async with self.session.post(

@@ -239,6 +239,8 @@ class Generation:
             request_id=self.request_id,
             token_ids=rest.request.token_ids or [],
             source_worker=self.worker_id,
+            cache_salt=rest.request.cache_salt,
+            lora_name=rest.request.lora_name,
         )
         try:
             ack = await self.bus.request(
