@@ -29,7 +29,7 @@ from typing import Final
 
 import msgspec
 
-from thunderagent.hashing import BlockHasher, kv_namespace, namespace_roots
+from thunderagent.hashing import BlockHasher, BlockHashes, kv_namespace, namespace_roots
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEvent, Medium
 from thunderagent.sglang import kv_wire
 
@@ -195,17 +195,7 @@ class KvMirror:
         except (OverflowError, ValueError, TypeError):
             self.stats.unhashable_blocks += len(ev.block_hashes)
             return None
-        prev = parent_engine
-        blocks, by_primary, bit = self.blocks, self.by_primary, _TIER_BIT[medium]
-        for engine_hash, p, c in zip(ev.block_hashes, ours.primary, ours.check, strict=True):
-            old = blocks.get(engine_hash)
-            tiers = old.tiers | bit if old is not None and old.primary == p else bit
-            blocks[engine_hash] = MirrorBlock(p, c, prev, tiers)
-            held = by_primary.get(p)
-            if held is not None and held != engine_hash and held in blocks:
-                self.twins.setdefault(p, {held}).add(engine_hash)
-            by_primary[p] = engine_hash
-            prev = engine_hash
+        self._keep(ev.block_hashes, ours, parent_engine, _TIER_BIT[medium])
         self.stats.stored_blocks += len(ev.block_hashes)
         return BlocksStored(
             hashes=ours.primary,
@@ -213,6 +203,21 @@ class KvMirror:
             parent_hash=parent[0] if parent else None,
             medium=medium,
         )
+
+    def _keep(
+        self, engine_hashes: list[int], ours: BlockHashes, parent: int | None, bit: int
+    ) -> None:
+        """Remember each stored block under its engine hash and ours, on tier ``bit``."""
+        blocks, by_primary = self.blocks, self.by_primary
+        for engine_hash, p, c in zip(engine_hashes, ours.primary, ours.check, strict=True):
+            old = blocks.get(engine_hash)
+            tiers = old.tiers | bit if old is not None and old.primary == p else bit
+            blocks[engine_hash] = MirrorBlock(p, c, parent, tiers)
+            held = by_primary.get(p)
+            if held is not None and held != engine_hash and held in blocks:
+                self.twins.setdefault(p, {held}).add(engine_hash)
+            by_primary[p] = engine_hash
+            parent = engine_hash
 
     def _removed(self, ev: kv_wire.BlockRemoved) -> list[KvEvent]:
         """The removal, then the blocks it leaves on their other tier announced again on it:

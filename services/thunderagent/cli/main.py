@@ -11,9 +11,11 @@ import os
 import sys
 from collections.abc import Callable
 
+from thunderagent.cli.simengine_command import add_simengine_command
+from thunderagent.stack.engine_flags import DEFAULT_MODEL
+
 DEFAULT_NATS = os.environ.get("THUNDERAGENT_NATS_URL", "nats://127.0.0.1:4222")
 DEFAULT_REDIS = os.environ.get("THUNDERAGENT_REDIS_URL", "redis://127.0.0.1:6379/0")
-DEFAULT_MODEL = "sim/llama-3.1-8b"
 
 
 def _nats_arg(p: argparse.ArgumentParser) -> None:
@@ -206,31 +208,6 @@ async def gateway_with_router(ctx, config, router_config) -> None:
         await Gateway(ctx.bus, config, route=router.handle).run(ctx.stop)
 
 
-def _cmd_simengine(args: argparse.Namespace) -> None:
-    from thunderagent.simengine.main import SimEngineConfig, serve
-
-    serve(
-        SimEngineConfig(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            profile=args.profile,
-            block_size=args.block_size,
-            kv_events_config=args.kv_events_config,
-            speedup=args.speedup,
-            host_blocks=args.host_blocks,
-            link_gbps=args.link_gbps,
-            kv_pool=args.kv_pool,
-            kv_pool_scale=args.kv_pool_scale,
-            kv_blocks=args.kv_blocks,
-            kv_pull_gbps=args.kv_pull_gbps,
-            instant=args.engine == "instant",
-            dp_size=args.dp_size,
-            lora_adapters=[spec.split("=", 1)[0] for spec in args.lora_paths],
-        )
-    )
-
-
 def _cmd_migration(args: argparse.Namespace) -> None:
     from thunderagent.migrator.executor import Timeouts
     from thunderagent.migrator.service import MigrationConfig, main
@@ -409,69 +386,6 @@ def _worker_command(add) -> None:
     p.add_argument("--tokenizer", default="thunderagent/bytes")
 
 
-def _simengine_command(add) -> None:
-    from thunderagent.engine.profiles import PRESETS
-    from thunderagent.shell.argtypes import at_least, positive
-
-    p = add("simengine", "run a simulated SGLang engine (HTTP API + ZMQ KV events)", _cmd_simengine)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=at_least(0), default=30000)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument(
-        "--page-size", dest="block_size", type=at_least(1), default=16,
-        help="tokens per KV block (SGLang's flag name)",
-    )  # fmt: skip
-    p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
-    p.add_argument(
-        "--lora-paths", nargs="*", default=[], metavar="NAME[=PATH]",
-        help="LoRA adapters to serve, by name (SGLang's flag; the path is not read: the "
-        "simulated engine keeps an adapter's KV apart, it has no weights)",
-    )  # fmt: skip
-    p.add_argument(
-        "--dp-size", type=at_least(1), default=1,
-        help="data-parallel ranks, each with its own KV cache and events on the next port "
-        "(SGLang's flag)",
-    )  # fmt: skip
-    p.add_argument(
-        "--speedup", type=positive, default=1.0, help="run the engine's clock this much faster"
-    )
-    p.add_argument(
-        "--host-blocks",
-        type=int,
-        default=0,
-        help="host-memory KV tier in blocks (SGLang's hierarchical cache); 0: off",
-    )
-    p.add_argument(
-        "--link-gbps",
-        type=float,
-        default=25.0,
-        help="PD KV-import link in GB/s (gigabytes; 25 = one 200 Gb/s RDMA NIC)",
-    )
-    p.add_argument(
-        "--kv-pool", action="store_true",
-        help="keep real KV bytes per cached block in host memory registered with NIXL, so "
-        "prefixes can be moved between engines (needs nixl; not an SGLang flag)",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-pool-scale", type=at_least(1), default=1,
-        help="divide the profile's KV bytes per block by this in the pool (small test pools)",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-blocks", type=at_least(1), default=None,
-        help="KV capacity in blocks instead of the profile's GPU-memory formula",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-pull-gbps", type=float, default=0.0,
-        help="pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies",
-    )  # fmt: skip
-    p.add_argument(
-        "--engine", choices=["timed", "instant"], default="timed",
-        help="timed: the roofline model's prefill/decode time; instant: answer every "
-        "/generate at once with one token (benchmarks of what sits in front of engines)",
-    )  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="thunderagent", description="KV-cache-aware control plane for LLM inference"
@@ -488,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     _migration_command(add)
     _gateway_command(add)
     _worker_command(add)
-    _simengine_command(add)
+    add_simengine_command(add)
     from thunderagent.shell.argtypes import output_dir
 
     p = add("schemas", "write every message's JSON Schema and docs/messages.md", _cmd_schemas)

@@ -7,15 +7,19 @@ import json
 import logging
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import uvloop
 from aiohttp import web
 
-from thunderagent.engine import get_profile
+from thunderagent.engine import Profile, get_profile
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher, start_rank_publishers
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import configure_logging, setup_telemetry
+
+if TYPE_CHECKING:  # numpy and nixl load only with --kv-pool
+    from thunderagent.simengine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +59,7 @@ async def _serve(config: SimEngineConfig) -> None:
     )
     if config.kv_blocks is not None:
         profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
-    kv_pool = None
-    if config.kv_pool and config.dp_size > 1:
-        raise SystemExit("simengine: --kv-pool takes one data-parallel rank (--dp-size 1)")
-    if config.kv_pool:
-        from thunderagent.simengine.kv_pool import NixlUnavailable, pool_for
-
-        try:
-            kv_pool = pool_for(profile, scale=config.kv_pool_scale)
-        except (ValueError, NixlUnavailable) as err:  # too big for this machine, or no nixl
-            raise SystemExit(f"simengine: {err}") from None
-        log.info("KV pool: %d blocks x %d bytes, NIXL agent %s", kv_pool.slots,
-                 kv_pool.slot_bytes, kv_pool.name)  # fmt: skip
+    kv_pool = _kv_pool(config, profile) if config.kv_pool else None
     publishers: list[ZmqKvEventPublisher] = []
     if config.kv_events_config:
         publishers = start_rank_publishers(config.kv_events_config, config.dp_size)
@@ -105,6 +98,22 @@ async def _serve(config: SimEngineConfig) -> None:
     await runner.cleanup()
     for engine in ranks:
         await engine.close()
+
+
+def _kv_pool(config: SimEngineConfig, profile: Profile) -> KvPool:
+    """The NIXL-registered host KV pool of ``--kv-pool`` (one rank's: migration moves a prefix
+    between engines, not between an engine's ranks)."""
+    if config.dp_size > 1:
+        raise SystemExit("simengine: --kv-pool takes one data-parallel rank (--dp-size 1)")
+    from thunderagent.simengine.kv_pool import NixlUnavailable, pool_for
+
+    try:
+        kv_pool = pool_for(profile, scale=config.kv_pool_scale)
+    except (ValueError, NixlUnavailable) as err:  # too big for this machine, or no nixl
+        raise SystemExit(f"simengine: {err}") from None
+    log.info("KV pool: %d blocks x %d bytes, NIXL agent %s", kv_pool.slots,
+             kv_pool.slot_bytes, kv_pool.name)  # fmt: skip
+    return kv_pool
 
 
 def serve(config: SimEngineConfig) -> None:

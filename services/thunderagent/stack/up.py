@@ -35,9 +35,12 @@ from thunderagent.embedded import (
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.routing import POLICIES
 from thunderagent.shell.argtypes import at_least, nats_url, positive, readable_file
+from thunderagent.stack.engine_flags import (
+    DEFAULT_MODEL,
+    adapter_names,
+    add_engine_layout_flags,
+)
 from thunderagent.stack.readiness import wait_until_ready
-
-DEFAULT_MODEL = "sim/llama-3.1-8b"
 
 ENTRY_POINTS = ("nats", "gateway", "gateway-embedded")
 """Where benchmark clients send requests: NATS (router services), HTTP through a gateway in
@@ -131,16 +134,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--engine", choices=["timed", "instant"], default="timed",
         help="simulated engines: timed (roofline model) or instant (one token at once)",
     )  # fmt: skip
-    p.add_argument(
-        "--lora-paths", nargs="*", default=[], metavar="NAME",
-        help="LoRA adapters every simulated engine serves (request one as "
-        "\"model\": \"<model>:<adapter>\")",
-    )  # fmt: skip
-    p.add_argument(
-        "--dp-size", type=at_least(1), default=1,
-        help="data-parallel ranks per simulated engine (SGLang's --dp-size): each rank has its "
-        "own KV cache and is a worker of its own, w<i>-dp<r>",
-    )  # fmt: skip
+    add_engine_layout_flags(p)
 
 
 @dataclass(kw_only=True)
@@ -212,7 +206,7 @@ class StackConfig:
             kv_blocks=args.kv_blocks,
             engine=args.engine,
             dp_size=args.dp_size,
-            lora_adapters=list(args.lora_paths),
+            lora_adapters=adapter_names(args.lora_paths),
         )
 
 

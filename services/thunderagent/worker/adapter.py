@@ -44,8 +44,9 @@ from thunderagent.sglang.load import (
 )
 from thunderagent.sglang.zmq_publisher import offset_endpoint_port, publisher_binds
 from thunderagent.shell.fleet import workers_bucket
-from thunderagent.tokenizer import BYTES_SPEC, load_tokenizer
+from thunderagent.tokenizer import BYTES_SPEC
 from thunderagent.worker.engine_client import EngineClient, EngineError
+from thunderagent.worker.engine_info import connectable, context_length, vocab_size
 from thunderagent.worker.generation import Generation
 from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
@@ -154,8 +155,8 @@ class WorkerAdapter:
             # the ranks, and it bounds it by the KV pool), else the argument as given
             max_running_requests=await self._effective_max_running()
             or int(info.get("max_running_requests") or 0),
-            context_length=_context_length(info),
-            vocab_size=int(info.get("vocab_size") or 0) or _vocab_size(self.config.tokenizer),
+            context_length=context_length(info),
+            vocab_size=int(info.get("vocab_size") or 0) or vocab_size(self.config.tokenizer),
             lora_adapters=(await self._read_adapters() or []) if self._lora else [],
         )
 
@@ -276,8 +277,8 @@ class WorkerAdapter:
         replay = config.get("replay_endpoint")
         rank = self.config.dp_rank or 0  # rank r publishes on rank 0's ports + r (SGLang's rule)
         return (
-            offset_endpoint_port(_connectable(endpoint, host), rank) or endpoint,
-            offset_endpoint_port(_connectable(replay, host), rank) if replay else None,
+            offset_endpoint_port(connectable(endpoint, host), rank) or endpoint,
+            offset_endpoint_port(connectable(replay, host), rank) if replay else None,
             config.get("topic", ""),
         )
 
@@ -470,34 +471,6 @@ class WorkerAdapter:
         m.cached_tokens.add(final.usage.cached_tokens, attrs)
         if final.usage.cached_tokens:
             m.hit_requests.add(1, attrs)
-
-
-def _context_length(info: dict) -> int:
-    """The longest prompt + output the engine takes (0: unknown). SGLang reports
-    ``context_length`` only when it was overridden; ``max_req_input_len`` (longest prompt) is
-    one less than the model's context (or the KV pool, whichever is smaller); no request can
-    outgrow the pool, ``max_total_num_tokens``."""
-    context = int(info.get("context_length") or 0)
-    if not context:
-        longest_prompt = int(info.get("max_req_input_len") or 0)
-        context = longest_prompt + 1 if longest_prompt else 0
-    pool = int(info.get("max_total_num_tokens") or 0)
-    return pool if pool and (not context or pool < context) else context
-
-
-def _vocab_size(tokenizer_spec: str) -> int:
-    """The vocabulary of the tokenizer the router uses (0 when it cannot tell)."""
-    try:
-        return int(getattr(load_tokenizer(tokenizer_spec), "vocab_size", 0) or 0)
-    except (OSError, RuntimeError, ValueError):
-        return 0
-
-
-def _connectable(endpoint: str, host: str) -> str:
-    """``tcp://*:5557`` (a bind address) -> ``tcp://<engine host>:5557``."""
-    for wildcard in ("*", "0.0.0.0", "[::]"):
-        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
-    return endpoint
 
 
 def _doubled(failures: int) -> bool:

@@ -6,27 +6,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
 
 from thunderagent.schemas import dp_rank_worker_ids
 from thunderagent.shell import ServiceContext
 from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
 from thunderagent.worker.engine_client import EngineClient
+from thunderagent.worker.engine_info import dp_size
 from thunderagent.worker.waits import once_ready
 
 log = logging.getLogger(__name__)
-
-
-def dp_size(info: Mapping) -> int:
-    """How many data-parallel ranks, each with its own KV cache, the engine runs: SGLang 0.5's
-    ``kv_events.dp_size`` (one event publisher per rank), else from its server arguments:
-    ``dp_size`` x ``attn_dp_size`` (``--dp-size N --enable-dp-attention`` becomes
-    ``attn_dp_size`` N and ``dp_size`` 1)."""
-    events = info.get("kv_events")
-    ranks = events.get("dp_size") if isinstance(events, Mapping) else None
-    if not ranks:
-        ranks = int(info.get("dp_size") or 1) * int(info.get("attn_dp_size") or 1)
-    return max(1, int(ranks))
 
 
 def rank_configs(config: AdapterConfig, ranks: int) -> list[AdapterConfig]:

@@ -11,10 +11,10 @@ from thunderagent.sglang.load import LOADS_PATH
 from thunderagent.worker.adapter import (
     AdapterConfig,
     WorkerAdapter,
-    _context_length,
 )
 from thunderagent.worker.engine_client import EngineError
-from thunderagent.worker.service import dp_size, rank_configs
+from thunderagent.worker.engine_info import context_length, dp_size
+from thunderagent.worker.service import rank_configs
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ from thunderagent.worker.service import dp_size, rank_configs
     ],
 )  # fmt: skip
 def test_the_registered_limit_is_the_smaller_of_what_the_engine_reports(info, limit) -> None:
-    assert _context_length(info) == limit
+    assert context_length(info) == limit
 
 
 class _Engine:
