@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from aiohttp import web
 from tests.integration.inproc import MODEL, InprocStack, inproc_stack
 from thunderagent.embedded import ChildProcess, free_port, spawn
 from thunderagent.engine import get_profile
-from thunderagent.hashing import BlockHasher
+from thunderagent.hashing import BlockHasher, kv_namespace
 from thunderagent.schemas import subjects
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
@@ -60,10 +61,10 @@ class PooledEngine:
 
 async def start_pooled_engine(
     stack: InprocStack, worker_id: str, *, pool: bool = True, pull_gbps: float = 0.0,
-    runners: list,
+    runners: list, lora_adapters: Sequence[str] = (),
 ) -> PooledEngine:  # fmt: skip
     """A simulated engine in this process; ``pool=False`` is an engine without a KV import path
-    (as stock SGLang)."""
+    (as stock SGLang); ``lora_adapters`` loaded."""
     config = events_config()
     profile = get_profile(PROFILE).with_engine(block_size=BLOCK, kv_blocks_override=KV_BLOCKS)
     driver = EngineDriver(
@@ -72,7 +73,8 @@ async def start_pooled_engine(
         speedup=20.0,
         kv_pool=pool_for(profile) if pool else None,
     )
-    info = EngineInfo(model=MODEL, block_size=BLOCK, kv_events_config=config)
+    info = EngineInfo(model=MODEL, block_size=BLOCK, kv_events_config=config,
+                      lora_adapters=list(lora_adapters))  # fmt: skip
     info.kv_pull_gbps = pull_gbps
     runner = web.AppRunner(SimEngineApp(driver, info).app, access_log=None)
     await runner.setup()
@@ -173,9 +175,13 @@ def prefix_tokens(blocks: int, seed: int = 7) -> list[int]:
     return [(seed * 7919 + i) % 50_000 + 4 for i in range(blocks * BLOCK)]
 
 
-def prefix_hash(tokens: list[int]) -> int:
-    """Our hash of the prefix's deepest full block: what names it to the migration service."""
-    return BlockHasher(BLOCK).hash_tokens(tokens).primary[-1]
+def prefix_hash(
+    tokens: list[int], cache_salt: str | None = None, lora_name: str | None = None
+) -> int:
+    """Our hash of the prefix's deepest full block: what names it to the migration service (in
+    the namespace of a tenant salt and a LoRA adapter, as the router hashes such a prompt)."""
+    hasher = BlockHasher(BLOCK, kv_namespace(cache_salt, lora_name))
+    return hasher.hash_tokens(tokens).primary[-1]
 
 
 async def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
@@ -202,9 +208,10 @@ async def engine_json(url: str, path: str, body: dict | None = None) -> dict:
             return await r.json(content_type=None)
 
 
-async def prefill(url: str, tokens: list[int], rid: str) -> dict:
-    """A request straight to an engine (no control plane): its meta_info."""
-    body = {"rid": rid, "input_ids": tokens, "sampling_params": {"max_new_tokens": 1}}
+async def prefill(url: str, tokens: list[int], rid: str, **fields: str) -> dict:
+    """A request straight to an engine (no control plane): its meta_info. ``fields``: more of
+    the body (``cache_salt``, ``lora_path``)."""
+    body = {"rid": rid, "input_ids": tokens, "sampling_params": {"max_new_tokens": 1}, **fields}
     return (await engine_json(url, "/generate", body))["meta_info"]
 
 

@@ -49,12 +49,16 @@ pytestmark = pytest.mark.integration
 BLOCKS = 8
 
 
-async def run_on(bus: Bus, nc, worker: str, rid: str, tokens: list[int], pull=None) -> FinalReply:
-    """Hand one run to ``worker``'s adapter as the scheduler does; its final reply."""
+async def run_on(
+    bus: Bus, nc, worker: str, rid: str, tokens: list[int], pull=None, **fields
+) -> FinalReply:
+    """Hand one run to ``worker``'s adapter as the scheduler does; its final reply. ``fields``:
+    more of its ``GenerateRequest`` (``cache_salt``, ``lora_name``)."""
     inbox = nc.new_inbox()
     got: asyncio.Queue = asyncio.Queue()
     sub = await nc.subscribe(inbox, cb=got.put)
-    request = GenerateRequest(model=MODEL, request_id=rid, token_ids=tokens, max_tokens=2)
+    request = GenerateRequest(model=MODEL, request_id=rid, token_ids=tokens, max_tokens=2,
+                              **fields)  # fmt: skip
     work = WorkerGenerate(request=request, reply_subject=inbox, pull=pull)
     ack = await bus.request(subjects.worker_generate(worker), work, Ack, timeout=5)
     assert ack.accepted, ack.reason
@@ -68,10 +72,11 @@ async def run_on(bus: Bus, nc, worker: str, rid: str, tokens: list[int], pull=No
         await sub.unsubscribe()
 
 
-async def two_pooled_workers(stack, runners: list, pull_gbps: float = 0.0):
+async def two_pooled_workers(stack, runners: list, pull_gbps: float = 0.0, lora_adapters=()):
     engines, adapters = {}, {}
     for wid in ("w0", "w1"):
-        engines[wid] = await start_pooled_engine(stack, wid, runners=runners, pull_gbps=pull_gbps)
+        engines[wid] = await start_pooled_engine(stack, wid, runners=runners, pull_gbps=pull_gbps,
+                                                 lora_adapters=lora_adapters)  # fmt: skip
         adapters[wid] = (await start_adapter(stack, wid, engines[wid].url)).runtime
     await stack.wait_for_workers(2)
     return engines, adapters
@@ -113,6 +118,39 @@ async def test_a_run_copies_its_prefix_from_the_holder_before_it_starts(nats_ser
                 src.kv_pool.expected_checksum(key)
             )
         assert src.core.cache.refcount(copied[0]) == 0  # the source was released
+        await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("salt", "lora"), [("tenant-a", None), (None, "sql-adapter")], ids=["tenant", "lora adapter"]
+)
+async def test_a_tenants_or_an_adapters_run_copies_its_prefix_in_its_namespace(
+    nats_server, salt, lora
+):
+    """The hint names the prefix by its namespaced hash (the router hashes such a prompt in
+    its namespace): the source offers it with its salt and adapter, the target's engine caches
+    the copy there and says so in its events, and the run is served from it. The same tokens
+    for the base model find nothing on the target."""
+    async with pooled_stack(nats_server.url) as (stack, runners):
+        engines, adapters = await two_pooled_workers(stack, runners, lora_adapters=["sql-adapter"])
+        tokens = prefix_tokens(BLOCKS, seed=8)
+        p = prefix_hash(tokens, salt, lora)
+        body = {k: v for k, v in (("cache_salt", salt), ("lora_path", lora)) if v}
+        await prefill(engines["w0"].url, [*tokens, 9], "fill", **body)
+        await wait_for(lambda: adapters["w0"].relay.mirror.chain_to(p),
+                       what="w0's adapter to see the prefix")  # fmt: skip
+        nc = await connect(nats_server.url, name="pull-test")
+        bus = Bus(nc, service="pull-test")
+        hint = PullHint(source_worker="w0", prefix_hash=p, blocks=BLOCKS)
+        final = await run_on(bus, nc, "w1", "r1", [*tokens, 5], pull=hint,
+                             cache_salt=salt, lora_name=lora)  # fmt: skip
+        assert final.usage.cached_tokens == BLOCKS * BLOCK
+        assert adapters["w1"].migration.pulls == {"done": 1}
+        mirror = adapters["w1"].relay.mirror  # the copy's events named its namespace
+        chain = await wait_for(lambda: mirror.chain_to(p), what="w1's adapter to see the copy")
+        assert mirror.namespace_of(chain) == (salt, lora)
+        base = await run_on(bus, nc, "w1", "r2", [*tokens, 5])
+        assert base.usage.cached_tokens == 0
         await nc.close()
 
 

@@ -227,18 +227,33 @@ async def test_demand_alone_fans_a_prefix_out_to_idle_workers(nats_server):
             await close_runners(runners)
 
 
-async def test_engines_without_a_kv_import_path_warm_up_instead(nats_server):
+NAMESPACES = {
+    "base model": {},
+    "tenant": {"cache_salt": "tenant-a"},
+    "lora adapter": {"lora_path": "sql-adapter"},
+}
+
+
+@pytest.mark.parametrize("fields", list(NAMESPACES.values()), ids=list(NAMESPACES))
+async def test_engines_without_a_kv_import_path_warm_up_instead(nats_server, fields):
+    """A tenant's or an adapter's prefix is warmed up in its namespace: the target's copy
+    serves that tenant's or adapter's next request, not the base model's."""
     runners: list = []
     async with inproc_stack(nats_server.url) as stack:
         try:
             for wid in ("w0", "w1"):
-                engine = await start_pooled_engine(stack, wid, pool=False, runners=runners)
+                engine = await start_pooled_engine(stack, wid, pool=False, runners=runners,
+                                                   lora_adapters=["sql-adapter"])  # fmt: skip
                 await start_adapter(stack, wid, engine.url)
             await stack.wait_for_workers(2)
             service = await start_migration(stack, auto=False)
+            workers = service.planner.workers  # the adapters each registered: targets for one
+            await wait_for(lambda: all(w in workers and workers[w].load.lora_adapters
+                                       == {"sql-adapter"} for w in ("w0", "w1")),
+                           what="the planner to see each worker's adapter")  # fmt: skip
             tokens = prefix_tokens(5, seed=11)
-            p = prefix_hash(tokens)
-            await prefill(stack.engine_urls["w0"], tokens, "warm")
+            p = prefix_hash(tokens, fields.get("cache_salt"), fields.get("lora_path"))
+            await prefill(stack.engine_urls["w0"], tokens, "warm", **fields)
             await wait_for(holding(service, p, {"w0"}), what="w0 to hold the prefix")
             report = await order(nats_server.url, MigrationOrder(prefix_hash=p, source="w0",
                                                                  target="w1"))  # fmt: skip
@@ -246,8 +261,11 @@ async def test_engines_without_a_kv_import_path_warm_up_instead(nats_server):
             assert (report.transport, report.moved_blocks, report.bytes) == ("warmup", 5, 0)
             assert not report.verified  # nothing was copied, so nothing to compare
             await wait_for(holding(service, p, {"w0", "w1"}), what="w1 to hold it")
-            meta = await prefill(stack.engine_urls["w1"], [*tokens, 1, 2], "after")
+            meta = await prefill(stack.engine_urls["w1"], [*tokens, 1, 2], "after", **fields)
             assert meta["cached_tokens"] == 5 * BLOCK
+            if fields:  # in its own namespace only: the base model's prompt finds nothing
+                meta = await prefill(stack.engine_urls["w1"], [*tokens, 1, 2], "base")
+                assert meta["cached_tokens"] == 0
         finally:
             await close_runners(runners)
 
@@ -430,7 +448,7 @@ async def test_route_decisions_are_the_planners_demand(nats_server):
             hit = RouteDecision(
                 request_id="r1", model=MODEL, worker_id="w0", overlap_blocks=6, prompt_blocks=8,
                 candidates=[Candidate(worker_id="w0", score=1.0, overlap_blocks=6)],
-                policy="thunder", decided_at=time.time(), prefix_hash=0xBEEF,
+                policy="thunder", decided_at=time.time(), prefix_hash=0xBEEF, lora_name="sql",
             )  # fmt: skip
             spilled = RouteDecision(
                 request_id="r2", model=MODEL, worker_id="w1", overlap_blocks=0, prompt_blocks=8,
@@ -445,6 +463,7 @@ async def test_route_decisions_are_the_planners_demand(nats_server):
             )
             await wait_for(lambda: service.planner.demand.hits(0xBEEF, time.time()) == 3,
                            what="three requests counted for the prefix")  # fmt: skip
-            assert service.planner.demand.get(0xBEEF).blocks == 6
+            demand = service.planner.demand.get(0xBEEF)
+            assert (demand.blocks, demand.lora_name) == (6, "sql"), "a copy needs the adapter"
         finally:
             await nc.close()

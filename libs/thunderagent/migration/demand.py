@@ -23,6 +23,7 @@ from thunderagent.migration.model import RouteSeen
 class PrefixDemand:
     blocks: int
     model: str
+    lora_name: str | None = None
     hits: deque[float] = field(default_factory=deque)
 
 
@@ -53,7 +54,7 @@ class DemandTracker:
             prefix, blocks = self._spilled(route)
             if prefix is None:
                 return None
-        self._hit(prefix, blocks, route.model, now)
+        self._hit(prefix, blocks, route.model, route.lora_name, now)
         return prefix
 
     def _spilled(self, route: RouteSeen) -> tuple[int | None, int]:
@@ -73,10 +74,10 @@ class DemandTracker:
             demand = self._prefixes[prefix] = PrefixDemand(blocks, model)
         return demand
 
-    def _hit(self, prefix: int, blocks: int, model: str, now: float) -> None:
+    def _hit(self, prefix: int, blocks: int, model: str, lora_name: str | None, now: float) -> None:
         demand = self._prefixes.get(prefix)
         if demand is None:
-            demand = self._prefixes[prefix] = PrefixDemand(blocks, model)
+            demand = self._prefixes[prefix] = PrefixDemand(blocks, model, lora_name)
             while len(self._prefixes) > self.max_tracked:
                 self.forget(next(iter(self._prefixes)))
         else:

@@ -25,6 +25,8 @@ class RouteSeen:
     blocks: int
     """Cached leading blocks on that worker (the prefix's length when ``prefix_hash`` is set)."""
     model: str = ""
+    lora_name: str | None = None
+    """The LoRA adapter the request named (a copy needs a target with it loaded)."""
     candidates: tuple[tuple[str, int], ...] = ()
     """(worker, cached leading blocks) of every ranked candidate: a request sent away from a
     worker that held its prefix is demand that worker could not take."""
@@ -37,6 +39,7 @@ class RouteSeen:
             prefix_hash=decision.prefix_hash,
             blocks=decision.overlap_blocks,
             model=decision.model,
+            lora_name=decision.lora_name,
             candidates=tuple((c.worker_id, c.overlap_blocks) for c in decision.candidates),
         )
 
@@ -47,6 +50,8 @@ class WorkerSeen:
 
     worker_id: str
     model: str = ""
+    lora_adapters: frozenset[str] = frozenset()
+    """LoRA adapters loaded there (registered)."""
     running: int = 0
     queued: int = 0
     """Requests waiting inside the engine."""

@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from thunderagent.migration.cost import Estimate, LinkBook, estimate
-from thunderagent.migration.demand import DemandTracker
+from thunderagent.migration.demand import DemandTracker, PrefixDemand
 from thunderagent.migration.model import (
     Action,
     Drop,
@@ -200,7 +200,7 @@ class MigrationPlanner:
             return None
         demand = self.demand.get(prefix)
         source = live[0]
-        target = self._pick_target(demand.model, set(live), now, strict=False)
+        target = self._pick_target(demand, set(live), now, strict=False)
         if target is None:
             return None
         est = self._estimate(prefix, source, target, 0.0, len(live), now)
@@ -266,7 +266,7 @@ class MigrationPlanner:
         """A copy of ``prefix`` to the best worker outside ``have``, if one has room and the
         copy pays; a ``Migrate`` when ``may_migrate`` and the source is pressed for KV."""
         p = self.params
-        target = self._pick_target(self.demand.get(prefix).model, have, now, strict=True)
+        target = self._pick_target(self.demand.get(prefix), have, now, strict=True)
         source = self._pick_source(sources)
         if target is None or source is None:
             return None
@@ -300,16 +300,21 @@ class MigrationPlanner:
         return min(free, key=lambda w: (-self.live_fraction(self._load(w)), w))
 
     def _pick_target(
-        self, model: str, exclude: set[str], now: float, *, strict: bool
+        self, demand: PrefixDemand | None, exclude: set[str], now: float, *, strict: bool
     ) -> str | None:
-        """Least loaded worker of ``model`` that could take a copy. ``strict``: it must have
-        room (not saturated, KV mostly free of running requests); a drain takes any worker."""
+        """Least loaded worker of the prefix's model (with its LoRA adapter loaded, if it is
+        an adapter's) that could take a copy. ``strict``: it must have room (not saturated, KV
+        mostly free of running requests); a drain takes any worker."""
         p = self.params
+        model = demand.model if demand else ""
+        lora = demand.lora_name if demand else None
         best = None
         for wid, w in self.workers.items():
             if wid in exclude or w.draining or now < w.blocked_until:
                 continue
             if model and w.load.model and w.load.model != model:
+                continue
+            if lora and lora not in w.load.lora_adapters:
                 continue
             if self.links.moves(wid) >= p.max_moves_per_worker:
                 continue
@@ -384,8 +389,7 @@ class MigrationPlanner:
         if not source:
             raise ValueError(f"every holder of prefix {prefix:#x} is busy with another move")
         demand = self.demand.get(prefix)
-        model = demand.model if demand else ""
-        target = target or self._pick_target(model, {*live, source}, now, strict=False) or ""
+        target = target or self._pick_target(demand, {*live, source}, now, strict=False) or ""
         if not target or target == source:
             raise ValueError(f"no target for prefix {prefix:#x} (source {source})")
         blocks = blocks or (demand.blocks if demand else 0)

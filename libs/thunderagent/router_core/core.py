@@ -212,6 +212,7 @@ class RouterCore:
             decided_at=now,
             decision_us=(self.timer() - started) * 1e6 if self.timer is not None else 0.0,
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
+            lora_name=lora_name,
         )
         routed = Routed(decision, query, hashes, model, confirmed)
         self._remember(routed)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -46,6 +46,14 @@ class MirrorBlock(msgspec.Struct, frozen=True, gc=False):
     tiers: int
     """The tiers holding it (``_TIER_BIT``): with SGLang's hierarchical cache a block is on GPU
     and host at once, and each tier stores and removes it by its own events."""
+
+
+class KvNamespace(NamedTuple):
+    """Where an engine caches a request's blocks apart from everyone else's: its tenant salt,
+    its LoRA adapter (one of them at least is set)."""
+
+    cache_salt: str | None
+    lora_name: str | None
 
 
 @dataclass(slots=True)
@@ -94,9 +102,10 @@ class KvMirror:
     blocks (never matched again, evicted in time) and the new load's hash to the same prefix
     here. A removal is announced only when no twin is left on that tier (the old load's eviction
     must not take the new load's blocks out of the index)."""
-    namespaced_roots: set[int] = field(default_factory=set)
-    """Engine hashes of the first blocks of chains in a tenant's or an adapter's namespace (their
-    children are in it too): such a prefix is not offered for a copy (``namespaced``)."""
+    namespaced_roots: dict[int, KvNamespace] = field(default_factory=dict)
+    """Engine hash of the first block of a chain in a tenant's or an adapter's namespace (its
+    children are in it too) -> that namespace: a copy of such a prefix must land in it
+    (``namespace_of``)."""
 
     def __post_init__(self) -> None:
         self.hasher = BlockHasher(self.block_size)
@@ -122,10 +131,10 @@ class KvMirror:
         chain.reverse()
         return chain or None
 
-    def namespaced(self, chain: Sequence[int]) -> bool:
-        """Whether the engine chain (root first) is a tenant's or a LoRA adapter's: a copy would
-        land in the base namespace at the target (neither a copy nor a warm-up carries it)."""
-        return bool(chain) and chain[0] in self.namespaced_roots
+    def namespace_of(self, chain: Sequence[int]) -> KvNamespace | None:
+        """The (tenant salt, LoRA adapter) the engine chain (root first) is cached under; None
+        for the shared namespace (no salt, the base model)."""
+        return self.namespaced_roots.get(chain[0]) if chain else None
 
     def leading_run(self, chain: Sequence[int]) -> list[int]:
         """The engine's hashes of the longest leading run of ``chain`` (ours, root first) the
@@ -189,7 +198,7 @@ class KvMirror:
         start = parent
         if start is None and (ev.cache_salt or ev.lora_name) and ev.block_hashes:
             start = namespace_roots(kv_namespace(ev.cache_salt, ev.lora_name))
-            self.namespaced_roots.add(ev.block_hashes[0])
+            self.namespaced_roots[ev.block_hashes[0]] = KvNamespace(ev.cache_salt, ev.lora_name)
         try:
             ours = self.hasher.hash_tokens(ev.token_ids, start)
         except (OverflowError, ValueError, TypeError):
@@ -244,7 +253,7 @@ class KvMirror:
                     kept.append(left)
                 continue
             del self.blocks[engine_hash]
-            self.namespaced_roots.discard(engine_hash)
+            self.namespaced_roots.pop(engine_hash, None)
             self._forget_primary(block.primary, engine_hash)
         self.stats.removed_blocks += len(hashes)
         out: list[KvEvent] = [BlocksRemoved(hashes=hashes, medium=medium)] if hashes else []

@@ -149,6 +149,12 @@ class KvExportOffer(Struct, frozen=True, kw_only=True):
     block_hashes: list[int] = field(default_factory=list)
     """The source engine's own hashes of the blocks, root first: the target caches them under
     the same keys (a re-hash of the tokens would miss a cache salt). Empty: re-hash."""
+    cache_salt: str | None = None
+    """The tenant salt the prefix is cached under at the source (None: no tenant's): the
+    target caches it under the same salt, where only that tenant's requests find it."""
+    lora_name: str | None = None
+    """The LoRA adapter whose prefix this is (None: the base model's): the target must have
+    it loaded, and caches the blocks in its namespace."""
     reason: str = ""
     """Why ``blocks`` is 0 or short."""
 

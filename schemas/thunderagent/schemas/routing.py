@@ -47,6 +47,9 @@ class RouteDecision(Struct, frozen=True, kw_only=True):
     prefix_hash: int | None = None
     """Hash of the deepest prompt block cached on the chosen worker (names the reused prefix;
     the index counts these to find hot prefixes). None without a hit."""
+    lora_name: str | None = None
+    """The LoRA adapter it names (None: the base model): its prefix is cached in the adapter's
+    namespace, so a copy of it can go only to a worker with the adapter loaded."""
 
     def __post_init__(self) -> None:
         if self.prefix_hash is not None:

@@ -100,6 +100,7 @@ class MigrationService:
         seen = WorkerSeen(
             worker_id=load.worker_id,
             model=reg.model if reg else "",
+            lora_adapters=frozenset(reg.lora_adapters) if reg else frozenset(),
             running=load.running,
             queued=load.queued,
             prefill_backlog_tokens=load.prefill_backlog_tokens,

@@ -10,9 +10,11 @@ docs/migration.md). These endpoints are what the worker adapter's migration hand
   the blocks nobody else uses (a migration's last step, with what hangs below the prefix), or,
   without an export, a replica dropped on its own (only when no cached prompt extends it).
 * ``POST /kv/pull`` ``{export_id, token_ids, block_hashes, nixl_metadata, block_addrs,
-  block_bytes, checksums, timeout_s}``: reserve room, NIXL-read the missing blocks into staged
-  slots, check each block's checksum, then insert the prefix (``BlockStored`` follows through
-  the normal event path). Any failure gives everything back: no half-inserted prefix.
+  block_bytes, checksums, timeout_s, cache_salt, lora_name}``: reserve room, NIXL-read the
+  missing blocks into staged slots, check each block's checksum, then insert the prefix
+  (``BlockStored`` follows through the normal event path, naming the tenant salt and LoRA
+  adapter the blocks belong to, as the source cached them; an adapter not loaded here is
+  refused). Any failure gives everything back: no half-inserted prefix.
 * ``GET /kv/status``: exports and imports in flight, pool occupancy, blocks filled by prefill
   and blocks / bytes pulled over NIXL.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ from aiohttp import web
 
 from thunderagent.sglang import kv_wire
 from thunderagent.simengine.kv_pool import KvPool, TransferFailed
+from thunderagent.simengine.salts import CacheNamespace, cache_namespace
 
 if TYPE_CHECKING:
     from thunderagent.simengine.driver import EngineDriver
@@ -63,10 +67,18 @@ class _Import:
 
 class KvMover:
     def __init__(
-        self, engine: EngineDriver, pool: KvPool, *, pace_bytes_per_s: float | None = None
+        self,
+        engine: EngineDriver,
+        pool: KvPool,
+        *,
+        pace_bytes_per_s: float | None = None,
+        lora_adapters: Collection[str] = (),
     ) -> None:
         self.engine = engine
         self.pool = pool
+        self.lora_adapters = frozenset(lora_adapters)
+        """Adapters loaded here: an import of another adapter's blocks is refused, as a request
+        naming it would be."""
         self.pace_bytes_per_s = pace_bytes_per_s
         """Model a slower link than NIXL's loopback copy (None: full speed)."""
         self.exports: dict[str, _Export] = {}
@@ -152,13 +164,18 @@ class KvMover:
 
     # ---- import --------------------------------------------------------------------------
     async def pull(self, body: dict[str, Any]) -> dict[str, Any]:
-        export_id, tokens, keys, addrs, sums, metadata, timeout_s = self._check_pull(body)
+        space = self._namespace(body)
+        export_id, tokens, keys, addrs, sums, metadata, timeout_s = self._check_pull(body, space)
         if export_id in self.imports:
             raise MoveError(409, f"import {export_id!r} is already running")
         record = self.imports[export_id] = _Import(keys)
+        if space is not None:  # the events of the blocks it stores name their namespace
+            self.engine.salts.hold(keys, space)
         try:
             return await self._pull(record, tokens, addrs, sums, metadata, timeout_s)
         finally:
+            if space is not None:
+                self.engine.salts.release(keys, self.engine.core.cache.__contains__)
             self._give_back(record)
             self.imports.pop(export_id, None)
 
@@ -208,6 +225,17 @@ class KvMover:
             "verified": True,
         }
 
+    def _namespace(self, body: Any) -> CacheNamespace | None:
+        """The (tenant salt, LoRA adapter) the pulled blocks are cached under at the source."""
+        if not isinstance(body, dict):
+            raise MoveError(400, "body must be a JSON object")
+        salt, lora = body.get("cache_salt"), body.get("lora_name")
+        if not all(x is None or isinstance(x, str) for x in (salt, lora)):
+            raise MoveError(400, "cache_salt and lora_name must be strings")
+        if lora and lora not in self.lora_adapters:
+            raise MoveError(400, f"LoRA adapter {lora!r} is not loaded here")
+        return cache_namespace(salt, lora)
+
     def _give_back(self, record: _Import) -> None:
         """Undo a failed or cancelled import at once (no events: unreserve and unpin only)."""
         if record.present is None:
@@ -216,9 +244,7 @@ class KvMover:
         self.engine.core.abort_import(record.keys, record.present)
         record.present, record.slots = None, []
 
-    def _check_pull(self, body: Any) -> tuple:
-        if not isinstance(body, dict):
-            raise MoveError(400, "body must be a JSON object")
+    def _check_pull(self, body: dict[str, Any], space: CacheNamespace | None) -> tuple:
         try:
             tokens = [int(t) for t in body["token_ids"]]
             addrs = [int(a) for a in body["block_addrs"]]
@@ -238,7 +264,7 @@ class KvMover:
             raise MoveError(400, f"{blocks} blocks, {len(sums)} checksums, {len(tokens)} tokens "
                                  f"(block size {size}) do not agree")  # fmt: skip
         if not keys:
-            keys = kv_wire.sglang_block_hashes(tokens, size)
+            keys = kv_wire.sglang_block_hashes(tokens, size, space and space.seed())
         if len(keys) != blocks:
             raise MoveError(400, f"{len(keys)} block hashes for {blocks} blocks")
         return export_id, tokens, keys, addrs, sums, metadata, timeout_s

@@ -96,7 +96,10 @@ class SimEngineApp:
         self.mover: KvMover | None = None
         if self.engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
             pace = info.kv_pull_gbps * 1e9 or None
-            self.mover = KvMover(self.engine, self.engine.kv_pool, pace_bytes_per_s=pace)
+            self.mover = KvMover(
+                self.engine, self.engine.kv_pool, pace_bytes_per_s=pace,
+                lora_adapters=info.lora_adapters,
+            )  # fmt: skip
             self.mover.add_routes(self.app)
             self.app.on_cleanup.append(self._close_mover)
         OpenAIRoutes(self.ranks, info.model).add_to(self.app)

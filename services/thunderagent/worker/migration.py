@@ -35,7 +35,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.hashing import BlockHasher
+from thunderagent.hashing import BlockHasher, BlockHashes, kv_namespace
 from thunderagent.schemas import (
     KvExportOffer,
     KvExportRequest,
@@ -130,6 +130,7 @@ class WorkerMigration:
         self.kv_transfer: dict[str, Any] | None = None
         """The engine's NIXL capability (``/server_info``), None: warm-up only."""
         self.tap: TokenTap | None = None
+        self._hasher = BlockHasher(block_size)
         self._chains: dict[str, list[int]] = {}
         self._incoming: dict[tuple[int, int], asyncio.Future] = {}
         """Copies under way here for runs (``before_run``): (blocks, prefix hash) -> done."""
@@ -172,10 +173,8 @@ class WorkerMigration:
         if chain is None:
             return refuse("the prefix is not in this worker's cache")
         mirror = self.mirror()
-        if mirror is not None and mirror.namespaced(chain):
-            return refuse(
-                "a tenant's or a LoRA adapter's prefix: a copy cannot carry its namespace"
-            )
+        space = mirror.namespace_of(chain) if mirror is not None else None
+        salt, lora = space if space is not None else (None, None)
         if self.kv_transfer is not None:
             body = {"export_id": req.migration_id, "block_hashes": chain, "hold_s": req.hold_s}
             try:
@@ -183,7 +182,7 @@ class WorkerMigration:
             except EngineError as err:
                 return refuse(f"engine export failed: {err}")
             self._chains[req.migration_id] = got["block_hashes"]
-            return self._nixl_offer(req.migration_id, got)
+            return self._nixl_offer(req.migration_id, got, salt, lora)
         tokens = self.tap.tokens(chain) if self.tap is not None else None
         if tokens is None:
             return refuse("the prefix's tokens are unknown here (no KV events seen for it)")
@@ -195,6 +194,8 @@ class WorkerMigration:
             block_size=self.block_size,
             token_ids=tokens,
             transport="warmup",
+            cache_salt=salt,
+            lora_name=lora,
         )
 
     def _held_chain(self, req: KvExportRequest) -> list[int] | None:
@@ -207,8 +208,11 @@ class WorkerMigration:
             return mirror.leading_run(req.chain) or None
         return mirror.chain_to(req.prefix_hash)
 
-    def _nixl_offer(self, migration_id: str, got: dict[str, Any]) -> KvExportOffer:
-        """The engine's pinned export (``/kv/export``) as an offer a NIXL reader can use."""
+    def _nixl_offer(
+        self, migration_id: str, got: dict[str, Any], salt: str | None, lora: str | None
+    ) -> KvExportOffer:
+        """The engine's pinned export (``/kv/export``) as an offer a NIXL reader can use, in
+        the namespace (tenant ``salt``, adapter ``lora``) the blocks are cached under."""
         return KvExportOffer(
             migration_id=migration_id,
             worker_id=self.worker_id,
@@ -222,6 +226,8 @@ class WorkerMigration:
             block_bytes=got["block_bytes"],
             checksums=got["checksums"],
             block_hashes=got["block_hashes"],
+            cache_salt=salt,
+            lora_name=lora,
         )
 
     async def on_release(self, req: KvRelease, delivery: Delivery) -> None:
@@ -266,31 +272,42 @@ class WorkerMigration:
         replay does). Only with a NIXL pool; a copy that fails leaves the run to prefill."""
         if self.kv_transfer is None or work.output_offset:
             return
-        if work.request.cache_salt or work.request.lora_name:  # copies are of the base model's,
-            return  # in the shared namespace: a tenant's or an adapter's prefix is never one
         tokens = work.request.token_ids or []
-        incoming = self._incoming_for(tokens)
+        hasher = self._hasher_for(work.request.cache_salt, work.request.lora_name)
+        incoming = self._incoming_for(tokens, hasher)
         if incoming is not None:
             await asyncio.shield(incoming)
         elif work.pull is not None:
             with child_span(_tracer, "worker pull") as span:  # in the run's trace, if sampled
-                await self._fetch(work.pull, work.request.request_id, tokens, span)
+                await self._fetch(work.pull, work.request.request_id, tokens, hasher, span)
 
-    def _incoming_for(self, tokens: list[int]) -> asyncio.Future | None:
+    def _hasher_for(self, salt: str | None, lora: str | None) -> BlockHasher:
+        """Our hashes of a run's prompt, in the namespace its tenant salt and its LoRA adapter
+        open (as the router hashed it for the hint)."""
+        if salt or lora:
+            return BlockHasher(self.block_size, kv_namespace(salt, lora))
+        return self._hasher
+
+    def _incoming_for(self, tokens: list[int], hasher: BlockHasher) -> asyncio.Future | None:
         """The copy under way here whose prefix the prompt starts with, if any (hashed only
         while copies are under way)."""
         if not self._incoming:
             return None
         size = self.block_size
         deepest = min(len(tokens) // size, max(blocks for blocks, _ in self._incoming))
-        primary = BlockHasher(size).hash_tokens(tokens[: deepest * size]).primary
+        primary = hasher.hash_tokens(tokens[: deepest * size]).primary
         for (blocks, prefix_hash), done in self._incoming.items():
             if blocks <= deepest and primary[blocks - 1] == prefix_hash:
                 return done
         return None
 
     async def _fetch(
-        self, hint: PullHint, request_id: str, tokens: list[int], span: Span = trace.INVALID_SPAN
+        self,
+        hint: PullHint,
+        request_id: str,
+        tokens: list[int],
+        hasher: BlockHasher,
+        span: Span = trace.INVALID_SPAN,
     ) -> None:
         """Copy what the source holds of the hinted prefix: all of it, or the chunks of it
         already computed there (the source offers the longest leading run it holds); within
@@ -305,7 +322,8 @@ class WorkerMigration:
         offer: KvExportOffer | None = None
         outcome = "failed"
         try:
-            offer = await self._export_for(hint, mid, tokens, budget)
+            hashes = hasher.hash_tokens(tokens[: hint.blocks * self.block_size])
+            offer = await self._export_for(hint, mid, hashes, budget)
             left = deadline - loop.time()
             if not self._copyable(offer):
                 why = offer.reason or f"{offer.blocks} of {hint.blocks} blocks, {offer.transport}"
@@ -340,12 +358,11 @@ class WorkerMigration:
         })  # fmt: skip
 
     async def _export_for(
-        self, hint: PullHint, migration_id: str, tokens: list[int], timeout_s: float
+        self, hint: PullHint, migration_id: str, hashes: BlockHashes, timeout_s: float
     ) -> KvExportOffer:
         """Ask the source for the hinted prefix, named by its whole chain (our hashes of the
         run's blocks), so it can offer the leading run it holds."""
-        size = self.block_size
-        chain = BlockHasher(size).hash_tokens(tokens[: hint.blocks * size]).primary
+        chain = hashes.primary
         export = KvExportRequest(
             migration_id=migration_id, prefix_hash=hint.prefix_hash, blocks=hint.blocks,
             chain=chain, hold_s=PULL_TIMEOUT_S,
@@ -396,6 +413,8 @@ class WorkerMigration:
             "block_bytes": offer.block_bytes,
             "checksums": offer.checksums,
             "timeout_s": req.timeout_s,
+            "cache_salt": offer.cache_salt,
+            "lora_name": offer.lora_name,
         }
         got = await self._post("/kv/pull", body)
         return KvPullResult(
@@ -415,7 +434,11 @@ class WorkerMigration:
         started = time.perf_counter()
         rid = f"warmup-{req.migration_id}-{uuid.uuid4().hex[:6]}"
         meta: dict = {}
-        async for chunk in self.engine.generate(rid, req.offer.token_ids, {"max_new_tokens": 1}):
+        offer = req.offer
+        async for chunk in self.engine.generate(
+            rid, offer.token_ids, {"max_new_tokens": 1},
+            cache_salt=offer.cache_salt, lora_name=offer.lora_name,
+        ):  # fmt: skip
             meta = chunk.meta or meta
         cached = int(meta.get("cached_tokens", 0))
         present = min(cached // self.block_size, req.offer.blocks)

@@ -115,6 +115,29 @@ def test_a_hot_prefix_is_copied_to_the_least_loaded_worker_with_room() -> None:
     assert planner.stats.ordered["replicate"] == 1
 
 
+@pytest.mark.parametrize(
+    ("lora", "w2_has_it", "target"),
+    [(None, True, "w1"), ("sql", True, "w2"), ("sql", False, None)],
+)
+def test_an_adapters_prefix_is_copied_only_to_a_worker_with_the_adapter(
+    lora, w2_has_it, target
+) -> None:
+    """The router's decisions name the adapter: its prefix is cached in the adapter's
+    namespace, useless where the adapter is not loaded. A base-model prefix goes to the least
+    loaded worker (w1); an adapter's to w2, the one with the adapter, or nowhere."""
+    planner = MigrationPlanner(MigrationParams(hot_for_s=1.0, replica_cap=3))
+    planner.observe_load(busy("w0"), 0.0)
+    planner.observe_load(idle("w1"), 0.0)
+    adapters = frozenset({"sql"}) if w2_has_it else frozenset()
+    w2 = WorkerSeen("w2", "m", lora_adapters=adapters, running=3, queued=0,
+                    prefill_backlog_tokens=0, kv_total_blocks=1000, block_size=16)  # fmt: skip
+    planner.observe_load(w2, 0.0)
+    for i in range(20):
+        planner.observe_route(RouteSeen("w0", P, BLOCKS, "m", lora_name=lora), (i + 1) * 0.5)
+    actions = plan(planner, 10.0, {P: {"w0"}})
+    assert [a.target for a in actions] == ([target] if target else [])
+
+
 def test_holders_must_stay_saturated_for_hot_for_s() -> None:
     planner = MigrationPlanner(MigrationParams(hot_for_s=1.0))
     planner.observe_load(idle("w1"), 0.0)

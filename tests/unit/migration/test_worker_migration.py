@@ -83,9 +83,10 @@ def test_the_tap_reads_the_relays_notices_and_forgets_all_on_an_engine_restart()
     assert tap.tokens([1]) is None and tap.blocks == {}
 
 
-def test_a_tenants_or_an_adapters_prefix_is_not_offered_for_a_copy() -> None:
-    """Neither a NIXL copy nor a warm-up carries a namespace: the target would cache the
-    prefix as the base model's. The source refuses to offer it; a base-model prefix it offers."""
+def test_a_tenants_or_an_adapters_prefix_is_offered_in_its_namespace() -> None:
+    """The offer names the tenant salt and the LoRA adapter the prefix is cached under, so the
+    target caches it there (a copy under the base model's keys would serve the wrong
+    requests); a base-model prefix is offered with neither."""
     tokens = list(range(300, 308))
     mirror = KvMirror(BS)
     base = stored([31, 32], None, tokens)
@@ -101,9 +102,13 @@ def test_a_tenants_or_an_adapters_prefix_is_not_offered_for_a_copy() -> None:
         deepest = BlockHasher(BS, namespace).hash_tokens(tokens).primary[-1]
         request = KvExportRequest(migration_id=name, prefix_hash=deepest)
         offers[name] = asyncio.run(migration.export(request))
-    assert offers["base"].blocks == 2 and offers["base"].token_ids == tokens
-    for name in ("adapter", "tenant"):
-        assert offers[name].blocks == 0 and "namespace" in offers[name].reason
-    assert mirror.namespaced([41, 42]) and not mirror.namespaced([31, 32])
+    for name in ("base", "adapter", "tenant"):
+        assert offers[name].blocks == 2 and offers[name].token_ids == tokens, name
+    spaces = {name: (offer.cache_salt, offer.lora_name) for name, offer in offers.items()}
+    assert spaces == {
+        "base": (None, None), "adapter": (None, "sql-adapter"), "tenant": ("tenant-a", None),
+    }  # fmt: skip
+    assert mirror.namespace_of([41, 42]) == (None, "sql-adapter")
+    assert mirror.namespace_of([31, 32]) is None
     mirror.apply([kv_wire.BlockRemoved(block_hashes=[42, 41], medium="GPU")])
-    assert mirror.namespaced_roots == {51}  # forgotten with its chain
+    assert mirror.namespaced_roots == {51: ("tenant-a", None)}  # forgotten with its chain
