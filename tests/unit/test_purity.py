@@ -15,7 +15,6 @@ PURE_PACKAGES = [
     "thunderagent.engine",
     "thunderagent.hashing",
     "thunderagent.tokenizer",
-    "thunderagent.hotness",
     "thunderagent.plugins",
     "thunderagent.router_core",
     "thunderagent.stats",
