@@ -72,6 +72,31 @@ MESSAGES = [
 ]
 
 
+async def test_lora_adapters_are_listed_as_models_and_selected_by_their_id(nats_server):
+    """As SGLang's ``/v1/models``: each loaded adapter is a card whose parent is the base
+    model; its id is what selects it as ``model``, and the adapter's repeated prompt hits its
+    own cache, never the base model's. An adapter no worker has is a 404 saying so."""
+    async with gateway_stack(nats_server.url, lora_adapters=["sql"]) as run:
+        client = run.client()
+        listed = [(m.id, getattr(m, "parent", None)) for m in (await client.models.list()).data]
+        assert listed == [(MODEL, None), (f"{MODEL}:sql", MODEL)]
+        card = await client.models.retrieve(f"{MODEL}:sql")
+        assert (card.id, card.parent, card.root) == (f"{MODEL}:sql", MODEL, "sql")
+        first = await client.chat.completions.create(model=f"{MODEL}:sql", messages=MESSAGES,
+                                                     max_tokens=4)  # fmt: skip
+        assert first.model == f"{MODEL}:sql"
+        again = await client.chat.completions.create(model=f"{MODEL}:sql", messages=MESSAGES,
+                                                     max_tokens=4)  # fmt: skip
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        base = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert base.usage.prompt_tokens_details.cached_tokens == 0
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.chat.completions.create(model=f"{MODEL}:chat", messages=MESSAGES)
+        assert "'chat'" in missing.value.message
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve(f"{MODEL}:chat")
+
+
 async def test_async_sdk_chat_completions_streams_and_cached_tokens(nats_server):
     async with gateway_stack(nats_server.url) as run:
         client = run.client()

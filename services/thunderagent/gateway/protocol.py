@@ -134,6 +134,9 @@ class Parsed:
     chat: bool
     stream: bool
     include_usage: bool
+    model: str
+    """The ``model`` as the client named it, echoed in the answer as OpenAI and SGLang do
+    (``<model>:<adapter>`` stays whole; the request carries the two apart)."""
 
 
 def new_request_id() -> str:
@@ -161,7 +164,8 @@ def parse_chat(
         raise bad_request("messages must hold at least one message", "messages")
     max_tokens = _first(body.max_completion_tokens, body.max_tokens, defaults.chat_max_tokens)
     req = _build(body, headers, request_id, now_ms, defaults, max_tokens, served, messages=messages)
-    return Parsed(req, chat=True, stream=bool(body.stream), include_usage=_usage_on(body))
+    return Parsed(req, chat=True, stream=bool(body.stream), include_usage=_usage_on(body),
+                  model=body.model)  # fmt: skip
 
 
 def parse_completion(
@@ -185,7 +189,8 @@ def parse_completion(
         req = _build(
             body, headers, request_id, now_ms, defaults, max_tokens, served, token_ids=prompt
         )
-    return Parsed(req, chat=False, stream=bool(body.stream), include_usage=_usage_on(body))
+    return Parsed(req, chat=False, stream=bool(body.stream), include_usage=_usage_on(body),
+                  model=body.model)  # fmt: skip
 
 
 def _first(*values: int | None) -> int:

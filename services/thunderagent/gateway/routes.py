@@ -1,5 +1,11 @@
 """The routes that do not generate: models (from the fleet the gateway watches), health, and
-an OpenAI-shaped 404 / 405 for everything else."""
+an OpenAI-shaped 404 / 405 for everything else.
+
+Models are listed as SGLang lists them: each base model, then each LoRA adapter some worker of
+it has loaded, as a card whose ``parent`` is the base model. An adapter's ``id`` is
+``<model>:<adapter>``, the name this gateway (and SGLang's OpenAI API) takes to select it, so a
+client can send any listed id as ``model`` (SGLang's own card names the adapter alone, which
+as a ``model`` would select the base model)."""
 
 from __future__ import annotations
 
@@ -19,22 +25,22 @@ class ModelRoutes:
         self.bus = bus
 
     def _models(self) -> dict[str, dict]:
-        """Model id -> its OpenAI model object; ``created`` is its earliest worker's start."""
+        """Model id -> its OpenAI model object (base models, then adapters; module doc);
+        ``created`` is its earliest worker's start."""
         out: dict[str, dict] = {}
+        adapters: dict[str, dict] = {}
         for state in self.registry.all():
             reg = state.registration
             created = int(reg.registered_at)
-            entry = out.get(reg.model)
-            if entry is None:
-                out[reg.model] = {"id": reg.model, "object": "model", "created": created,
-                                  "owned_by": "thunderagent"}  # fmt: skip
-            else:
-                entry["created"] = min(entry["created"], created)
-        return out
+            _card(out, reg.model, created)
+            for name in reg.lora_adapters:
+                card = _card(adapters, f"{reg.model}:{name}", created)
+                card.update(root=name, parent=reg.model)
+        return out | adapters
 
     async def list(self, request: web.Request) -> web.Response:
         models = self._models()
-        data = [models[name] for name in sorted(models)]
+        data = sorted(models.values(), key=lambda m: ("parent" in m, m["id"]))
         return web.json_response({"object": "list", "data": data})
 
     async def get(self, request: web.Request) -> web.Response:
@@ -74,3 +80,15 @@ class ModelRoutes:
             raise HttpError(405, f"{request.method} is not allowed on {request.path}: use POST",
                             code="method_not_allowed", headers={"Allow": "POST"})  # fmt: skip
         raise HttpError(404, f"no route {request.method} {request.path}", code="not_found")
+
+
+def _card(cards: dict[str, dict], model_id: str, created: int) -> dict:
+    """The OpenAI model object for ``model_id`` in ``cards`` (made on first sight), dated by
+    its earliest worker."""
+    card = cards.get(model_id)
+    if card is None:
+        card = cards[model_id] = {"id": model_id, "object": "model", "created": created,
+                                  "owned_by": "thunderagent"}  # fmt: skip
+    else:
+        card["created"] = min(card["created"], created)
+    return card

@@ -243,7 +243,7 @@ class Gateway:
             reply = await call.next()
         body = completion_body(
             reply, reply.text or "".join(texts), chat=parsed.chat,
-            model=parsed.request.model, created=int(time.time()),
+            model=parsed.model, created=int(time.time()),
         )  # fmt: skip
         headers = {"x-request-id": reply.request_id, "x-thunderagent-worker": reply.worker_id}
         return web.Response(body=body, content_type="application/json", headers=headers)
@@ -255,7 +255,7 @@ class Gateway:
             headers={**_SSE_HEADERS, "x-request-id": parsed.request.request_id}
         )
         encoder = StreamEncoder(
-            chat=parsed.chat, request_id=parsed.request.request_id, model=parsed.request.model,
+            chat=parsed.chat, request_id=parsed.request.request_id, model=parsed.model,
             created=int(time.time()), include_usage=parsed.include_usage,
         )  # fmt: skip
         timing = _TokenTiming(self.metrics, request)
