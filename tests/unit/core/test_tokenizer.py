@@ -30,4 +30,3 @@ def test_chat_rendering_of_a_longer_conversation_extends_the_shorter_one():
 def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         load_tokenizer(str(tmp_path / "nowhere"))
-
