@@ -32,6 +32,7 @@ CURL_EXAMPLES = {
        "messages": [{"role": "user", "content": "Hello, ThunderAgent"}]}'""",
     "completions": """curl -s $URL/v1/completions -H 'Content-Type: application/json' \\
   -d '{"model": "sim/llama-3.1-8b", "prompt": "Once upon a time", "max_tokens": 16}'""",
+    "workers": "curl -s $URL/workers",
 }
 """The README's examples, verbatim but for the model name the test stack serves."""
 
@@ -65,6 +66,12 @@ async def test_curl_examples(nats_server):
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
         text = json.loads(await _sh(CURL_EXAMPLES["completions"], run.url))
         assert text["object"] == "text_completion" and text["choices"][0]["text"]
+        fleet = json.loads(await _sh(CURL_EXAMPLES["workers"], run.url))
+        assert fleet["total"] == 1 and len(fleet["workers"]) == 1
+        worker = fleet["workers"][0]
+        assert worker["registration"]["model"] == MODEL
+        assert worker["load"]["worker_id"] == worker["registration"]["worker_id"]
+        assert worker["load"]["kv_total_blocks"] > 0 and 0 <= worker["load_age_s"] < 5
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""The routes that do not generate: models (from the fleet the gateway watches), health, and
-an OpenAI-shaped 404 / 405 for everything else.
+"""The routes that do not generate: models and workers (from the fleet the gateway watches),
+health, and an OpenAI-shaped 404 / 405 for everything else.
 
 Models are listed as SGLang lists them: each base model, then each LoRA adapter some worker of
 it has loaded, as a card whose ``parent`` is the base model. An adapter's ``id`` is
@@ -9,6 +9,9 @@ as a ``model`` would select the base model)."""
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 from aiohttp import web
 
 from thunderagent.bus import Bus
@@ -51,6 +54,20 @@ class ModelRoutes:
             message = f"no worker serves model {name!r} (served: {known})"
             raise from_code(ErrorCode.UNKNOWN_MODEL, message)
         return web.json_response(model)
+
+    async def workers(self, request: web.Request) -> web.Response:
+        """The fleet as this gateway sees it (SMG's ``GET /workers`` in our terms): each
+        worker's registration and its latest load report, with that report's age."""
+        now = time.time()
+        out = []
+        for state in sorted(self.registry.all(), key=lambda s: s.registration.worker_id):
+            load = state.load
+            out.append({
+                "registration": msgspec.to_builtins(state.registration),
+                "load": None if load is None else msgspec.to_builtins(load),
+                "load_age_s": None if load is None else round(now - load.ts, 3),
+            })  # fmt: skip
+        return web.json_response({"workers": out, "total": len(out)})
 
     async def health(self, request: web.Request) -> web.Response:
         connected = self.bus.is_connected

@@ -120,6 +120,7 @@ class Gateway:
         )
         app.router.add_get("/v1/models", route("/v1/models", models.list))
         app.router.add_get("/v1/models/{model:.+}", route("/v1/models/{model}", models.get))
+        app.router.add_get("/workers", route("/workers", models.workers))
         app.router.add_get("/health", route("/health", models.health))
         app.router.add_get("/ready", route("/ready", models.ready))
         app.router.add_get("/metrics", self._metrics)
