@@ -70,10 +70,10 @@ def _client_env(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
     return {**env, "THUNDERAGENT_NATS_CREDS": str(tmp_path / "run" / "creds")}
 
 
-def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
+def _request(nats_url: str, env: dict[str, str], prompt: str, *flags: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "thunderagent.cli.main", "request", "--nats", nats_url,
-         "--model", MODEL, "--max-tokens", "8", "--json", prompt],
+         "--model", MODEL, "--max-tokens", "8", "--json", *flags, prompt],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -83,11 +83,14 @@ def _request(nats_url: str, env: dict[str, str], prompt: str) -> dict:
 def test_sigterm_stops_every_process(tmp_path):
     proc, nats_url = _start_up(tmp_path, dict(os.environ))
     try:
-        final = _request(
-            nats_url, _client_env(tmp_path, dict(os.environ)), "hello from the process test"
-        )
+        env = _client_env(tmp_path, dict(os.environ))
+        prompt = "hello from the process test, long enough to fill a KV block or two"
+        final = _request(nats_url, env, prompt)
         assert final["type"] == "final"
         assert final["text"], final  # --json asks for the answer whole: its text is in it
+        assert _request(nats_url, env, prompt)["usage"]["cached_tokens"] > 0
+        salted = _request(nats_url, env, prompt, "--cache-salt", "tenant-a")
+        assert salted["usage"]["cached_tokens"] == 0, "a tenant shares no other's KV"
         children = _descendants(proc.pid)
         # nats, redis, index, scheduler, router, 2 x (engine + adapter)
         assert len(children) >= 9, children

@@ -258,6 +258,10 @@ def _stack_commands(add) -> None:
     p.add_argument("--json", action="store_true", help="print the final reply as JSON")
     p.add_argument("--timeout", type=positive, default=60.0, help="idle timeout, seconds")
     p.add_argument("--lora", default=None, help="LoRA adapter, by the name the engines loaded it")
+    p.add_argument(
+        "--cache-salt", default=None,
+        help="tenant: its prompt's KV is cached apart, shared only with the same salt",
+    )  # fmt: skip
 
 
 def _control_plane_commands(add) -> None:

@@ -21,6 +21,7 @@ async def _run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             priority=args.priority,
             lora_name=args.lora,
+            cache_salt=args.cache_salt,
             stream=not args.json,  # --json prints one reply: the final one, holding the text
         )
     except (ValueError, msgspec.ValidationError) as err:
