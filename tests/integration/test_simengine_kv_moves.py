@@ -20,6 +20,7 @@ from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.kv_pool import KvPool, pool_for
+from thunderagent.simengine.salts import cache_namespace
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
 skip_without_nixl()
@@ -95,6 +96,26 @@ async def test_a_pulled_prefix_arrives_byte_equal_and_is_cached() -> None:
         code, rel = await post(src.url, "/kv/release", {"export_id": "m1", "drop": True})
         assert code == 200 and rel == {"released": True, "dropped_blocks": 8}
         assert src.driver.core.cache.contents() == {} and src.pool.used == 0
+
+
+async def test_a_pull_in_a_namespace_names_it_and_an_unloaded_adapter_is_refused() -> None:
+    """A tenant's blocks land under the source's keys and stay the tenant's: the target's
+    events for them name the salt. An adapter this engine has not loaded is refused (as a
+    request naming it would be), and nothing is reserved."""
+    async with engines() as (src, dst):
+        tokens = prefix(3, seed=5)
+        src.driver.import_kv(tokens, cache_namespace("tenant-a", None))
+        keys = list(src.pool.slot_of)
+        _, offer = await post(src.url, "/kv/export", {"export_id": "n1", "block_hashes": keys})
+        code, result = await post(dst.url, "/kv/pull",
+                                  pull_body(offer, "n1") | {"lora_name": "sql"})  # fmt: skip
+        assert code == 400 and "'sql' is not loaded" in result["error"]["message"]
+        assert dst.driver.core.cache.contents() == {} and dst.driver.core.cache.reserved == 0
+        code, result = await post(dst.url, "/kv/pull",
+                                  pull_body(offer, "n2") | {"cache_salt": "tenant-a"})  # fmt: skip
+        assert code == 200 and result["moved_blocks"] == 3, result
+        assert set(dst.driver.core.cache.contents()) == set(keys)
+        assert all(dst.driver.salts.salt_of(k) == ("tenant-a", None) for k in keys)
 
 
 async def test_blocks_the_target_already_has_are_not_copied_again() -> None:
