@@ -284,7 +284,8 @@ class Thunder(PolicyHooks):
         self._uncached.add(max(0, query.prompt_tokens - cached))
 
     def observe(self, feedback: RoutingFeedback) -> None:
-        """Online tuning (DESIGN point 4): one bounded step of ``load_scale`` per window."""
+        """Online tuning (docs/features.md, point 4): one bounded step of ``load_scale`` per
+        window."""
         assert isinstance(self.tuner, OnlineTuner)
         self.load_scale = self.tuner.update(self.load_scale, feedback)
 

@@ -79,7 +79,8 @@ class SchedParams:
     window: str = "adaptive"
     fixed_window_s: float = 0.1
     online_window_cap_s: float = 0.010
-    """DESIGN feature 5: online (priority 0) requests never wait more than 10 ms for a window."""
+    """docs/features.md, point 5: online (priority 0) requests never wait more than 10 ms for a
+    window."""
     batch_window_cap_s: float = 0.050
     window_gain_s: float = 0.001
     """Adaptive window length per unit of pressure (waiting requests + arrivals expected in the

@@ -82,9 +82,9 @@ class _Heap:
 
 
 class ThunderScheduler(DispatchPass, ProgramSteps):
-    """The scheduler of DESIGN features 5-7; every behaviour is switched by ``SchedParams``.
-    The dispatch pass is in ``dispatch.py``; agent programs' placement, pausing and resuming
-    in ``program_steps.py``."""
+    """The scheduler of docs/features.md, points 5-7; every behaviour is switched by
+    ``SchedParams``. The dispatch pass is in ``dispatch.py``; agent programs' placement, pausing
+    and resuming in ``program_steps.py``."""
 
     def __init__(self, params: SchedParams | None = None, *, name: str = "thunder", **kw):
         p = (params or SchedParams(**kw)).validate()

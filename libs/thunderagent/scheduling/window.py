@@ -10,8 +10,8 @@ arrives before it closes is released at its close. Lengths by mode:
   window could not change a decision, only delay it, so arrivals go at once however fast they
   come; once requests compete for room, the window grows with the backlog so each decision sees
   more of it. ``cap`` is ``online_window_cap_s`` for priority 0 and ``batch_window_cap_s`` for
-  the rest (DESIGN feature 5; feature 12: a long window is a P99 spike, so online requests stay
-  at <= 10 ms).
+  the rest (docs/features.md, points 5 and 12: a long window is a P99 spike, so online requests
+  stay at <= 10 ms).
 """
 
 from __future__ import annotations
