@@ -92,10 +92,11 @@ class InprocStack:
         model: str = MODEL,
         dp_size: int = 1,
         lora_adapters: list[str] | None = None,
+        disaggregation_mode: str = "null",
     ) -> str:
         """Start a simulated engine; ``port``/``events_config`` reuse a previous engine's
         addresses (a restart: same URL, empty cache, event sequence from 0); ``instant``: the
-        zero-compute mode (one token at once)."""
+        zero-compute mode (one token at once); ``disaggregation_mode``: SGLang's PD role."""
         if kv_events and events_config is None:
             # one rank: ports picked here; several: their publishers draw consecutive ports
             port_of = (lambda: free_port()) if dp_size == 1 else (lambda: "*")
@@ -123,10 +124,13 @@ class InprocStack:
         info = EngineInfo(model=model, block_size=engine.block_size, kv_events_config=events_config)
         info.instant = instant
         info.lora_adapters = list(lora_adapters or [])
+        info.disaggregation_mode = disaggregation_mode
+        port = port or free_port()
+        if disaggregation_mode == "prefill":  # its bootstrap registry is on its API port
+            info.bootstrap_port = port
         app = SimEngineApp(ranks, info).app
         runner = http_runner(app)
         await runner.setup()
-        port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         self._runners.append(runner)
         self.engines[worker_id] = engine
@@ -225,6 +229,7 @@ async def start_full_stack(
     scheduler_config: dict | None = None,
     with_scheduler: bool = True,
     models: list[str] | None = None,
+    pd_modes: list[str] | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -245,6 +250,8 @@ async def start_full_stack(
         wid = f"w{i}"
         if models:
             engine_kwargs["model"] = models[i]
+        if pd_modes:  # SGLang's PD: the engines' own modes give the workers their roles
+            engine_kwargs["disaggregation_mode"] = pd_modes[i]
         url = await stack.start_engine(wid, **engine_kwargs)
         config = AdapterConfig(
             worker_id=wid,

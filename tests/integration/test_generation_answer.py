@@ -41,7 +41,11 @@ class SlowEndEngine:
         self.drained = False
         self.aborted: list[str] = []
 
-    async def generate(self, rid, input_ids, sampling, *, cache_salt=None, lora_name=None):
+    bootstrap_port = 0  # no SGLang PD mode
+
+    async def generate(
+        self, rid, input_ids, sampling, *, cache_salt=None, lora_name=None, bootstrap=None
+    ):
         if self.one_token:
             yield EngineChunk(
                 new_token_ids=[7], new_text="a", meta={**FINISHED, "completion_tokens": 1}

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import msgspec
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
 from tests.integration.test_kv_routing import routable, wait_for
-from thunderagent.bus import connect
+from thunderagent.bus import Bus, connect
 from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed
 from thunderagent.schemas import (
@@ -26,10 +27,16 @@ from thunderagent.schemas import (
     RouteDecision,
     ScheduleRequest,
     TokenChunk,
+    WorkerGenerate,
     subjects,
 )
 
 pytestmark = pytest.mark.integration
+
+
+async def post_json(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
 
 
 async def collect(client, request):
@@ -182,6 +189,57 @@ async def test_pd_disaggregation_prefills_on_one_worker_and_decodes_on_the_other
     stats = sched.core.stats()
     assert stats["pd_transfers"] >= 1
     assert stats["pd_inflight"] == 0, "the transfer was reported done: the cap slot is free"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_sglang_pd_pairs_a_prefill_and_a_decode_engine_through_a_bootstrap_room(
+    nats_server, stream
+):
+    """Engines in SGLang's PD modes (``disaggregation_mode``): the workers take their roles
+    from them, the prefill worker sends the decode worker the whole request with a new room
+    (SGLang's bootstrap fields) and its own engine the same; the decode engine takes the KV
+    from the prefill engine's registry and answers every token, a tenant's prompt cached in
+    its namespace. Neither engine serves a request that is not paired."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack, workers=2, pd_modes=["prefill", "decode"], scheduler="pd_capped",
+            policy="thunder", profile="llama-3.1-8b-h100", speedup=20,
+        )  # fmt: skip
+        client = await routable(nats_server.url, 2)
+        sched = stack.services["scheduler"].runtime
+        router = stack.services["router"].runtime.core
+        await wait_for(lambda: len(sched.core.admission.workers) == 2, what="both workers' rooms")
+        roles = {w: router.fleet.get(w).registration for w in ("w0", "w1")}
+        assert (roles["w0"].role, roles["w1"].role) == ("prefill", "decode")
+        assert roles["w0"].bootstrap_port > 0 and roles["w1"].bootstrap_port == 0
+        prompt = list(range(2000, 2000 + 160))  # 10 full blocks
+        request = GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=12,
+                                  cache_salt="tenant-a", stream=stream)  # fmt: skip
+        chunks, final, _ = await collect(client, request)
+        await wait_for(lambda: sched.core.stats()["pd_inflight"] == 0, what="the pairing to end")
+        await wait_for(lambda: not sched.pending, what="the scheduler to close its books")
+        decode, prefill = stack.engines["w1"], stack.engines["w0"]
+        unpaired = await post_json(stack.engine_urls["w1"] + "/generate",
+                                   {"input_ids": prompt, "sampling_params": {}})  # fmt: skip
+        nc = await connect(nats_server.url, name="pd-test")
+        bus = Bus(nc, service="pd-test")
+        alone = WorkerGenerate(request=request, reply_subject=nc.new_inbox())
+        refusals = [await bus.request(subjects.worker_generate(w), alone, Ack, timeout=5)
+                    for w in ("w0", "w1")]  # fmt: skip
+        await nc.close()
+        await client.close()
+    assert final.worker_id == "w1", "the decode worker answers"
+    assert final.usage.completion_tokens == 12 and final.usage.prompt_tokens == 160
+    assert final.usage.cached_tokens >= 144, "the decode engine took the prompt's KV"
+    if stream:
+        indices = [i for c in chunks for i in range(c.index, c.index + len(c.token_ids))]
+        assert indices == list(range(12)), "every token, once, from the decode engine"
+    assert prefill.core.cache.gpu_blocks >= 10, "the prefill engine computed the prompt"
+    assert decode.salts.salt_of(next(iter(decode.core.cache.contents()))) is not None
+    assert unpaired[0] == 400 and "bootstrap_room" in unpaired[1]["error"]["message"]
+    assert [a.accepted for a in refusals] == [False, False]
+    assert "needs a decode worker" in refusals[0].reason
+    assert "needs a prefill pairing" in refusals[1].reason
 
 
 async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nats_server):

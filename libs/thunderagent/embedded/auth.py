@@ -94,9 +94,11 @@ def _worker_subscribes(w: str) -> tuple[str, ...]:
 
 _WORKER_SHARED_PUBLISH: tuple[str, ...] = (
     subjects.SCHED_RUN_FAILED_WILDCARD,  # the engine failed a run: resume it elsewhere
-    # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run
+    # PD hand-off: a prefill worker gives a decode worker the KV and the rest of the run (or,
+    # under SGLang's PD, the paired run, which it aborts there when its own prefill fails)
     subjects.worker_kv_import("*"),
     subjects.worker_generate("*"),
+    subjects.worker_abort("*"),
     # a pull at dispatch: the run's worker asks the holder to export the prefix and, once
     # copied into its own engine, to release it
     subjects.worker_kv_export("*"),

@@ -159,6 +159,19 @@ class PullHint(Struct, frozen=True, kw_only=True):
     a copy that stalls costs the run at most that (0: the adapter's own bound)."""
 
 
+class PdBootstrap(Struct, frozen=True, kw_only=True):
+    """SGLang's PD pairing of one request: the decode engine takes its KV from the prefill
+    engine's bootstrap server at ``host``:``port``, ``room`` naming the request on both
+    (SGLang's ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``)."""
+
+    host: str
+    """The prefill engine's host, as the decode engine reaches it."""
+    port: Annotated[int, Meta(gt=0, lt=65536)]
+    """Its bootstrap port (``disaggregation_bootstrap_port``)."""
+    room: Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    """A random 63-bit id, the same on both engines' requests."""
+
+
 class WorkerGenerate(Struct, frozen=True, kw_only=True):
     """Scheduler -> adapter (request/reply: the adapter acks, then streams to ``reply_subject``)."""
 
@@ -178,6 +191,9 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
     hand it the rest of the request. Empty: run the whole request here."""
     pull: PullHint | None = None
     """Copy the prompt's prefix from another worker first (first runs only; None: no copy)."""
+    bootstrap: PdBootstrap | None = None
+    """SGLang's PD: this decode engine runs the whole request, its KV coming from the paired
+    prefill engine, which gets the same request with the same pairing (None: not paired)."""
 
 
 class Ack(Struct, frozen=True, kw_only=True):

@@ -44,6 +44,10 @@ class WorkerRegistration(Struct, frozen=True, kw_only=True):
     """The LoRA adapters the engine has loaded, by name (SGLang's ``/v1/models`` cards with a
     parent); a request for an adapter goes only to workers that list it. Kept current while the
     worker serves (SGLang loads and unloads adapters at run time)."""
+    bootstrap_port: int = 0
+    """A prefill engine in SGLang's PD mode: the port of its KV bootstrap server
+    (``disaggregation_bootstrap_port``), where a paired decode engine takes a request's KV. 0:
+    not SGLang's PD; a PD hand-off then moves the KV through the workers (``KvTransfer``)."""
 
 
 class LoadReport(Struct, frozen=True, kw_only=True):

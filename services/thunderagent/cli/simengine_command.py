@@ -59,6 +59,11 @@ def add_simengine_command(add) -> None:
         help="pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies",
     )  # fmt: skip
     p.add_argument(
+        "--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+        help="SGLang's PD role: prefill or decode engines pair on every request through the "
+        "prefill engine's bootstrap registry (served on its API port)",
+    )  # fmt: skip
+    p.add_argument(
         "--engine", choices=["timed", "instant"], default="timed",
         help="timed: the roofline model's prefill/decode time; instant: answer every "
         "/generate at once with one token (benchmarks of what sits in front of engines)",
@@ -85,6 +90,7 @@ def _run(args: argparse.Namespace) -> None:
             kv_pull_gbps=args.kv_pull_gbps,
             instant=args.engine == "instant",
             dp_size=args.dp_size,
+            disaggregation_mode=args.disaggregation_mode,
             lora_adapters=adapter_names(args.lora_paths),
         )
     )

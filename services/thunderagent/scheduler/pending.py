@@ -25,6 +25,9 @@ class Pending:
     """Output tokens the client received before a preemption (a continuation carries them)."""
     worker_id: str = ""
     """Where the current run is (empty while it waits)."""
+    decode_worker: str = ""
+    """PD: the decode worker the current run was paired with. Under SGLang's PD that worker
+    runs it from the start, so its end may come before the prefill worker's ``transferred``."""
     started: bool = False
     """The current run produced its first token (the client has output from it)."""
     excluded: set[str] = field(default_factory=set)

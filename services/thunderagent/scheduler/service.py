@@ -298,7 +298,10 @@ class SchedulerService:
             if pending is not None:
                 pending.worker_id = progress.worker_id
             self.core.on_transfer_done(rid, progress.worker_id, now)
-        elif pending is not None and pending.worker_id == progress.worker_id:
+        elif pending is not None and (
+            pending.worker_id == progress.worker_id
+            or (progress.phase == "finished" and progress.worker_id == pending.decode_worker)
+        ):
             self._forget(pending)  # ends of runs this scheduler no longer tracks are stale
             if progress.phase == "failed":  # the engine failed it for good: the step never ran
                 self.core.on_failed(rid, progress.worker_id, now)
@@ -406,6 +409,7 @@ class SchedulerService:
             otel_context.detach(token)
 
     async def _dispatch(self, pending: Pending, worker_id: str, decode_worker: str = "") -> None:
+        pending.decode_worker = decode_worker
         took, reasons = await self.handoff.dispatch(pending, worker_id, decode_worker)
         if took == worker_id:
             return

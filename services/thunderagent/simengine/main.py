@@ -51,6 +51,9 @@ class SimEngineConfig:
     dp_size: int = 1
     """Data-parallel ranks, each with its own scheduler, KV cache and event publisher (SGLang's
     ``--dp-size``); a request names its rank or takes the next in turn."""
+    disaggregation_mode: str = "null"
+    """SGLang's PD role: ``prefill`` or ``decode`` pair on every request through the prefill
+    engine's bootstrap registry (``pd_bootstrap.py``); ``null``: a whole engine."""
 
 
 async def _serve(config: SimEngineConfig) -> None:
@@ -83,11 +86,16 @@ async def _serve(config: SimEngineConfig) -> None:
     info.kv_pull_gbps = config.kv_pull_gbps
     info.instant = config.instant
     info.lora_adapters = list(config.lora_adapters)
+    info.disaggregation_mode = config.disaggregation_mode
+    if config.instant and config.disaggregation_mode != "null":
+        raise SystemExit("simengine: --engine instant answers at once; it has no PD mode")
     app = SimEngineApp(ranks, info).app
     runner = http_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
+    if config.disaggregation_mode == "prefill":  # the registry is served on the API port
+        info.bootstrap_port = runner.addresses[0][1]
     log.info("simulated engine %s on http://%s:%d (%d DP rank%s)", config.model, config.host,
              config.port, config.dp_size, "s" if config.dp_size > 1 else "")  # fmt: skip
     stop = asyncio.Event()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import msgspec
 from aiohttp import web
 from opentelemetry import trace
@@ -34,6 +35,14 @@ from thunderagent.simengine.driver import (
 )
 from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
+from thunderagent.simengine.pd_bootstrap import (
+    KvNotReceived,
+    Offered,
+    Pairing,
+    PrefillRooms,
+    pairing_of,
+    take_kv,
+)
 from thunderagent.simengine.salts import cache_namespace
 from thunderagent.telemetry import extract_context, start_span_if_sampled
 from thunderagent.tokenizer import ByteTokenizer
@@ -53,6 +62,11 @@ class EngineInfo:
     """``--engine instant``: answer ``/generate`` at once with one token (``instant.py``)."""
     lora_adapters: list[str] = field(default_factory=list)
     """LoRA adapters loaded, by name (SGLang's ``--lora-paths``): a request may name one."""
+    disaggregation_mode: str = "null"
+    """SGLang's PD role (``--disaggregation-mode``): ``prefill``, ``decode`` or ``null``
+    (``pd_bootstrap.py``)."""
+    bootstrap_port: int = 0
+    """A prefill engine's bootstrap port: its API port, where it serves the registry."""
 
 
 KEEPALIVE_S = 5.0
@@ -93,6 +107,11 @@ class SimEngineApp:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/import_kv", self.import_kv)
         r.add_get("/v1/models", self.models)
+        self.rooms = PrefillRooms() if info.disaggregation_mode == "prefill" else None
+        if self.rooms is not None:
+            r.add_get("/pd/{room}", self.rooms.take)
+        self._pd_session: aiohttp.ClientSession | None = None
+        self.app.on_cleanup.append(self._close_pd_session)
         self.mover: KvMover | None = None
         if self.engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
             pace = info.kv_pull_gbps * 1e9 or None
@@ -129,6 +148,8 @@ class SimEngineApp:
                 "kv_events_config": self.info.kv_events_config,
                 "enable_lora": bool(self.info.lora_adapters),
                 "lora_paths": list(self.info.lora_adapters) or None,
+                "disaggregation_mode": self.info.disaggregation_mode,
+                "disaggregation_bootstrap_port": self.info.bootstrap_port or None,
                 "version": "thunderagent-simengine",
                 "kv_transfer": self.mover.info() if self.mover else None,
             }
@@ -209,7 +230,12 @@ class SimEngineApp:
             return parsed
         try:
             engine = self.ranks.pick(body)
-        except ValueError as err:
+            pairing = self._paired(body, parsed)
+            if pairing is not None and self.info.disaggregation_mode == "decode":
+                await self._take_kv(engine, pairing)
+        except KvNotReceived as err:
+            return _bad(str(err), 502)
+        except ValueError as err:  # a rank it lacks, a pairing without its fields
             return _bad(str(err))
         ctx = extract_context(request.headers)
         with _tracer.start_as_current_span("engine generate", context=ctx, kind=SpanKind.SERVER):
@@ -218,9 +244,37 @@ class SimEngineApp:
                 first = await anext(events)
             except (EngineRejected, ValueError) as err:
                 return _bad(str(err))
+            if pairing is not None and self.rooms is not None:  # prefilled: the KV is ready
+                offered = Offered(parsed.input_ids, parsed.cache_salt, parsed.lora_name)
+                self.rooms.offer(pairing.room, offered)
             if body.get("stream"):
                 return await self._stream(request, parsed, first, events, received)
             return await self._whole(parsed, first, events, received)
+
+    def _paired(self, body: dict, parsed: GenerateInput) -> Pairing | None:
+        """SGLang's PD: a request's pairing (None outside PD); a prefill engine computes only
+        the prompt and its first token."""
+        mode = self.info.disaggregation_mode
+        if mode == "null":
+            return None
+        pairing = pairing_of(body, mode)
+        if mode == "prefill":
+            parsed.max_new_tokens = 1
+        return pairing
+
+    async def _take_kv(self, engine: EngineDriver, pairing: Pairing) -> None:
+        """The decode side: the prompt's KV from the paired prefill engine, imported in its
+        namespace after the modelled transfer time."""
+        if self._pd_session is None:
+            self._pd_session = aiohttp.ClientSession()
+        offered = await take_kv(self._pd_session, pairing)
+        space = cache_namespace(offered.cache_salt, offered.lora_name)
+        _, seconds = engine.import_kv(offered.token_ids, space)
+        await asyncio.sleep(seconds / engine.speedup)
+
+    async def _close_pd_session(self, _: web.Application) -> None:
+        if self._pd_session is not None:
+            await self._pd_session.close()
 
     async def _instant(self, request: web.Request, received: float) -> web.Response:
         try:

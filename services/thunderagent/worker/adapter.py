@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
@@ -112,6 +113,9 @@ class WorkerAdapter:
         """The engine answered 404 to ``/v1/loads``: it is read through ``/get_load``."""
         self._lora = False
         """The engine serves LoRA adapters (``enable_lora``): which ones is read as it runs."""
+        self.pd_mode = "null"
+        """The engine's SGLang PD mode (``disaggregation_mode``): a ``prefill`` or ``decode``
+        engine serves a request only as one side of a pairing."""
         self._adapter_failures = 0
         """Reads of the engine's adapters failed in a row (said on the 1st, 2nd, 4th...)."""
         self.metrics = adapter_metrics()
@@ -141,6 +145,7 @@ class WorkerAdapter:
         model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
         if not model:
             raise RuntimeError("engine reports no model name; pass --model")
+        role = self._pd_role(info)
         return WorkerRegistration(
             worker_id=self.config.worker_id,
             model=model,
@@ -149,7 +154,7 @@ class WorkerAdapter:
             kv_capacity_blocks=total_tokens // block_size,
             lease_s=self.config.lease_s,
             registered_at=time.time(),
-            role=self.config.role,
+            role=role,
             tokenizer=self.config.tokenizer,
             # the cap SGLang derived (per rank: under DP attention it divides the argument by
             # the ranks, and it bounds it by the KV pool), else the argument as given
@@ -158,7 +163,27 @@ class WorkerAdapter:
             context_length=context_length(info),
             vocab_size=int(info.get("vocab_size") or 0) or vocab_size(self.config.tokenizer),
             lora_adapters=(await self._read_adapters() or []) if self._lora else [],
+            bootstrap_port=self.engine.bootstrap_port,
         )
+
+    def _pd_role(self, info: Mapping[str, Any]) -> WorkerRole:
+        """The worker's role: the engine's SGLang PD mode (``disaggregation_mode``) when it
+        runs one, which ``--role`` may only repeat; a prefill engine's bootstrap port is kept
+        for the pairings it will serve."""
+        mode = str(info.get("disaggregation_mode") or "null")
+        if mode not in ("prefill", "decode"):
+            return self.config.role
+        self.pd_mode = mode
+        if self.config.role not in (WorkerRole.BOTH, mode):
+            raise RuntimeError(f"the engine runs SGLang's PD {mode} mode; the worker was started "
+                               f"with --role {self.config.role.value}")  # fmt: skip
+        if mode == "prefill":
+            port = int(info.get("disaggregation_bootstrap_port") or 0)
+            if port <= 0:
+                raise RuntimeError("the engine runs SGLang's PD prefill mode but reports no "
+                                   "disaggregation_bootstrap_port")  # fmt: skip
+            self.engine.bootstrap_port = port
+        return WorkerRole(mode)
 
     async def _lora_adapters(self) -> list[str]:
         """The LoRA adapters the engine lists in ``/v1/models`` (a card whose ``parent`` is the
@@ -412,6 +437,10 @@ class WorkerAdapter:
             refusal = f"{rid} is already running here, for another client"
         elif not self.engine_healthy.is_set():
             refusal = "its engine is not answering"
+        elif self.pd_mode == "prefill" and not work.decode_worker:
+            refusal = "its engine runs SGLang's PD prefill mode: a run needs a decode worker"
+        elif self.pd_mode == "decode" and work.bootstrap is None:
+            refusal = "its engine runs SGLang's PD decode mode: a run needs a prefill pairing"
         if refusal:
             if delivery.reply:
                 await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))

@@ -9,10 +9,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
 
+from thunderagent.schemas import PdBootstrap
 from thunderagent.telemetry import inject_headers
 from thunderagent.worker.http1 import Http1Pool
 
@@ -54,6 +56,8 @@ class EngineClient:
         self.dp_rank: int | None = None
         """The data-parallel rank this client's runs go to (``for_rank``); None: the engine's
         own choice."""
+        self.bootstrap_port = 0
+        """A prefill engine in SGLang's PD mode: its KV bootstrap port (0: not one)."""
         self._session: aiohttp.ClientSession | None = None
         self._shared: dict[str, tuple[float, asyncio.Future]] = {}
         """``get_shared``'s latest GET per path, with when it was sent (the rank views share
@@ -85,6 +89,13 @@ class EngineClient:
         if self.dp_rank is not None:
             body["data_parallel_rank"] = self.dp_rank
         return body
+
+    @property
+    def host(self) -> str:
+        """The engine's host, as another engine reaches it (a PD pairing names it; an IPv6
+        address in brackets, as SGLang's router sends it)."""
+        host = urlsplit(self.base_url).hostname or "127.0.0.1"
+        return f"[{host}]" if ":" in host else host
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -144,7 +155,7 @@ class EngineClient:
         except (aiohttp.ClientError, OSError):
             return False
 
-    async def generate(
+    def generate_body(
         self,
         rid: str,
         input_ids: list[int],
@@ -152,14 +163,12 @@ class EngineClient:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-    ) -> AsyncIterator[EngineChunk]:
-        """Stream ``/generate``. SGLang sends cumulative ``text``/``output_ids`` by default and
-        incremental ones with ``--incremental-streaming-output``; both are turned into deltas.
-
-        ``cache_salt``: the tenant's KV namespace (SGLang's ``GenerateReqInput.cache_salt``): the
-        engine reuses cached prefixes only between requests with the same salt. ``lora_name``:
-        the LoRA adapter, by its loaded name (SGLang's ``lora_path``). The body is read to its end
-        (past ``[DONE]``), so the connection can carry the next request."""
+        bootstrap: PdBootstrap | None = None,
+    ) -> dict[str, Any]:
+        """``/generate``'s body, in SGLang's ``GenerateReqInput`` fields. ``cache_salt``: the
+        tenant's KV namespace: the engine reuses cached prefixes only between requests with the
+        same salt. ``lora_name``: the LoRA adapter, by its loaded name (SGLang's ``lora_path``).
+        ``bootstrap``: SGLang's PD pairing, sent alike to the prefill and the decode engine."""
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": input_ids,
@@ -170,9 +179,23 @@ class EngineClient:
             body["cache_salt"] = cache_salt
         if lora_name:
             body["lora_path"] = lora_name
+        if bootstrap is not None:
+            body["bootstrap_host"] = bootstrap.host
+            body["bootstrap_port"] = bootstrap.port
+            body["bootstrap_room"] = bootstrap.room
+        return self._ranked(body)
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any], **fields: Any
+    ) -> AsyncIterator[EngineChunk]:
+        """Stream ``/generate`` (``fields``: ``generate_body``'s). SGLang sends cumulative
+        ``text``/``output_ids`` by default and incremental ones with
+        ``--incremental-streaming-output``; both are turned into deltas. The body is read to
+        its end (past ``[DONE]``), so the connection can carry the next request."""
+        body = self.generate_body(rid, input_ids, sampling_params, **fields)
         headers = inject_headers({"Content-Type": "application/json"})
         # msgspec, not json.dumps: prompts are thousands of ints, on every request
-        async with self._streams.stream("/generate", _encode(self._ranked(body)), headers) as resp:
+        async with self._streams.stream("/generate", _encode(body), headers) as resp:
             if resp.status != 200:
                 raise EngineError(resp.status, (await resp.read()).decode(errors="replace")[:500])
             deltas = _Deltas()

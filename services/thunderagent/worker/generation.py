@@ -10,6 +10,10 @@ PD hand-off, as the scheduler sees it: ``started`` from the prefill worker (firs
 then ``transferred`` naming the decode worker (its engine holds the KV now and runs the rest of
 the request as a continuation), then that worker's ``finished``. If the transfer or the hand-off
 fails, the rest runs on the prefill worker instead (no ``transferred``): slower, not lost.
+Under SGLang's own PD (the prefill engine reports a bootstrap port) the pairing replaces the
+hand-off: the decode worker runs the whole request, its engine taking the KV from this one, and
+``started`` and ``transferred`` follow this engine's prefill (the decode worker's ``finished``
+may come first; the scheduler takes it from the worker the run was paired with).
 """
 
 from __future__ import annotations
@@ -18,19 +22,25 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from thunderagent.bus import Bus, BusError
 from thunderagent.fleet import AcceptedRuns, client_output, continuation, engine_request_id
 from thunderagent.schemas import (
+    AbortRequest,
     Ack,
     ErrorCode,
     ErrorReply,
     FinalReply,
     FinishReason,
     KvTransfer,
+    PdBootstrap,
+    Preempted,
     ProgressBatch,
     RequestProgress,
     RunFailed,
@@ -134,6 +144,8 @@ class Generation:
             async with asyncio.timeout(max(limit, 0.0)):
                 if self.prepare is not None:
                     await self.prepare(self.work)
+                if self.work.decode_worker and self.engine.bootstrap_port:
+                    return await self._pair_with_decode()
                 if self.work.decode_worker and self.work.request.max_tokens > 1:
                     return await self._prefill_then_hand_off()
                 return await self._run()
@@ -175,8 +187,8 @@ class Generation:
         meta: dict = {}
         try:
             stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req),
-                                          cache_salt=req.cache_salt,
-                                          lora_name=req.lora_name)  # fmt: skip
+                                          cache_salt=req.cache_salt, lora_name=req.lora_name,
+                                          bootstrap=self.work.bootstrap)  # fmt: skip
             async for chunk in stream:
                 meta = chunk.meta
                 if chunk.new_token_ids:
@@ -263,6 +275,41 @@ class Generation:
             return await here.run()
         finally:
             self.runs.finished(here.engine_rid)
+
+    async def _pair_with_decode(self) -> FinalReply | None:
+        """SGLang's PD: the decode worker runs the whole request, its engine taking the KV from
+        this prefill engine under a new room; this engine gets the same request and pairing and
+        computes the prompt. Once it has, the run is the decode worker's (``started`` and
+        ``transferred``, as a hand-off). A decode worker that refuses, or a prefill that fails,
+        hands the run back to the scheduler (this engine cannot run a request alone)."""
+        req, decode = self.work.request, self.work.decode_worker
+        pairing = PdBootstrap(
+            host=self.engine.host, port=self.engine.bootstrap_port, room=random.getrandbits(63)
+        )
+        there = msgspec.structs.replace(self.work, decode_worker="", pull=None, bootstrap=pairing)
+        try:
+            ack = await self.bus.request(subjects.worker_generate(decode), there, Ack, timeout=5)
+        except BusError as err:
+            ack = Ack(accepted=False, reason=str(err))
+        if not ack.accepted:
+            await self._fail(RuntimeError(f"decode worker {decode} did not take it: {ack.reason}"))
+            return None
+        try:
+            async for _ in self.engine.generate(
+                self.engine_rid, req.token_ids or [], _sampling(req), cache_salt=req.cache_salt,
+                lora_name=req.lora_name, bootstrap=pairing,
+            ):  # fmt: skip
+                pass
+        except (TimeoutError, EngineError, OSError) as err:
+            with contextlib.suppress(BusError):  # its engine would wait for KV that never comes
+                abort = AbortRequest(request_id=self.request_id, reason="its prefill failed")
+                await self.bus.request(subjects.worker_abort(decode), abort, Preempted, timeout=2)
+            await self._fail(err)
+            return None
+        self.runs.started(self.engine_rid)
+        await self._progress("started")
+        await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
+        return None
 
     def _continuation(self) -> WorkerGenerate:
         """The rest of the request after this run's output, as the next run (continuations

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from thunderagent.schemas import WorkerRole
 from thunderagent.sglang.load import LOADS_PATH
 from thunderagent.worker.adapter import (
     AdapterConfig,
@@ -42,6 +43,7 @@ class _Engine:
 
     def __init__(self, info: dict, loads: dict | None) -> None:
         self.answers = {"/server_info": info, LOADS_PATH: loads}
+        self.bootstrap_port = 0
 
     async def get_json(self, path: str) -> dict:
         answer = self.answers[path]
@@ -83,6 +85,31 @@ def test_the_block_size_is_the_one_the_engines_events_use(info, block_size):
     config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url)
     adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, None))  # type: ignore[arg-type]
     assert asyncio.run(adapter.describe_engine()).block_size == block_size
+
+
+@pytest.mark.parametrize(
+    ("mode", "port", "flag", "expected"),
+    [
+        ("null", None, WorkerRole.BOTH, (WorkerRole.BOTH, 0)),
+        ("null", None, WorkerRole.DECODE, (WorkerRole.DECODE, 0)),  # the workers move the KV
+        ("prefill", 8998, WorkerRole.BOTH, (WorkerRole.PREFILL, 8998)),
+        ("prefill", 8998, WorkerRole.PREFILL, (WorkerRole.PREFILL, 8998)),
+        ("decode", 8998, WorkerRole.BOTH, (WorkerRole.DECODE, 0)),  # its port names a prefill's
+        ("decode", None, WorkerRole.PREFILL, "--role prefill"),
+        ("prefill", None, WorkerRole.BOTH, "no disaggregation_bootstrap_port"),
+    ],
+)
+def test_an_engine_in_sglangs_pd_mode_gives_the_worker_its_role(mode, port, flag, expected):
+    info = {"model_path": "m", "page_size": 16, "max_total_num_tokens": 16_000,
+            "disaggregation_mode": mode, "disaggregation_bootstrap_port": port}  # fmt: skip
+    config = AdapterConfig(worker_id="w0", engine_url=_Engine.base_url, role=flag)
+    adapter = WorkerAdapter(config, bus=None, engine=_Engine(info, None))  # type: ignore[arg-type]
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected):
+            asyncio.run(adapter.describe_engine())
+        return
+    reg = asyncio.run(adapter.describe_engine())
+    assert (reg.role, reg.bootstrap_port) == expected
 
 
 def test_a_rank_registers_its_own_running_cap() -> None:

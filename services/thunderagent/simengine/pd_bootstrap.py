@@ -1,0 +1,127 @@
+"""SGLang's PD disaggregation as the simulated engine plays it (``--disaggregation-mode``).
+
+What a router sees is SGLang's protocol: it sends one request to a prefill engine and to a decode
+engine at once, both carrying ``bootstrap_host`` and ``bootstrap_port`` (the prefill engine's
+bootstrap server) and ``bootstrap_room`` (a random 63-bit id naming the request on both); the
+decode engine streams the answer, the prefill engine's own answer is only its first token.
+
+* ``prefill``: the engine computes the prompt and its first token, then offers the prompt's KV
+  under the room. It serves its bootstrap registry on its API port (``GET /pd/{room}``), as
+  SGLang's Rust server does, and reports that port as ``disaggregation_bootstrap_port``.
+* ``decode``: the engine takes the request's KV from the prefill engine (waiting for its prefill
+  to finish, at most ``WAIT_S``), imports it at the modelled link speed, then runs the request:
+  the prompt's blocks are cached, so it computes only the partial last block, and streams every
+  output token.
+
+SGLang's transfer engine pushes the KV from the prefill side into pages the decode side has
+reserved; here the decode side pulls the tokens over HTTP and the copy is modelled, not made.
+A request without the three fields is refused by either kind of engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+MODES = ("null", "prefill", "decode")
+WAIT_S = 30.0
+"""How long a decode engine waits for the prefill of a request (SGLang's decode side gives a
+request up after its bootstrap timeout too)."""
+ROOMS_KEPT = 4096
+"""Offered rooms no decode engine has taken yet, kept at most (the oldest go first)."""
+
+
+class PairingError(ValueError):
+    """A PD request without its bootstrap fields, or with malformed ones."""
+
+
+class KvNotReceived(Exception):
+    """The decode side got no KV for the room (the prefill engine failed, or never had it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pairing:
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """A prefilled prompt, as the decode side imports it."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None
+
+
+def pairing_of(body: dict, mode: str) -> Pairing:
+    """The request's bootstrap fields; a PD engine serves no request without them."""
+    host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+    if not isinstance(host, str) or not host:
+        raise PairingError(f"a {mode} engine (SGLang's PD) needs bootstrap_host, bootstrap_port "
+                           "and bootstrap_room on every request")  # fmt: skip
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise PairingError("bootstrap_port must be a TCP port")
+    if not isinstance(room, int) or not 0 <= room < 2**63:
+        raise PairingError("bootstrap_room must be an integer in [0, 2**63)")
+    return Pairing(host, port, room)
+
+
+class PrefillRooms:
+    """The prefill side's registry: room -> the prompt it prefilled, until a decode takes it."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, asyncio.Future[Offered]] = {}
+
+    def _slot(self, room: int) -> asyncio.Future[Offered]:
+        slot = self._rooms.get(room)
+        if slot is None:
+            slot = self._rooms[room] = asyncio.get_running_loop().create_future()
+            while len(self._rooms) > ROOMS_KEPT:
+                old = self._rooms.pop(next(iter(self._rooms)))
+                old.cancel()
+        return slot
+
+    def offer(self, room: int, offered: Offered) -> None:
+        slot = self._slot(room)
+        if not slot.done():
+            slot.set_result(offered)
+
+    async def take(self, request: web.Request) -> web.Response:
+        """``GET /pd/{room}``: the prompt prefilled for this room, once it is (404 after
+        ``WAIT_S``)."""
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            return web.json_response({"error": {"message": "room must be an integer"}}, status=400)
+        slot = self._slot(room)
+        try:
+            offered = await asyncio.wait_for(asyncio.shield(slot), WAIT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            return web.json_response(
+                {"error": {"message": f"no prefill for room {room}"}}, status=404
+            )
+        self._rooms.pop(room, None)
+        return web.json_response({"token_ids": offered.token_ids, "cache_salt": offered.cache_salt,
+                                  "lora_name": offered.lora_name})  # fmt: skip
+
+
+async def take_kv(session: aiohttp.ClientSession, pairing: Pairing) -> Offered:
+    """The decode side: the prompt the paired prefill engine computed for this room."""
+    host = pairing.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    url = f"http://{host}:{pairing.port}/pd/{pairing.room}"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=WAIT_S + 5)) as resp:
+            got = await resp.json(content_type=None)
+            status = resp.status
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+        raise KvNotReceived(f"KV bootstrap at {host}:{pairing.port} failed: {err!r}") from err
+    if status != 200 or not isinstance(got, dict) or not isinstance(got.get("token_ids"), list):
+        raise KvNotReceived(f"KV bootstrap at {host}:{pairing.port}: {str(got)[:200]}")
+    return Offered(got["token_ids"], got.get("cache_salt"), got.get("lora_name"))
