@@ -23,6 +23,7 @@ from thunderagent.schemas import (
     ErrorCode,
     FinalReply,
     GenerateRequest,
+    PdBootstrap,
     ProgramRelease,
     RouteDecision,
     ScheduleRequest,
@@ -226,6 +227,9 @@ async def test_sglang_pd_pairs_a_prefill_and_a_decode_engine_through_a_bootstrap
         alone = WorkerGenerate(request=request, reply_subject=nc.new_inbox())
         refusals = [await bus.request(subjects.worker_generate(w), alone, Ack, timeout=5)
                     for w in ("w0", "w1")]  # fmt: skip
+        pairing = PdBootstrap(host="127.0.0.1", port=1, room=7)
+        paired = msgspec.structs.replace(alone, decode_worker="w1", bootstrap=pairing)
+        refusals.append(await bus.request(subjects.worker_generate("w0"), paired, Ack, timeout=5))
         await nc.close()
         await client.close()
     assert final.worker_id == "w1", "the decode worker answers"
@@ -237,9 +241,10 @@ async def test_sglang_pd_pairs_a_prefill_and_a_decode_engine_through_a_bootstrap
     assert prefill.core.cache.gpu_blocks >= 10, "the prefill engine computed the prompt"
     assert decode.salts.salt_of(next(iter(decode.core.cache.contents()))) is not None
     assert unpaired[0] == 400 and "bootstrap_room" in unpaired[1]["error"]["message"]
-    assert [a.accepted for a in refusals] == [False, False]
+    assert [a.accepted for a in refusals] == [False, False, False]
     assert "needs a decode worker" in refusals[0].reason
     assert "needs a prefill pairing" in refusals[1].reason
+    assert "cannot take a pairing" in refusals[2].reason  # a prefill engine cannot decode one
 
 
 async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nats_server):

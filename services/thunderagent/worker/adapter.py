@@ -441,6 +441,8 @@ class WorkerAdapter:
             refusal = "its engine runs SGLang's PD prefill mode: a run needs a decode worker"
         elif self.pd_mode == "decode" and work.bootstrap is None:
             refusal = "its engine runs SGLang's PD decode mode: a run needs a prefill pairing"
+        elif self.pd_mode != "decode" and work.bootstrap is not None:
+            refusal = "its engine is not in SGLang's PD decode mode: it cannot take a pairing"
         if refusal:
             if delivery.reply:
                 await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
