@@ -104,6 +104,23 @@ def test_sigterm_stops_every_process(tmp_path):
     assert not left, f"orphans after SIGTERM: {left}"
 
 
+def test_up_with_sglang_pd_engines_pairs_a_prefill_and_a_decode_worker(tmp_path):
+    """`up --prefill-workers 1`: engine 0 in SGLang's PD prefill mode, engine 1 in decode mode,
+    the scheduler pairing them; the decode worker answers, having taken the prompt's KV."""
+    proc, nats_url = _start_up(tmp_path, dict(os.environ), 2, "--prefill-workers", "1")
+    try:
+        env = _client_env(tmp_path, dict(os.environ))
+        prompt = "a prompt for two engines, long enough to fill a few KV blocks of sixteen tokens"
+        final = _request(nats_url, env, prompt)
+        assert final["worker_id"] == "w1", final
+        assert final["usage"]["cached_tokens"] >= 64, final  # the prefill engine's KV
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_sigkill_of_up_leaves_no_orphans(tmp_path):
     proc, _ = _start_up(tmp_path, dict(os.environ), workers=1)
     children = _descendants(proc.pid)

@@ -135,6 +135,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated engines: timed (roofline model) or instant (one token at once)",
     )  # fmt: skip
     add_engine_layout_flags(p)
+    p.add_argument(
+        "--prefill-workers", type=at_least(0), default=0,
+        help="SGLang's PD: this many of the engines run --disaggregation-mode prefill, the rest "
+        "decode, and the scheduler pairs them (--policy pd_capped); 0: whole engines",
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -170,6 +175,8 @@ class StackConfig:
     """Data-parallel ranks per simulated engine; each rank is a worker of the fleet."""
     lora_adapters: list[str] = field(default_factory=list)
     """LoRA adapters every simulated engine serves."""
+    prefill_workers: int = 0
+    """SGLang's PD: the first this many engines prefill, the others decode (0: no PD)."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
     engine_args: list[str] = field(default_factory=list)
@@ -183,6 +190,10 @@ class StackConfig:
         """Raises ``ValueError`` for flags that are wrong only together."""
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together (NATS would run without TLS)")
+        if args.prefill_workers and not 0 < args.prefill_workers < args.workers:
+            raise ValueError("--prefill-workers must be below --workers (no decode worker left)")
+        if args.prefill_workers and args.engine == "instant":
+            raise ValueError("--prefill-workers needs timed engines (--engine instant has no PD)")
         return cls(
             workers=args.workers,
             nats_url=args.nats,
@@ -207,6 +218,7 @@ class StackConfig:
             engine=args.engine,
             dp_size=args.dp_size,
             lora_adapters=adapter_names(args.lora_paths),
+            prefill_workers=args.prefill_workers,
         )
 
 
@@ -300,7 +312,8 @@ class Stack:
         nats = ["--nats", self.nats_url]
         self._service("index", "index", *nats, "--redis", self.redis_url)
         pulls = [] if c.pull_min_tokens is None else ["--pull-min-tokens", str(c.pull_min_tokens)]
-        self._service("scheduler", "scheduler", *nats, *pulls)
+        pd = ["--policy", "pd_capped"] if c.prefill_workers else []
+        self._service("scheduler", "scheduler", *nats, *pulls, *pd)
         for i in range(c.routers):
             self._service(f"router-{i}", "router", *nats, "--policy", c.policy,
                           "--redis", self.redis_url, *pulls)  # fmt: skip
@@ -327,12 +340,20 @@ class Stack:
                 "--kv-events-config", events, "--speedup", str(c.speedup), *pool,
                 "--engine", c.engine, "--dp-size", str(c.dp_size), *c.engine_args,
                 *(["--lora-paths", *c.lora_adapters] if c.lora_adapters else []),
+                *self._pd_mode(i),
             )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
             self._service(
                 f"worker-w{i}", "worker", *nats, "--worker-id", f"w{i}", "--engine-url", url
             )
+
+    def _pd_mode(self, i: int) -> list[str]:
+        """Engine ``i``'s SGLang PD flag: its worker takes the role from it."""
+        if not self.config.prefill_workers:
+            return []
+        mode = "prefill" if i < self.config.prefill_workers else "decode"
+        return ["--disaggregation-mode", mode]
 
     def _start_gateways(self) -> None:
         """One port for every gateway process (SO_REUSEPORT): the kernel spreads connections."""
