@@ -14,7 +14,7 @@ from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
 from tests.integration.test_kv_routing import routable, wait_for
 from thunderagent.bus import Bus, connect
 from thunderagent.bus.bus import encode
-from thunderagent.client import RequestFailed
+from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import (
     Ack,
     Candidate,
@@ -245,6 +245,30 @@ async def test_sglang_pd_pairs_a_prefill_and_a_decode_engine_through_a_bootstrap
     assert "needs a decode worker" in refusals[0].reason
     assert "needs a prefill pairing" in refusals[1].reason
     assert "cannot take a pairing" in refusals[2].reason  # a prefill engine cannot decode one
+
+
+async def test_a_pairing_no_decode_engine_can_take_fails_saying_why(nats_server):
+    """A decode worker whose engine is not in SGLang's PD decode mode refuses the pairing; the
+    prefill worker hands the run back, no other prefill worker is left, and the client hears
+    why in under a second, each resend taken as new (not refused as already run)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack, workers=2, pd_modes=["prefill", "null"], roles=["prefill", "decode"],
+            scheduler="pd_capped", policy="thunder", profile="llama-3.1-8b-h100", speedup=20,
+        )  # fmt: skip
+        router = stack.services["router"].runtime.core
+        sched = stack.services["scheduler"].runtime
+        await wait_for(lambda: len(router.fleet.for_model(MODEL, None)) == 2
+                       and len(sched.core.admission.workers) == 2, what="both workers")  # fmt: skip
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            await client.generate(GenerateRequest(model=MODEL, token_ids=list(range(100, 420)),
+                                                  max_tokens=4))  # fmt: skip
+        await client.close()
+    assert time.monotonic() - started < 5
+    assert "unavailable" in str(failed.value)
+    assert "w0" in str(failed.value) and "not in SGLang's PD decode mode" in str(failed.value)
 
 
 async def test_a_follower_goes_through_admission_and_hits_its_leaders_prefix(nats_server):

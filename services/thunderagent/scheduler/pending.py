@@ -32,6 +32,8 @@ class Pending:
     """The current run produced its first token (the client has output from it)."""
     excluded: set[str] = field(default_factory=set)
     """Workers that failed this request: it is not sent there again."""
+    failure: str = ""
+    """The latest of those failures, as its worker said it (told the client if none is left)."""
     resumes: int = 0
     """Times it was resumed after a worker or engine failure."""
 

@@ -246,9 +246,13 @@ class SchedulerService:
         self.core.submit(pending.sched_request(), self.clock())
         return True
 
-    def _forget(self, pending: Pending) -> None:
+    def _forget(self, pending: Pending, *, retryable: bool = False) -> None:
+        """The request is over here. ``retryable``: it was answered ``unavailable`` (nothing
+        ran), so the client's resend is taken as new rather than refused as already run."""
         rid = pending.submit.request.request_id
         self.pending.pop(rid, None)
+        if retryable:
+            return
         self.finished[rid] = pending.submit.reply_subject
         if len(self.finished) > MAX_FINISHED:
             self.finished.popitem(last=False)
@@ -263,6 +267,7 @@ class SchedulerService:
             and self._resume(pending, failed.worker_id, failed.output_token_ids)
         )
         if ok:
+            pending.failure = f"{failed.worker_id}: {failed.reason}"
             log.info("request %s: engine of %s failed (%s): resuming elsewhere",
                      failed.request_id, failed.worker_id, failed.reason)  # fmt: skip
             self.core.on_finished(failed.request_id, failed.worker_id, self.clock())
@@ -395,9 +400,12 @@ class SchedulerService:
             elif isinstance(action, Preempt):
                 await self._preempt(pending, action.worker_id, action.reason)
             elif isinstance(action, Reject):
-                self._forget(pending)
+                self._forget(pending, retryable=action.unavailable)
                 code = ErrorCode.UNAVAILABLE if action.unavailable else ErrorCode.DEADLINE
-                await self.handoff.fail(pending, code, action.reason)
+                why = action.reason
+                if pending.failure:  # the workers it would have gone to failed it already
+                    why += f" (it failed on {pending.failure})"
+                await self.handoff.fail(pending, code, why)
         except Exception:  # a bug: the client hears of it rather than waiting forever
             log.exception("request %s: %s failed", pending.request_id, type(action).__name__)
             if self.pending.get(pending.request_id) is pending:
@@ -416,7 +424,7 @@ class SchedulerService:
         # the policy's choice failed: account where it went
         self.core.on_failed(pending.request_id, worker_id, self.clock())
         if took is None:
-            self._forget(pending)
+            self._forget(pending, retryable=True)
             why = "no worker accepted the request: " + "; ".join(reasons)
             await self.handoff.fail(pending, ErrorCode.UNAVAILABLE, why)
 

@@ -278,22 +278,51 @@ class Generation:
 
     async def _pair_with_decode(self) -> FinalReply | None:
         """SGLang's PD: the decode worker runs the whole request, its engine taking the KV from
-        this prefill engine under a new room; this engine gets the same request and pairing and
-        computes the prompt. Once it has, the run is the decode worker's (``started`` and
-        ``transferred``, as a hand-off). A decode worker that refuses, or a prefill that fails,
-        hands the run back to the scheduler (this engine cannot run a request alone)."""
-        req, decode = self.work.request, self.work.decode_worker
+        this prefill engine under a new room; this engine gets the same request and pairing at
+        the same time (as SGLang's router sends both) and computes the prompt. Once it has, the
+        run is the decode worker's (``started`` and ``transferred``, as a hand-off). A decode
+        worker that refuses, or a prefill that fails, hands the run back to the scheduler (this
+        engine cannot run a request alone)."""
+        decode = self.work.decode_worker
         pairing = PdBootstrap(
             host=self.engine.host, port=self.engine.bootstrap_port, room=random.getrandbits(63)
         )
         there = msgspec.structs.replace(self.work, decode_worker="", pull=None, bootstrap=pairing)
+        offered = asyncio.ensure_future(self._offer(decode, there))
+        prefill = asyncio.ensure_future(self._prefill_paired(pairing))
         try:
-            ack = await self.bus.request(subjects.worker_generate(decode), there, Ack, timeout=5)
-        except BusError as err:
-            ack = Ack(accepted=False, reason=str(err))
-        if not ack.accepted:
-            await self._fail(RuntimeError(f"decode worker {decode} did not take it: {ack.reason}"))
+            ack = await offered
+            if not ack.accepted:
+                prefill.cancel()  # closing its stream aborts it at the engine too
+                await asyncio.gather(prefill, return_exceptions=True)
+                await self.engine.abort(self.engine_rid)
+                await self._fail(RuntimeError(f"decode worker {decode} did not take it: "
+                                              f"{ack.reason}"))  # fmt: skip
+                return None
+            failure = await prefill
+        finally:
+            offered.cancel()
+            prefill.cancel()
+        if failure is not None:
+            with contextlib.suppress(BusError):  # its engine would wait for KV that never comes
+                abort = AbortRequest(request_id=self.request_id, reason="its prefill failed")
+                await self.bus.request(subjects.worker_abort(decode), abort, Preempted, timeout=2)
+            await self._fail(failure)
             return None
+        self.runs.started(self.engine_rid)
+        await self._progress("started")
+        await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
+        return None
+
+    async def _offer(self, decode: str, work: WorkerGenerate) -> Ack:
+        try:
+            return await self.bus.request(subjects.worker_generate(decode), work, Ack, timeout=5)
+        except BusError as err:
+            return Ack(accepted=False, reason=str(err))
+
+    async def _prefill_paired(self, pairing: PdBootstrap) -> Exception | None:
+        """This engine's side of a pairing, to its end; the failure, if it failed."""
+        req = self.work.request
         try:
             async for _ in self.engine.generate(
                 self.engine_rid, req.token_ids or [], _sampling(req), cache_salt=req.cache_salt,
@@ -301,14 +330,7 @@ class Generation:
             ):  # fmt: skip
                 pass
         except (TimeoutError, EngineError, OSError) as err:
-            with contextlib.suppress(BusError):  # its engine would wait for KV that never comes
-                abort = AbortRequest(request_id=self.request_id, reason="its prefill failed")
-                await self.bus.request(subjects.worker_abort(decode), abort, Preempted, timeout=2)
-            await self._fail(err)
-            return None
-        self.runs.started(self.engine_rid)
-        await self._progress("started")
-        await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
+            return err
         return None
 
     def _continuation(self) -> WorkerGenerate:
