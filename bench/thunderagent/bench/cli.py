@@ -24,6 +24,10 @@ BENCHES = {
     ),
     "tune": ("thunderagent.bench.tune", "choose a thunder default on generated workloads"),
     "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
+    "pd": (
+        "thunderagent.bench.pd",
+        "PD through the stack: SGLang's pairing against the workers' hand-off (TTFT, end to end)",
+    ),
     "gateway": (
         "thunderagent.bench.gateway",
         "the OpenAI HTTP gateway vs straight over NATS: added latency, requests/s",

@@ -137,8 +137,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_layout_flags(p)
     p.add_argument(
         "--prefill-workers", type=at_least(0), default=0,
-        help="SGLang's PD: this many of the engines run --disaggregation-mode prefill, the rest "
-        "decode, and the scheduler pairs them (--policy pd_capped); 0: whole engines",
+        help="PD: this many workers prefill, the rest decode, and the scheduler pairs them "
+        "(--policy pd_capped); 0: whole engines",
+    )  # fmt: skip
+    p.add_argument(
+        "--pd-via", choices=["sglang", "workers"], default="sglang",
+        help="with --prefill-workers: engines in SGLang's PD modes, the decode engine taking "
+        "the KV (sglang), or whole engines whose workers move it (workers: --role)",
     )  # fmt: skip
 
 
@@ -176,7 +181,9 @@ class StackConfig:
     lora_adapters: list[str] = field(default_factory=list)
     """LoRA adapters every simulated engine serves."""
     prefill_workers: int = 0
-    """SGLang's PD: the first this many engines prefill, the others decode (0: no PD)."""
+    """PD: the first this many workers prefill, the others decode (0: no PD)."""
+    pd_via: str = "sglang"
+    """``sglang``: engines in SGLang's PD modes; ``workers``: the workers move the KV."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
     engine_args: list[str] = field(default_factory=list)
@@ -219,6 +226,7 @@ class StackConfig:
             dp_size=args.dp_size,
             lora_adapters=adapter_names(args.lora_paths),
             prefill_workers=args.prefill_workers,
+            pd_via=args.pd_via,
         )
 
 
@@ -345,15 +353,24 @@ class Stack:
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
             self._service(
-                f"worker-w{i}", "worker", *nats, "--worker-id", f"w{i}", "--engine-url", url
-            )
+                f"worker-w{i}", "worker", *nats, "--worker-id", f"w{i}", "--engine-url", url,
+                *self._pd_role(i),
+            )  # fmt: skip
+
+    def _pd_side(self, i: int) -> str:
+        return "prefill" if i < self.config.prefill_workers else "decode"
 
     def _pd_mode(self, i: int) -> list[str]:
         """Engine ``i``'s SGLang PD flag: its worker takes the role from it."""
-        if not self.config.prefill_workers:
+        if not self.config.prefill_workers or self.config.pd_via != "sglang":
             return []
-        mode = "prefill" if i < self.config.prefill_workers else "decode"
-        return ["--disaggregation-mode", mode]
+        return ["--disaggregation-mode", self._pd_side(i)]
+
+    def _pd_role(self, i: int) -> list[str]:
+        """Worker ``i``'s role when the workers move the KV (its engine is whole)."""
+        if not self.config.prefill_workers or self.config.pd_via != "workers":
+            return []
+        return ["--role", self._pd_side(i)]
 
     def _start_gateways(self) -> None:
         """One port for every gateway process (SO_REUSEPORT): the kernel spreads connections."""
