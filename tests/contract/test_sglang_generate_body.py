@@ -40,7 +40,7 @@ def _class_fields(relative: str, name: str) -> dict[str, str]:
 
 def test_every_field_of_a_paired_ranked_run_is_sglangs() -> None:
     fields = _class_fields("srt/managers/io_struct.py", "GenerateReqInput")
-    pairing = PdBootstrap(host="10.0.0.7", port=8998, room=2**63 - 1)
+    pairing = PdBootstrap(host="10.0.0.7", port=8998, room=2**63 - 1, prefill_dp_rank=1)
     body = EngineClient("http://127.0.0.1:30000").for_rank(1).generate_body(
         "r1", [1, 2, 3], {"max_new_tokens": 4}, cache_salt="tenant-a", lora_name="sql",
         bootstrap=pairing,
@@ -48,7 +48,12 @@ def test_every_field_of_a_paired_ranked_run_is_sglangs() -> None:
     assert set(body) <= set(fields), set(body) - set(fields)
     # one request's values where SGLang takes one value or a batch's list
     assert "str" in fields["bootstrap_host"] and isinstance(body["bootstrap_host"], str)
-    for name in ("bootstrap_port", "bootstrap_room", "data_parallel_rank"):
+    for name in (
+        "bootstrap_port",
+        "bootstrap_room",
+        "data_parallel_rank",
+        "disagg_prefill_dp_rank",
+    ):
         assert "int" in fields[name] and isinstance(body[name], int), name
     assert "str" in fields["lora_path"] and "str" in fields["cache_salt"]
 

@@ -247,6 +247,38 @@ async def test_sglang_pd_pairs_a_prefill_and_a_decode_engine_through_a_bootstrap
     assert "cannot take a pairing" in refusals[2].reason  # a prefill engine cannot decode one
 
 
+async def test_sglang_pd_pairs_the_ranks_of_data_parallel_engines(nats_server):
+    """Both engines with two data-parallel ranks: every rank is a worker, a prefill rank pairs
+    with a decode rank, and the pairing names the prefill rank that holds the KV (an engine
+    balancing by room refuses a run routed to another rank without it: no run fails here)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack, workers=2, pd_modes=["prefill", "decode"], dp_size=2, scheduler="pd_capped",
+            policy="thunder", profile="llama-3.1-8b-h100", speedup=20,
+        )  # fmt: skip
+        sched = stack.services["scheduler"].runtime
+        await wait_for(lambda: len(sched.core.admission.workers) == 4, what="four ranks' rooms")
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        watcher = await connect(nats_server.url, name="run-failed")
+        failures: list = []
+
+        async def on_failure(msg) -> None:
+            failures.append(msg)
+
+        await watcher.subscribe(subjects.SCHED_RUN_FAILED_WILDCARD, cb=on_failure)
+        finals = []
+        for i in range(4):
+            prompt = list(range(3000 + 1000 * i, 3000 + 1000 * i + 160))
+            finals.append((await client.generate(
+                GenerateRequest(model=MODEL, token_ids=prompt, max_tokens=4))).final)  # fmt: skip
+        await watcher.flush()
+        await watcher.close()
+        await client.close()
+    assert failures == [], [f.data[:200] for f in failures]
+    assert all(f.worker_id.startswith("w1-dp") for f in finals), [f.worker_id for f in finals]
+    assert all(f.usage.cached_tokens >= 144 for f in finals)
+
+
 async def test_a_pairing_no_decode_engine_can_take_fails_saying_why(nats_server):
     """A decode worker whose engine is not in SGLang's PD decode mode refuses the pairing; the
     prefill worker hands the run back, no other prefill worker is left, and the client hears

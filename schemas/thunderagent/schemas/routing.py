@@ -170,6 +170,10 @@ class PdBootstrap(Struct, frozen=True, kw_only=True):
     """Its bootstrap port (``disaggregation_bootstrap_port``)."""
     room: Annotated[int, Meta(ge=0, le=2**63 - 1)]
     """A random 63-bit id, the same on both engines' requests."""
+    prefill_dp_rank: int | None = None
+    """The prefill engine's data-parallel rank that computes the KV (SGLang's
+    ``disagg_prefill_dp_rank``, on both requests: without it a prefill engine balancing by room
+    fails a run routed to another rank); None: the engine's only rank."""
 
 
 class WorkerGenerate(Struct, frozen=True, kw_only=True):

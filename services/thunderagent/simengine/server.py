@@ -39,6 +39,7 @@ from thunderagent.simengine.pd_bootstrap import (
     KvNotReceived,
     Offered,
     Pairing,
+    PairingError,
     PrefillRooms,
     pairing_of,
     take_kv,
@@ -230,7 +231,7 @@ class SimEngineApp:
             return parsed
         try:
             engine = self.ranks.pick(body)
-            pairing = self._paired(body, parsed)
+            pairing = self._paired(body, parsed, self.ranks.engines.index(engine))
             if pairing is not None and self.info.disaggregation_mode == "decode":
                 await self._take_kv(engine, pairing)
         except KvNotReceived as err:
@@ -251,15 +252,23 @@ class SimEngineApp:
                 return await self._stream(request, parsed, first, events, received)
             return await self._whole(parsed, first, events, received)
 
-    def _paired(self, body: dict, parsed: GenerateInput) -> Pairing | None:
+    def _paired(self, body: dict, parsed: GenerateInput, rank: int) -> Pairing | None:
         """SGLang's PD: a request's pairing (None outside PD); a prefill engine computes only
-        the prompt and its first token."""
+        the prompt and its first token. A prefill engine of several ranks balances by room, as
+        SGLang's ``follow_bootstrap_room``: a run routed to another rank must name its rank
+        (``disagg_prefill_dp_rank``), or the decode side would ask the wrong one."""
         mode = self.info.disaggregation_mode
         if mode == "null":
             return None
         pairing = pairing_of(body, mode)
         if mode == "prefill":
             parsed.max_new_tokens = 1
+            ranks = len(self.ranks)
+            named = body.get("disagg_prefill_dp_rank")
+            if ranks > 1 and named is None and rank != pairing.room % ranks:
+                raise PairingError(f"follow_bootstrap_room conflict: dispatched to dp_rank "
+                                   f"{rank} but bootstrap_room {pairing.room} implies dp_rank "
+                                   f"{pairing.room % ranks}")  # fmt: skip
         return pairing
 
     async def _take_kv(self, engine: EngineDriver, pairing: Pairing) -> None:

@@ -183,6 +183,8 @@ class EngineClient:
             body["bootstrap_host"] = bootstrap.host
             body["bootstrap_port"] = bootstrap.port
             body["bootstrap_room"] = bootstrap.room
+            if bootstrap.prefill_dp_rank is not None:
+                body["disagg_prefill_dp_rank"] = bootstrap.prefill_dp_rank
         return self._ranked(body)
 
     async def generate(

@@ -285,8 +285,9 @@ class Generation:
         engine cannot run a request alone)."""
         decode = self.work.decode_worker
         pairing = PdBootstrap(
-            host=self.engine.host, port=self.engine.bootstrap_port, room=random.getrandbits(63)
-        )
+            host=self.engine.host, port=self.engine.bootstrap_port, room=random.getrandbits(63),
+            prefill_dp_rank=self.engine.dp_rank,
+        )  # fmt: skip
         there = msgspec.structs.replace(self.work, decode_worker="", pull=None, bootstrap=pairing)
         offered = asyncio.ensure_future(self._offer(decode, there))
         prefill = asyncio.ensure_future(self._prefill_paired(pairing))
