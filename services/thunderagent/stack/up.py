@@ -448,6 +448,10 @@ def describe(stack: Stack) -> str:
     if c.dp_size > 1:
         fleet = (f"{c.workers} simulated engine{'' if c.workers == 1 else 's'} x {c.dp_size} "
                  f"data-parallel ranks ({c.workers * c.dp_size} workers)")  # fmt: skip
+    if c.prefill_workers:
+        how = "SGLang's PD modes" if c.pd_via == "sglang" else "the workers moving the KV"
+        fleet += (f" ({c.prefill_workers} prefill, {c.workers - c.prefill_workers} decode: "
+                  f"{how})")  # fmt: skip
     lines = [
         f"ThunderAgent is up: {fleet} serving {c.model!r}",
         f"  NATS   {stack.nats_url}",
