@@ -17,6 +17,7 @@ from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.schemas import (
     Ack,
+    CancelRequest,
     Candidate,
     DeadLetter,
     DirectDispatch,
@@ -277,6 +278,35 @@ async def test_sglang_pd_pairs_the_ranks_of_data_parallel_engines(nats_server):
     assert failures == [], [f.data[:200] for f in failures]
     assert all(f.worker_id.startswith("w1-dp") for f in finals), [f.worker_id for f in finals]
     assert all(f.usage.cached_tokens >= 144 for f in finals)
+
+
+async def test_a_request_cancelled_during_its_paired_prefill_stops_both_sides(nats_server):
+    """Cancelled while its prefill engine still computes (a 16k-token prompt at the modelled
+    GPU's speed): the scheduler aborts the prefill worker's run, which aborts the decode side
+    too, so the decode engine does not go on generating 2,000 tokens nobody reads."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack, workers=2, pd_modes=["prefill", "decode"], scheduler="pd_capped",
+            policy="thunder", profile="llama-3.1-8b-h100", speedup=1,
+        )  # fmt: skip
+        sched = stack.services["scheduler"].runtime
+        decode = stack.services["worker-w1"].runtime
+        await wait_for(lambda: len(sched.core.admission.workers) == 2, what="both workers' rooms")
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        request = GenerateRequest(model=MODEL, token_ids=list(range(100, 100 + 16_384)),
+                                  max_tokens=2000, request_id="long-1")  # fmt: skip
+        stream = asyncio.create_task(client.generate(request))
+        await wait_for(lambda: "long-1" in decode.running, what="the decode side of the pairing")
+        nc = await connect(nats_server.url, name="canceller")
+        await Bus(nc, service="canceller").publish(
+            subjects.SCHED_CANCEL, CancelRequest(request_id="long-1", reason="test")
+        )
+        await wait_for(lambda: "long-1" not in decode.running, timeout_s=5.0,
+                       what="the decode side to stop")  # fmt: skip
+        stream.cancel()
+        await nc.close()
+        await client.close()
+    assert not stack.engines["w1"].core.has_work, "the decode engine generates nothing more"
 
 
 async def test_a_pairing_no_decode_engine_can_take_fails_saying_why(nats_server):

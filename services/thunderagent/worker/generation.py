@@ -301,19 +301,27 @@ class Generation:
                                               f"{ack.reason}"))  # fmt: skip
                 return None
             failure = await prefill
+        except asyncio.CancelledError:
+            if self.stopped:  # preempted or cancelled before the hand-over: both sides stop
+                await self._abort_paired(decode, "stopped at its prefill worker")
+            raise
         finally:
             offered.cancel()
             prefill.cancel()
-        if failure is not None:
-            with contextlib.suppress(BusError):  # its engine would wait for KV that never comes
-                abort = AbortRequest(request_id=self.request_id, reason="its prefill failed")
-                await self.bus.request(subjects.worker_abort(decode), abort, Preempted, timeout=2)
+        if failure is not None:  # its engine would wait for KV that never comes
+            await self._abort_paired(decode, "its prefill failed")
             await self._fail(failure)
             return None
         self.runs.started(self.engine_rid)
         await self._progress("started")
         await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
         return None
+
+    async def _abort_paired(self, decode: str, reason: str) -> None:
+        """Stop the decode side of this run's pairing (it tells its client nothing)."""
+        abort = AbortRequest(request_id=self.request_id, reason=reason)
+        with contextlib.suppress(BusError):
+            await self.bus.request(subjects.worker_abort(decode), abort, Preempted, timeout=2)
 
     async def _offer(self, decode: str, work: WorkerGenerate) -> Ack:
         try:
