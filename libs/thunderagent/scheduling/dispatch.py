@@ -240,7 +240,7 @@ class DispatchPass:
             return False  # no room; or cold, and it waits in this queue, not the engine's
         decode = None
         if p.pd_mode == "disaggregated":
-            decode = self._decode_worker(w, need)
+            decode = self._decode_worker(req, w, need)
             if decode == "":
                 return False
         self._commit(entry, w, decode, cached, need, now)
@@ -268,9 +268,15 @@ class DispatchPass:
             self._dirty.add(w)
         self.counters["dispatched"] += 1
 
-    def _decode_worker(self, prefill: str, need: int) -> str | None:
-        """The decode worker; None: decode where it prefilled; "": none has room (wait)."""
-        workers = [(w, self._role(w)) for w in self.admission.workers if w not in self.gone]
+    def _decode_worker(self, req: SchedRequest, prefill: str, need: int) -> str | None:
+        """The decode worker, among the request's candidates (the workers that serve its model
+        and its LoRA adapter); None: decode where it prefilled; "": none has room (wait)."""
+        serving = {w for w, _ in req.candidates}
+        workers = [
+            (w, self._role(w))
+            for w in self.admission.workers
+            if w not in self.gone and w in serving
+        ]
         if not any(r != "prefill" and w != prefill for w, r in workers):
             return None if self._role(prefill) == "both" else ""
 

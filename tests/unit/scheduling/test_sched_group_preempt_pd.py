@@ -137,8 +137,8 @@ def pd_scheduler(cap: int) -> ThunderScheduler:
     s.update_worker(room("p0", role="prefill"), 0.0)
     s.update_worker(room("d0", role="decode"), 0.0)
     s.update_worker(room("d1", role="decode", max_running=1), 0.0)
-    for i in range(3):
-        s.submit(req(f"r{i}", cands=[("d0", 9), ("p0", 0)]), 0.0)
+    for i in range(3):  # the router ranks every worker of the model
+        s.submit(req(f"r{i}", cands=[("d0", 9), ("p0", 0), ("d1", 0)]), 0.0)
     return s
 
 
@@ -149,6 +149,19 @@ def test_pd_dispatch_names_prefill_and_decode_workers() -> None:
         Dispatch("r1", "p0", "d1"),  # d0 runs 1/8, d1 0/1: the smaller share
         Dispatch("r2", "p0", "d0"),  # d1 is full
     ]
+
+
+def test_the_decode_worker_serves_the_requests_model() -> None:
+    """Only a candidate of the request (a worker of its model, with its LoRA adapter) decodes
+    it: d1 serves another model or lacks the adapter, so it is not picked though it is idle,
+    and with d0 full the request waits rather than go there."""
+    s = SCHEDULERS.create("pd_capped", window="none")
+    s.update_worker(room("p0", role="prefill"), 0.0)
+    s.update_worker(room("d0", role="decode", max_running=1), 0.0)
+    s.update_worker(room("d1", role="decode"), 0.0)
+    for i in range(2):
+        s.submit(req(f"r{i}", cands=[("p0", 0), ("d0", 0)]), 0.0)
+    assert s.poll(0.0) == [Dispatch("r0", "p0", "d0")]  # r1 waits for d0, never d1
 
 
 def test_pd_cap_holds_prefills_until_a_transfer_lands() -> None:

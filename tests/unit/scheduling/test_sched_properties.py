@@ -62,6 +62,8 @@ class Driver:
 
     def request(self, rid: str, x: int) -> SchedRequest:
         cands = [(WORKERS[(x + k) % 3], (x >> k) % 3) for k in range(1 + x % 3)]
+        if self.pd:  # the router ranks every worker of the model: the decode ones too
+            cands += [(w, 0) for w in WORKERS if w not in dict(cands)]
         return SchedRequest(
             rid, self.now, 16 * (1 + x % 40), 1 + x % 300, cands,
             block_hashes=[(x % 4) * 100 + b for b in range(1 + x % 12)],
