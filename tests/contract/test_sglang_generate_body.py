@@ -71,3 +71,24 @@ def test_the_pd_server_arguments_the_adapter_reads_are_sglangs() -> None:
         if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "POSITIONAL_FIELD_ORDER"
     )
     assert {"disaggregation_mode", "disaggregation_bootstrap_port"} <= set(listed)
+
+
+def test_the_events_descriptor_uses_sglangs_keys() -> None:
+    """The simulated engine's ``kv_events`` (``KvEventsConfig.descriptor``) has only keys
+    SGLang's ``describe_kv_events_publisher`` writes."""
+    from thunderagent.sglang.zmq_publisher import KvEventsConfig
+
+    root = sglang_root()
+    assert root is not None
+    tree = ast.parse((root / "srt/runtime_context.py").read_text())
+    name = "describe_kv_events_publisher"
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    keys = {k.value for n in ast.walk(fn) if isinstance(n, ast.Dict)
+            for k in n.keys if isinstance(k, ast.Constant)}  # fmt: skip
+    keys |= {n.slice.value for n in ast.walk(fn)
+             if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}  # fmt: skip
+    config = KvEventsConfig(
+        publisher="zmq", endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558"
+    )
+    described = config.descriptor(block_size=16, dp_size=2)
+    assert described is not None and set(described) <= keys, set(described) - keys

@@ -72,6 +72,25 @@ async def test_generate_info_load_and_flush(nats_server):
     assert [r.status for r in bad] == [400] * 5
 
 
+async def test_server_info_describes_the_event_publisher_as_sglang_does(nats_server):
+    """SGLang 0.5's ``kv_events``: the bound base port (rank r on base + r), the block size and
+    the ranks, from the events config the engine reports; none without a publisher."""
+    async with inproc_stack(nats_server.url) as stack:
+        ranked = await stack.start_engine("e0", dp_size=2)
+        silent = await stack.start_engine("e1", kv_events=False)
+        async with aiohttp.ClientSession() as s:
+            info = await (await s.get(ranked + "/server_info")).json()
+            quiet = await (await s.get(silent + "/server_info")).json()
+    described = info["kv_events"]
+    config = json.loads(info["kv_events_config"])
+    assert (
+        config["endpoint"]
+        == f"tcp://{described['endpoint_host']}:{described['endpoint_port_base']}"
+    )
+    assert (described["block_size"], described["dp_size"], described["topic"]) == (16, 2, "kv")
+    assert quiet["kv_events"] is None
+
+
 async def test_openai_endpoints(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         url = await stack.start_engine("e0", kv_events=False)

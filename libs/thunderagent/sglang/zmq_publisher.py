@@ -67,6 +67,31 @@ class KvEventsConfig(msgspec.Struct, kw_only=True, frozen=True):
         """Parse the CLI JSON; a bad field raises msgspec.ValidationError naming it."""
         return msgspec.json.decode(text, type=cls)
 
+    def descriptor(self, block_size: int, dp_size: int) -> dict | None:
+        """``/server_info``'s ``kv_events`` as SGLang 0.5.23 advertises its publisher to
+        routers (``describe_kv_events_publisher``): host, base port (rank r publishes on base +
+        r), topic, block size, ranks, and the replay base port; None when it publishes nothing
+        a router can dial (no zmq, or not a TCP address with a port)."""
+        endpoint = _tcp_host_port(self.endpoint) if self.publisher == "zmq" else None
+        if endpoint is None:
+            return None
+        described: dict = {
+            "publisher": self.publisher, "endpoint_host": endpoint[0],
+            "endpoint_port_base": endpoint[1], "topic": self.topic, "block_size": block_size,
+            "dp_size": dp_size,
+        }  # fmt: skip
+        replay = _tcp_host_port(self.replay_endpoint or "")
+        if replay is not None:
+            described["replay_endpoint_port_base"] = replay[1]
+        return described
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, int] | None:
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not host or not port.isdigit():
+        return None
+    return host, int(port)
+
 
 class PublisherClosedError(RuntimeError):
     """`publish` was called on a publisher that is not running (a caller bug)."""

@@ -24,6 +24,7 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from thunderagent.sglang.zmq_publisher import KvEventsConfig
 from thunderagent.simengine import instant
 from thunderagent.simengine.dp_ranks import DpRanks
 from thunderagent.simengine.driver import (
@@ -147,6 +148,7 @@ class SimEngineApp:
                 # check token ids (with SGLang it reads it from the model's tokenizer)
                 "vocab_size": self.engine.profile.model.vocab_size,
                 "kv_events_config": self.info.kv_events_config,
+                "kv_events": self._kv_events(),
                 "enable_lora": bool(self.info.lora_adapters),
                 "lora_paths": list(self.info.lora_adapters) or None,
                 "disaggregation_mode": self.info.disaggregation_mode,
@@ -155,6 +157,15 @@ class SimEngineApp:
                 "kv_transfer": self.mover.info() if self.mover else None,
             }
         )
+
+    def _kv_events(self) -> dict | None:
+        """SGLang 0.5's description of its publisher (``kv_events``), from the events config
+        the engine reports."""
+        raw = self.info.kv_events_config
+        if not raw:
+            return None
+        config = KvEventsConfig.from_cli(raw)
+        return config.descriptor(self.info.block_size, len(self.ranks))
 
     async def _close_mover(self, _: web.Application) -> None:
         if self.mover is not None:
