@@ -15,6 +15,7 @@ from tests.integration.test_kv_routing import routable, wait_for
 from thunderagent.bus import Bus, connect
 from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed, ThunderClient
+from thunderagent.scheduler.metrics import events_by_kind
 from thunderagent.schemas import (
     Ack,
     CancelRequest,
@@ -99,8 +100,8 @@ async def test_deadline_in_the_past_is_answered_at_once(nats_server):
             await client.generate(late)
         await client.close()
         # what an operator's dashboard reads: the scheduler's decisions, by kind
-        events = {o.attributes["event"]: o.value
-                  for o in stack.services["scheduler"].runtime._observe_events(None)}  # fmt: skip
+        scheduler = stack.services["scheduler"].runtime
+        events = {o.attributes["event"]: o.value for o in events_by_kind(scheduler)}
     assert info.value.error.code == ErrorCode.DEADLINE
     assert events["rejected"] == 1 and events["submitted"] >= 1
     assert "waiting" not in events  # a level, not a count

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 
 import uvloop
 
@@ -38,45 +39,52 @@ PATHS = ("sglang", "workers")
 DECODE_WORKER = "w1"
 
 
+async def _one(client: ThunderClient, request: GenerateRequest) -> tuple[str, float, float, int]:
+    """One request to its end: (outcome, ms to its first token, ms to its answer, its cached
+    prompt tokens); the outcome is the worker that answered, ``rejected`` or ``in_flight``."""
+    started = time.perf_counter()
+    first: float | None = None
+    final: FinalReply | None = None
+    try:
+        async for reply in client.stream(request):
+            if first is None and isinstance(reply, TokenChunk) and reply.token_ids:
+                first = time.perf_counter()
+            if isinstance(reply, FinalReply):
+                final = reply
+    except RequestFailed:
+        return "rejected", 0.0, 0.0, 0
+    if final is None:  # the stream ended without an answer: still out there
+        return "in_flight", 0.0, 0.0, 0
+    done = time.perf_counter()
+    ttft = ((first or done) - started) * 1e3
+    return final.worker_id, ttft, (done - started) * 1e3, final.usage.cached_tokens
+
+
 async def _measure(stack: Stack, args: argparse.Namespace, seed: int) -> dict:
     client = await ThunderClient.connect(stack.nats_url, idle_timeout_s=60)
     ttft, e2e, cached = [], [], []
-    completed = rejected = unanswered = on_decode = 0
+    outcomes: Counter[str] = Counter()
     try:
         for i in range(args.requests):
             prompt = [(seed * 100_003 + i * 7_919 + j) % 30_000 + 4
                       for j in range(args.prompt_tokens)]  # fmt: skip
             request = GenerateRequest(model=stack.config.model, token_ids=prompt,
                                       max_tokens=args.max_tokens)  # fmt: skip
-            started = time.perf_counter()
-            first: float | None = None
-            final: FinalReply | None = None
-            try:
-                async for reply in client.stream(request):
-                    if first is None and isinstance(reply, TokenChunk) and reply.token_ids:
-                        first = time.perf_counter()
-                    if isinstance(reply, FinalReply):
-                        final = reply
-            except RequestFailed:
-                rejected += 1
-                continue
-            if final is None:  # the stream ended without an answer: still out there
-                unanswered += 1
-                continue
-            completed += 1
-            on_decode += final.worker_id == DECODE_WORKER
-            cached.append(final.usage.cached_tokens)
-            done = time.perf_counter()
-            ttft.append(((first or done) - started) * 1e3)
-            e2e.append((done - started) * 1e3)
+            outcome, first_ms, done_ms, hit = await _one(client, request)
+            outcomes[outcome] += 1
+            if outcome not in ("rejected", "in_flight"):
+                ttft.append(first_ms)
+                e2e.append(done_ms)
+                cached.append(hit)
     finally:
         await client.close()
+    rejected, in_flight = outcomes.pop("rejected", 0), outcomes.pop("in_flight", 0)
     return {
         "requests": args.requests,
-        "completed": completed,
+        "completed": sum(outcomes.values()),
         "rejected": rejected,
-        "in_flight": unanswered,
-        "answered_by_decode_worker": on_decode,
+        "in_flight": in_flight,
+        "answered_by_decode_worker": outcomes[DECODE_WORKER],
         "ttft_ms": stats.summary(ttft, digits=2),
         "e2e_ms": stats.summary(e2e, digits=2),
         "cached_tokens_mean": round(sum(cached) / len(cached), 1) if cached else 0.0,

@@ -21,7 +21,6 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
-from opentelemetry.metrics import CallbackOptions, Observation
 
 from thunderagent.bus import Bus, Delivery
 from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
@@ -29,6 +28,7 @@ from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.scheduler.handoff import Handoff, in_use
+from thunderagent.scheduler.metrics import register_metrics
 from thunderagent.scheduler.pending import EarlyProgress, Pending
 from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject
 from thunderagent.scheduling.credits import CreditIssuer
@@ -49,7 +49,6 @@ from thunderagent.schemas import (
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
-from thunderagent.telemetry.setup import meter
 
 log = logging.getLogger(__name__)
 DRAIN_WINDOW_S = 10.0
@@ -104,18 +103,7 @@ class SchedulerService:
         self._early = EarlyProgress()
         self.wake = asyncio.Event()
         self._tasks = TaskSet("scheduler")
-        m = meter("thunderagent.scheduler")
-        self._depth = m.create_observable_gauge(
-            "thunderagent_worker_queue_depth",
-            [self._observe_depths],
-            description="Requests waiting for the worker: scheduler queue + engine waiting queue",
-        )
-        m.create_observable_counter(
-            "thunderagent_scheduler_events",
-            [self._observe_events],
-            description="The scheduler's decisions since start, by kind (dispatched, rejected, "
-            "preempted, grouped, program pauses, ...)",
-        )
+        register_metrics(self)
 
     # ---- inputs ----------------------------------------------------------------------------
     async def on_submit(self, submit: ScheduleRequest, delivery: Delivery) -> None:
@@ -201,7 +189,7 @@ class SchedulerService:
         model = pending.submit.request.model
         self.waiting[model] = max(0, self.waiting[model] - 1)
 
-    def _owns(self, worker_id: str) -> bool:
+    def owns(self, worker_id: str) -> bool:
         """A worker of one of this scheduler's models (any, when it owns every model)."""
         if not self.config.models:
             return True
@@ -210,14 +198,14 @@ class SchedulerService:
 
     def on_load(self, load: LoadReport) -> None:
         state = self.registry.get(load.worker_id)
-        if state is not None and self._owns(load.worker_id):
+        if state is not None and self.owns(load.worker_id):
             self.core.update_worker(worker_room(state), self.clock())
             self.wake.set()
 
     def on_fleet_change(self, worker_id: str, what: str) -> None:
         if what == "registered":  # (back) in the fleet: a candidate again before its first report
             state = self.registry.get(worker_id)
-            if state is not None and self._owns(worker_id):
+            if state is not None and self.owns(worker_id):
                 self.core.update_worker(worker_room(state), self.clock())
                 self.wake.set()
             return
@@ -333,7 +321,7 @@ class SchedulerService:
             self.wake.set()
 
     async def on_kv_batch(self, batch: KvEventBatch, _seq: int) -> None:
-        if not self._owns(batch.worker_id):
+        if not self.owns(batch.worker_id):
             return
         for hashes in stored_hashes(batch):
             self.core.on_prefix_cached(batch.worker_id, hashes, self.clock())
@@ -442,27 +430,6 @@ class SchedulerService:
         self.waiting[pending.submit.request.model] += 1
         self.core.submit(pending.sched_request(), self.clock())
         self.wake.set()
-
-    def _observe_depths(self, _options: CallbackOptions) -> list[Observation]:
-        queued: dict[str, int] = {}
-        for p in self.pending.values():
-            if not p.worker_id and p.submit.decision.candidates:
-                first = p.submit.decision.candidates[0].worker_id
-                queued[first] = queued.get(first, 0) + 1
-        out = []
-        for state in self.registry.all():
-            if not self._owns(state.worker_id):
-                continue
-            engine = state.load.queued if state.load else 0
-            depth = queued.get(state.worker_id, 0) + engine
-            out.append(Observation(depth, {"worker_id": state.worker_id}))
-        return out
-
-    def _observe_events(self, _options: CallbackOptions) -> list[Observation]:
-        stats = getattr(self.core, "stats", None)  # the core's own counters, where it keeps them
-        counts = stats() if stats is not None else {}
-        skip = ("waiting", "running", "pd_inflight")  # levels, not counts
-        return [Observation(n, {"event": k}) for k, n in counts.items() if k not in skip]
 
     async def run_service(self, ctx: ServiceContext) -> None:
         """Subscribe everything and run until ``ctx.stop``."""

@@ -8,7 +8,8 @@ import sys
 
 from thunderagent.routing import POLICIES
 from thunderagent.shell.argtypes import at_least, output_file
-from thunderagent.stack.up import StackConfig, add_stack_arguments, run_up
+from thunderagent.stack.arguments import add_stack_arguments
+from thunderagent.stack.up import StackConfig, run_up
 
 
 def _cmd_up(args: argparse.Namespace) -> None:

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
@@ -53,6 +52,7 @@ from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.metrics import adapter_metrics
 from thunderagent.worker.migration import WorkerMigration
+from thunderagent.worker.pd_mode import pd_mode, pd_refusal
 from thunderagent.worker.waits import once_ready, sleep_or_stop, wait_any
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ class WorkerAdapter:
         model = self.config.model or info.get("served_model_name") or info.get("model_path") or ""
         if not model:
             raise RuntimeError("engine reports no model name; pass --model")
-        role = self._pd_role(info)
+        pd = pd_mode(info, self.config.role)
+        self.pd_mode, self.engine.bootstrap_port = pd.mode, pd.bootstrap_port
         return WorkerRegistration(
             worker_id=self.config.worker_id,
             model=model,
@@ -154,7 +155,7 @@ class WorkerAdapter:
             kv_capacity_blocks=total_tokens // block_size,
             lease_s=self.config.lease_s,
             registered_at=time.time(),
-            role=role,
+            role=pd.role,
             tokenizer=self.config.tokenizer,
             # the cap SGLang derived (per rank: under DP attention it divides the argument by
             # the ranks, and it bounds it by the KV pool), else the argument as given
@@ -165,25 +166,6 @@ class WorkerAdapter:
             lora_adapters=(await self._read_adapters() or []) if self._lora else [],
             bootstrap_port=self.engine.bootstrap_port,
         )
-
-    def _pd_role(self, info: Mapping[str, Any]) -> WorkerRole:
-        """The worker's role: the engine's SGLang PD mode (``disaggregation_mode``) when it
-        runs one, which ``--role`` may only repeat; a prefill engine's bootstrap port is kept
-        for the pairings it will serve."""
-        mode = str(info.get("disaggregation_mode") or "null")
-        if mode not in ("prefill", "decode"):
-            return self.config.role
-        self.pd_mode = mode
-        if self.config.role not in (WorkerRole.BOTH, mode):
-            raise RuntimeError(f"the engine runs SGLang's PD {mode} mode; the worker was started "
-                               f"with --role {self.config.role.value}")  # fmt: skip
-        if mode == "prefill":
-            port = int(info.get("disaggregation_bootstrap_port") or 0)
-            if port <= 0:
-                raise RuntimeError("the engine runs SGLang's PD prefill mode but reports no "
-                                   "disaggregation_bootstrap_port")  # fmt: skip
-            self.engine.bootstrap_port = port
-        return WorkerRole(mode)
 
     async def _lora_adapters(self) -> list[str]:
         """The LoRA adapters the engine lists in ``/v1/models`` (a card whose ``parent`` is the
@@ -437,12 +419,8 @@ class WorkerAdapter:
             refusal = f"{rid} is already running here, for another client"
         elif not self.engine_healthy.is_set():
             refusal = "its engine is not answering"
-        elif self.pd_mode == "prefill" and not work.decode_worker:
-            refusal = "its engine runs SGLang's PD prefill mode: a run needs a decode worker"
-        elif self.pd_mode == "decode" and work.bootstrap is None:
-            refusal = "its engine runs SGLang's PD decode mode: a run needs a prefill pairing"
-        elif self.pd_mode != "decode" and work.bootstrap is not None:
-            refusal = "its engine is not in SGLang's PD decode mode: it cannot take a pairing"
+        else:
+            refusal = pd_refusal(self.pd_mode, work)
         if refusal:
             if delivery.reply:
                 await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
