@@ -161,7 +161,10 @@ def window(s: Setup) -> dict:
 
 # ---- scenario 3: PD disaggregation, in-flight transfer cap --------------------------------
 def pd(s: Setup) -> dict:
-    """Half the workers prefill, half decode; long prompts make transfers matter."""
+    """Half the workers prefill, half decode; long prompts make transfers matter. Each scheduler
+    with the workers' hand-off (the prefill's first token streams at once) and with SGLang's own
+    PD (``sglang_*``: the decode engine reserves the prompt's pages before the prefill starts
+    and streams every token; ``thunderagent.replay.pd``)."""
     n_prefill = max(1, s.workers // 2)
     roles = ["prefill"] * n_prefill + ["decode"] * (s.workers - n_prefill)
     mix = MixedParams(
@@ -174,8 +177,14 @@ def pd(s: Setup) -> dict:
     )
     reqs = MixedWorkload(mix, seed=s.seed + 2).requests()
     out = {}
-    for key, name in (("uncapped", "pd_uncapped"), ("capped", "pd_capped")):
-        cfg = _cfg(s, name, roles=roles, link_bytes_per_s=s.link_bytes_per_s)
+    runs = (
+        ("uncapped", "pd_uncapped", "workers"),
+        ("capped", "pd_capped", "workers"),
+        ("sglang_uncapped", "pd_uncapped", "sglang"),
+        ("sglang_capped", "pd_capped", "sglang"),
+    )
+    for key, name, via in runs:
+        cfg = _cfg(s, name, roles=roles, link_bytes_per_s=s.link_bytes_per_s, pd_via=via)
         res, wall = _timed(lambda c=cfg: run_open(c, reqs))
         out[key] = {
             "ttft_p50_ms": _ms(_ttft(res.records), 50),
@@ -185,6 +194,10 @@ def pd(s: Setup) -> dict:
             "transfer_p50_ms": _ms(res.transfers_s, 50),
             "transfer_p99_ms": _ms(res.transfers_s, 99),
             "pd_held_polls": res.sched_stats.get("pd_held_polls", 0),
+            "bootstrap_waits": sum(w > 0 for w in res.bootstrap_waits_s),
+            "bootstrap_wait_p99_ms": _ms(res.bootstrap_waits_s, 99)
+            if res.bootstrap_waits_s
+            else None,
             **_common(res, wall),
         }
     out["roles"] = {"prefill": n_prefill, "decode": s.workers - n_prefill}
@@ -322,6 +335,7 @@ TABLES = {
         "e2e_p50_ms",
         "transfer_p99_ms",
         "pd_held_polls",
+        "bootstrap_waits",
     ),
     "programs": (
         "steps_per_min",

@@ -134,6 +134,8 @@ class EngineCore:
         self._running: dict[str, _Seq] = {}
         self._seqs: dict[str, _Seq] = {}
         self.total_preemptions = 0
+        self.imports_pending = 0
+        """KV imports begun and not committed or aborted (their blocks are reserved)."""
 
     # ---- public API ----------------------------------------------------------------------
     def add(self, request: Request, now: float) -> FinishedRequest | None:
@@ -208,16 +210,26 @@ class EngineCore:
         self.cache.release(list(keys))
         return self.cache.discard(list(keys)) if drop else 0
 
-    def begin_import(self, keys: list[int]) -> int | None:
+    def begin_import(self, keys: list[int], *, keep_blocks: int = 0) -> int | None:
         """Import: pin the part of the chain already cached here and reserve a block for each
-        missing one. Returns the number already cached, or None when there is no room."""
+        missing one. Returns the number already cached, or None when there is no room.
+        ``keep_blocks``: also refuse unless this many blocks stay free or evictable afterwards
+        (SGLang's decode engine keeps room for the requests it holds to grow)."""
         present = self.cache.match(list(keys)).gpu
         self.cache.acquire(list(keys[:present]))
         missing = len(keys) - present
-        if missing and not self.cache.reserve(missing):
-            self.cache.release(list(keys[:present]))
+        cache = self.cache
+        short = cache.capacity - cache.pinned - cache.reserved - missing < keep_blocks
+        if short or (missing and not cache.reserve(missing)):
+            cache.release(list(keys[:present]))
             return None
+        self.imports_pending += 1
         return present
+
+    @property
+    def requests_held(self) -> int:
+        """Requests waiting, prefilling or running here."""
+        return len(self._waiting) + len(self._prefilling) + len(self._running)
 
     def commit_import(self, keys: list[int], present: int, token_ids: list[int] | None) -> int:
         """The missing blocks arrived: insert them (into the reserved blocks) and unpin the
@@ -229,12 +241,14 @@ class EngineCore:
         tokens = None if token_ids is None else token_ids[present * size : len(keys) * size]
         self.cache.insert(rest, parent, tokens, reserved=True, block_size=size)
         self.cache.release(list(keys))
+        self.imports_pending -= 1
         return len(rest)
 
     def abort_import(self, keys: list[int], present: int) -> None:
         """The transfer failed: give back the reservation and unpin; nothing was inserted."""
         self.cache.unreserve(len(keys) - present)
         self.cache.release(list(keys[:present]))
+        self.imports_pending -= 1
 
     def flush(self, now: float) -> bool:
         """Clear the prefix cache (SGLang's /flush_cache): refused while requests hold KV."""

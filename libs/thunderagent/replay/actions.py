@@ -88,7 +88,7 @@ class SchedulerActions:
         new_tokens = rec.output_tokens - run.output_offset
         pd = action.decode_worker is not None and action.decode_worker != worker_id
         if pd:  # prefill here up to the first token; pd.py models the rest
-            self.links.start(rid, action.decode_worker)
+            self.links.start(rid, action.decode_worker, t)
             new_tokens = 1
         request = Request(
             request_id=rid,
@@ -98,6 +98,9 @@ class SchedulerActions:
         )
         predicted = min(overlaps.get(worker_id, 0), (run.context_tokens - 1) // self.block_size)
         rec.worker = self.slot[worker_id]
+        if pd and self.links.via == "sglang":
+            self._bootstrap(rec, request, t, predicted * self.block_size)
+            return
         pull = self.migration is not None and not pd and not run.output_offset
         if pull and self.migration.pull(request, worker_id, self.decisions[rid].candidates, t):
             rec.status = "pulling"
@@ -115,7 +118,7 @@ class SchedulerActions:
         refused = self.cores[w].add(request, t)
         rec.worker = w
         if refused is not None:  # it can never fit this engine's KV pool
-            self.links.forget(rec.request_id)
+            self._unpair(rec.request_id, t)
             self.router.on_finished(rec.request_id, self.ids[w], t)
             self.scheduler.on_failed(rec.request_id, self.ids[w], t)
             self._reject(rec, "prompt + output exceed the engine's KV pool", t)
@@ -153,12 +156,62 @@ class SchedulerActions:
             rec.cached_tokens = cached
 
     # ---- PD disaggregation (the model is described in pd.py) -----------------------------
+    def _bootstrap(self, rec: Record, request: Request, t: float, predicted: int) -> None:
+        """SGLang's PD: the decode worker takes the request as the prefill worker does and
+        queues it for a reservation of its prompt's pages; the prefill starts once it has one."""
+        rid = rec.request_id
+        d = self.slot[self.links.decode_worker(rid)]
+        keys = list(self.keys[rid].primary[: request.prompt_len // self.block_size])
+        if len(keys) > self.cores[d].cache.capacity:  # no reservation could ever be made
+            self.links.forget(rid)
+            self.router.on_finished(rid, self.ids[rec.worker], t)
+            self.scheduler.on_failed(rid, self.ids[rec.worker], t)
+            self._reject(rec, "the prompt exceeds the decode engine's KV pool", t)
+            return
+        self.accepted[d].accept(rid, 0)  # the decode side prefills nothing
+        rec.status = "bootstrapping"
+        self.bootstrap_requests[rid] = (request, predicted)
+        self._preallocate(d, t)
+
+    def _preallocate(self, d: int, t: float) -> None:
+        """Reserve pages on decode worker ``d`` for the runs in its prealloc queue, oldest first,
+        while they fit; each one reserved starts its prefill."""
+        decode, core = self.ids[d], self.cores[d]
+        queue = self.links.prealloc_queue(decode)
+        while queue:
+            rid = queue[0]
+            request, predicted = self.bootstrap_requests[rid]
+            keys = list(self.keys[rid].primary[: request.prompt_len // self.block_size])
+            held = core.requests_held + self.links.reservations(decode)
+            keep = -(-self.cfg.pd_reserved_decode_tokens * held // self.block_size)
+            present = core.begin_import(keys, keep_blocks=keep)
+            if present is None:
+                return  # the pool is full: this run and those behind it wait for room
+            self.links.bootstrapped(rid, keys, present, t)
+            del self.bootstrap_requests[rid]
+            rec = self.records[rid]
+            self._add(rec, rec.worker, request, t, predicted)
+
+    def _unpair(self, rid: str, t: float) -> None:
+        """A PD run ends before its KV landed: its decode worker's reservation is given back."""
+        decode = self.links.decode_worker(rid) if self.links.phase(rid) is not None else None
+        held = self.links.forget(rid)
+        self.bootstrap_requests.pop(rid, None)
+        if decode is None:
+            return
+        d = self.slot[decode]
+        self.accepted[d].finished(rid)
+        if held is not None:
+            self.cores[d].abort_import(*held)
+            self.dirty.add(d)
+            self._preallocate(d, t)  # the room it gave back may fit the next in line
+
     def _prefilled(self, rec: Record, w: int, context: int, t: float) -> None:
         """The prefill run ended with the first token: the KV goes over the link."""
         rid = rec.request_id
         decode = self.links.decode_worker(rid)
-        if rec.completion_tokens >= rec.output_tokens:  # nothing left to decode
-            self.scheduler.on_transfer_done(rid, decode, t)
+        if rec.completion_tokens >= rec.output_tokens and not self.links.decode_streams_first_token:
+            self.scheduler.on_transfer_done(rid, decode, t)  # nothing left to decode
             self.router.on_finished(rid, self.ids[w], t, cached_tokens=max(rec.cached_tokens, 0))
             self._completed(rec, decode, t)
             return
@@ -175,8 +228,19 @@ class SchedulerActions:
         run = rec.run
         context = run.context_tokens - 1  # KV exists up to the last generated token
         primary = self.keys[rid].primary
-        self.cores[d].import_blocks(primary[: context // self.block_size])
+        reserved = self.links.take_reservation(rid)
+        if reserved is None:
+            self.cores[d].import_blocks(primary[: context // self.block_size])
+        else:  # SGLang's PD: into the pages its decode engine reserved
+            self.cores[d].commit_import(*reserved, None)
         self.scheduler.on_transfer_done(rid, decode, t)
+        if rec.completion_tokens >= rec.output_tokens:  # one token: the decode engine sends it
+            rec.first_token = t
+            self.accepted[d].finished(rid)
+            cached = max(rec.cached_tokens, 0)
+            self.router.on_finished(rid, self.ids[rec.worker], t, cached_tokens=cached)
+            self._completed(rec, decode, t)
+            return
         request = Request(
             request_id=rid,
             prompt_len=run.context_tokens,

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from thunderagent.engine import AllCleared, EngineCore, Removed
+from thunderagent.engine import AllCleared, EngineCore, Removed, Request
 from thunderagent.engine.core import StepOutcome
 from thunderagent.fleet import (
     AcceptedRuns,
@@ -104,7 +104,11 @@ class Replay(SchedulerActions):
         self.accepted = [AcceptedRuns() for _ in range(n)]
         for w in range(n):
             self.router.register(self._registration(w), 0.0)
-        self.links = TransferLinks(config.profile.kv_bytes_per_token, config.link_bytes_per_s)
+        self.links = TransferLinks(
+            config.profile.kv_bytes_per_token, config.link_bytes_per_s, via=config.pd_via
+        )
+        self.bootstrap_requests: dict[str, tuple[Request, int]] = {}
+        """SGLang's PD: runs in a prealloc queue, with their prefill request and predicted hit."""
         self.migration: ReplayMigration | None = None
         """KV migration, when ``ReplayMigration.attach`` hooked it in (``migration.py``)."""
         self.timers: list[tuple[float, int, str, object]] = []
@@ -221,6 +225,7 @@ class Replay(SchedulerActions):
             last,
             prefill_tokens=self.prefill_tokens,
             transfers_s=self.links.durations,
+            bootstrap_waits_s=self.links.bootstrap_waits,
             sched_stats={
                 **(dict(stats()) if stats is not None else {}),
                 "stalled_wakeups": self.stalled_wakeups,
@@ -372,6 +377,8 @@ class Replay(SchedulerActions):
                 continue
             outcome = core.step(now, until=until)
             if outcome.kind == "idle":
+                if core.imports_pending:  # no room until KV in flight lands (a timer wakes it)
+                    continue
                 raise RuntimeError(f"engine {w} has work but planned an idle step at {now}")
             self.steps += 1
             self.prefill_tokens += outcome.prefill_tokens
@@ -393,9 +400,11 @@ class Replay(SchedulerActions):
             if rec is None or rec.worker != w or rec.status != "running":
                 continue
             self.accepted[w].started(run_id)
-            if math.isnan(rec.first_token):
+            phase = self.links.phase(run_id)
+            late = phase == "prefill" and self.links.decode_streams_first_token
+            if math.isnan(rec.first_token) and not late:
                 rec.first_token = t
-            if self.links.phase(run_id) != "decode":  # each run starts once (continuations too)
+            if phase != "decode":  # each run starts once (continuations too)
                 self.router.on_started(run_id, worker_id, t)
                 self.scheduler.on_started(run_id, worker_id, t)
         for fin in outcome.finished:
@@ -418,6 +427,8 @@ class Replay(SchedulerActions):
                 completion_tokens=rec.completion_tokens,
             )
             self._completed(rec, worker_id, t)
+        if self.links.prealloc_queue(worker_id):  # SGLang's PD: room freed for a reservation?
+            self._preallocate(w, t)
 
     def _completed(self, rec: Record, worker_id: str, t: float) -> None:
         self.links.forget(rec.request_id)

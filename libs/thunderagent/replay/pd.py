@@ -19,15 +19,36 @@ A ``Dispatch(rid, p, decode_worker=d)`` is modelled in three phases:
    blocks were evicted before admission, the miss is re-prefilled on ``d`` (the cost of an
    oversubscribed decode pool, visible in the results).
 
-Pure bookkeeping: phases per request id, the link clock per prefill worker, and each transfer's
-duration (link queueing included) for the report.
+That is the workers' hand-off (``pd_via="workers"``, ``thunderagent up --pd-via workers``): the
+client's first token is the prefill's. Under SGLang's own PD (``pd_via="sglang"``, read in SGLang
+0.5.23's ``disaggregation/decode.py`` and ``prefill.py``) the router sends the request to both
+engines at once and two things change:
+
+0. **bootstrap** first: the decode engine reserves pages for the prompt's KV when the request
+   arrives (its prealloc queue, first come first served: one that does not fit waits, and so do
+   those behind it), and the prefill engine starts the prefill only once that reservation is
+   made (its bootstrap queue). A full decode pool therefore holds prefills back, which is
+   SGLang's own back-pressure. The reservation is ``EngineCore.begin_import`` on the decode
+   worker (blocks it already holds are pinned, not reserved again); the landing commits it.
+3. the client's first token is the decode engine's: it reaches the client after the transfer
+   (here: the decode run's first token, one decode step after the landing; SGLang's decode
+   engine streams the prefill's token in a step of its own, so this reads up to one decode step
+   late).
+
+Pure bookkeeping: phases per request id, the link clock per prefill worker, each transfer's
+duration (link queueing included) for the report, and under SGLang's PD each decode worker's
+prealloc queue and the reservations made.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-PREFILL, TRANSFER, DECODE = "prefill", "transfer", "decode"
+BOOTSTRAP, PREFILL, TRANSFER, DECODE = "bootstrap", "prefill", "transfer", "decode"
+PD_VIA = ("workers", "sglang")
+"""How a PD run moves its KV: the workers' hand-off, or SGLang's own PD (the decode engine
+reserves the pages first)."""
 
 
 def transfer_s(context_tokens: int, kv_bytes_per_token: int, link_bytes_per_s: float) -> float:
@@ -41,18 +62,66 @@ class TransferLinks:
 
     kv_bytes_per_token: int
     link_bytes_per_s: float
+    via: str = "workers"
     durations: list[float] = field(default_factory=list)
     _phase: dict[str, str] = field(default_factory=dict)
     _decode: dict[str, str] = field(default_factory=dict)
     _free_at: dict[str, float] = field(default_factory=dict)
+    _prealloc: dict[str, deque[str]] = field(default_factory=dict)
+    _reserved: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    _reservations: dict[str, int] = field(default_factory=dict)
+    """Per decode worker, reservations made and not yet filled or given back."""
+    _queued_at: dict[str, float] = field(default_factory=dict)
+    bootstrap_waits: list[float] = field(default_factory=list)
+    """SGLang's PD: each run's time in its decode worker's prealloc queue."""
 
     def __post_init__(self) -> None:
         if not self.link_bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be > 0, got {self.link_bytes_per_s!r}")
+        if self.via not in PD_VIA:
+            raise ValueError(f"pd_via must be one of {PD_VIA}, got {self.via!r}")
 
-    def start(self, rid: str, decode_worker: str) -> None:
-        self._phase[rid] = PREFILL
+    @property
+    def decode_streams_first_token(self) -> bool:
+        """SGLang's PD: the client's first token comes from the decode engine."""
+        return self.via == "sglang"
+
+    def start(self, rid: str, decode_worker: str, now: float) -> None:
+        """A PD run was dispatched; under SGLang's PD it waits in its decode worker's prealloc
+        queue (``bootstrapped`` takes it out)."""
         self._decode[rid] = decode_worker
+        if self.via == "sglang":
+            self._phase[rid] = BOOTSTRAP
+            self._prealloc.setdefault(decode_worker, deque()).append(rid)
+            self._queued_at[rid] = now
+        else:
+            self._phase[rid] = PREFILL
+
+    def prealloc_queue(self, decode_worker: str) -> deque[str]:
+        """Runs waiting for ``decode_worker`` to reserve their prompt's pages, oldest first."""
+        return self._prealloc.get(decode_worker) or deque()
+
+    def bootstrapped(self, rid: str, keys: list[int], present: int, now: float) -> None:
+        """The decode worker reserved ``keys`` (``present`` of them it already held, pinned):
+        the run leaves the prealloc queue and its prefill may start."""
+        self.bootstrap_waits.append(now - self._queued_at.pop(rid))
+        decode = self._decode[rid]
+        self._prealloc[decode].remove(rid)
+        self._reserved[rid] = (keys, present)
+        self._reservations[decode] = self._reservations.get(decode, 0) + 1
+        self._phase[rid] = PREFILL
+
+    def reservations(self, decode_worker: str) -> int:
+        """Reservations ``decode_worker`` holds for runs whose KV has not landed."""
+        return self._reservations.get(decode_worker, 0)
+
+    def take_reservation(self, rid: str) -> tuple[list[int], int] | None:
+        """The pages reserved for ``rid`` on its decode worker (SGLang's PD), now to be filled
+        (the KV landed) or given back; None outside SGLang's PD."""
+        held = self._reserved.pop(rid, None)
+        if held is not None:
+            self._reservations[self._decode[rid]] -= 1
+        return held
 
     def phase(self, rid: str) -> str | None:
         """None: not a PD run (or it ended)."""
@@ -88,6 +157,11 @@ class TransferLinks:
         self._phase[rid] = DECODE
         return self._decode[rid]
 
-    def forget(self, rid: str) -> None:
-        self._phase.pop(rid, None)
+    def forget(self, rid: str) -> tuple[list[int], int] | None:
+        """The run ended or failed; returns a reservation it still held (to give back)."""
+        if self._phase.pop(rid, None) == BOOTSTRAP:
+            self._prealloc[self._decode[rid]].remove(rid)
+            self._queued_at.pop(rid, None)
+        held = self.take_reservation(rid) if rid in self._decode else None
         self._decode.pop(rid, None)
+        return held

@@ -39,6 +39,14 @@ class ReplayConfig:
     """Per-worker role, "prefill" / "decode" / "both" (PD disaggregation); None: all "both"."""
     link_bytes_per_s: float = 25e9
     """PD KV-transfer bandwidth out of each prefill worker (25 GB/s: one 200 Gb/s RDMA NIC)."""
+    pd_via: str = "workers"
+    """How PD runs move their KV (``pd.py``): "workers" (the workers' hand-off: the prefill's
+    first token streams at once) or "sglang" (SGLang's own PD: the decode engine reserves the
+    prompt's pages before the prefill starts and streams every token)."""
+    pd_reserved_decode_tokens: int = 512
+    """SGLang's PD: a decode engine reserves a prompt's pages only while this many tokens per
+    request it holds (running, waiting, or reserved and not landed) stay free for their decode
+    (SGLang's ``SGLANG_NUM_RESERVED_DECODE_TOKENS``, 512 by default)."""
 
     def router_params(self) -> RouterParams:
         return RouterParams(
@@ -72,7 +80,8 @@ class Record:
     resume_cached_tokens: int = 0
     """Of those, tokens found cached when the continuation was admitted."""
     status: str = "queued"
-    """"queued", "running", "transferring", "completed" or "rejected"."""
+    """"queued", "bootstrapping" (SGLang's PD: waiting for its decode worker's reservation),
+    "running", "transferring", "completed" or "rejected"."""
     reason: str = ""
     """Why it was rejected."""
     best_overlap_tokens: int = 0
@@ -98,6 +107,8 @@ class ReplayResult:
     """Prompt tokens the engines computed (cache misses, re-prefills and retractions)."""
     transfers_s: list[float] = field(default_factory=list)
     """PD: each KV transfer's duration on the link, queueing behind earlier ones included."""
+    bootstrap_waits_s: list[float] = field(default_factory=list)
+    """SGLang's PD: each run's wait for its decode worker's reservation (0: at once)."""
     sched_stats: dict = field(default_factory=dict)
     in_flight: int = 0
     """Requests neither completed nor rejected when a bounded run (``until``) stopped."""

@@ -133,3 +133,19 @@ def test_import_without_room_is_refused_and_pins_nothing() -> None:
     big, _ = keys_and_tokens(8)
     assert core.begin_import(big) is None
     assert [core.cache.refcount(k) for k in keys] == [1, 1]
+
+
+def test_import_keeps_the_room_asked_for_and_counts_imports_in_flight() -> None:
+    core, keys, _ = cached_core(3)  # 3 cached blocks, unpinned: evictable, so allocatable
+    more, more_tokens = keys_and_tokens(6)  # 3 of them missing
+    # 32 blocks, 3 present (pinned by the import), 3 to reserve: 26 stay allocatable
+    assert core.begin_import(more, keep_blocks=27) is None
+    assert all(core.cache.refcount(k) == 0 for k in keys) and core.cache.reserved == 0
+    assert core.imports_pending == 0
+    present = core.begin_import(more, keep_blocks=26)
+    assert present == 3 and core.imports_pending == 1
+    core.commit_import(more, present, more_tokens)
+    assert core.imports_pending == 0
+    present = core.begin_import([*more, 900])
+    core.abort_import([*more, 900], present)
+    assert core.imports_pending == 0

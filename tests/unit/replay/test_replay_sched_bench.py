@@ -11,7 +11,10 @@ SHAPE = {
         ("short_ttft_p50_ms", "short_ttft_p99_ms", "long_ttft_p99_ms", "long_e2e_p50_ms"),
     ),
     "window": (("none", "fixed_100ms", "adaptive"), ("ttft_p99_ms", "prefill_tokens_saved")),
-    "pd": (("uncapped", "capped"), ("output_tok_s", "ttft_p99_ms")),
+    "pd": (
+        ("uncapped", "capped", "sglang_uncapped", "sglang_capped"),
+        ("output_tok_s", "ttft_p99_ms"),
+    ),
     "programs": (
         ("unaware", "aware"),
         ("steps_per_min", "steps_per_min_95", "hit_ratio", "recomputed_tokens"),
