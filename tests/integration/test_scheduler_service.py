@@ -298,6 +298,10 @@ async def test_a_request_cancelled_during_its_paired_prefill_stops_both_sides(na
                                   max_tokens=2000, request_id="long-1")  # fmt: skip
         stream = asyncio.create_task(client.generate(request))
         await wait_for(lambda: "long-1" in decode.running, what="the decode side of the pairing")
+        prefill = stack.services["worker-w0"].runtime
+        await wait_for(lambda: prefill.runs.prefill_backlog_tokens > 0, what="the prefill's run")
+        # the prompt is prefilled by the prefill engine: no backlog reported by the decode side
+        assert decode.runs.inflight == 1 and decode.runs.prefill_backlog_tokens == 0
         nc = await connect(nats_server.url, name="canceller")
         await Bus(nc, service="canceller").publish(
             subjects.SCHED_CANCEL, CancelRequest(request_id="long-1", reason="test")

@@ -226,10 +226,14 @@ class EngineCore:
         self.imports_pending += 1
         return present
 
-    @property
-    def requests_held(self) -> int:
-        """Requests waiting, prefilling or running here."""
-        return len(self._waiting) + len(self._prefilling) + len(self._running)
+    def reserve_for_decode(self, keys: list[int], reserved_decode_tokens: int) -> int | None:
+        """SGLang's PD, the decode engine's prealloc queue: ``begin_import`` of a prompt whose
+        KV a prefill engine will send, made only while ``reserved_decode_tokens`` per request
+        held here (waiting, running, or an import not landed) stay allocatable for their decode
+        (SGLang 0.5.23, ``DecodePreallocQueue._allocatable_tokens``)."""
+        held = len(self._waiting) + len(self._prefilling) + len(self._running)
+        keep = -(-reserved_decode_tokens * (held + self.imports_pending) // self.block_size)
+        return self.begin_import(keys, keep_blocks=keep)
 
     def commit_import(self, keys: list[int], present: int, token_ids: list[int] | None) -> int:
         """The missing blocks arrived: insert them (into the reserved blocks) and unpin the

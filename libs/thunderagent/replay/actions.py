@@ -182,9 +182,7 @@ class SchedulerActions:
             rid = queue[0]
             request, predicted = self.bootstrap_requests[rid]
             keys = list(self.keys[rid].primary[: request.prompt_len // self.block_size])
-            held = core.requests_held + self.links.reservations(decode)
-            keep = -(-self.cfg.pd_reserved_decode_tokens * held // self.block_size)
-            present = core.begin_import(keys, keep_blocks=keep)
+            present = core.reserve_for_decode(keys, self.cfg.pd_reserved_decode_tokens)
             if present is None:
                 return  # the pool is full: this run and those behind it wait for room
             self.links.bootstrapped(rid, keys, present, t)

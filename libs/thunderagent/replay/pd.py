@@ -28,7 +28,7 @@ engines at once and two things change:
    arrives (its prealloc queue, first come first served: one that does not fit waits, and so do
    those behind it), and the prefill engine starts the prefill only once that reservation is
    made (its bootstrap queue). A full decode pool therefore holds prefills back, which is
-   SGLang's own back-pressure. The reservation is ``EngineCore.begin_import`` on the decode
+   SGLang's own back-pressure. The reservation is ``EngineCore.reserve_for_decode`` on the decode
    worker (blocks it already holds are pinned, not reserved again); the landing commits it.
 3. the client's first token is the decode engine's: it reaches the client after the transfer
    (here: the decode run's first token, one decode step after the landing; SGLang's decode
@@ -69,8 +69,6 @@ class TransferLinks:
     _free_at: dict[str, float] = field(default_factory=dict)
     _prealloc: dict[str, deque[str]] = field(default_factory=dict)
     _reserved: dict[str, tuple[list[int], int]] = field(default_factory=dict)
-    _reservations: dict[str, int] = field(default_factory=dict)
-    """Per decode worker, reservations made and not yet filled or given back."""
     _queued_at: dict[str, float] = field(default_factory=dict)
     bootstrap_waits: list[float] = field(default_factory=list)
     """SGLang's PD: each run's time in its decode worker's prealloc queue."""
@@ -105,23 +103,14 @@ class TransferLinks:
         """The decode worker reserved ``keys`` (``present`` of them it already held, pinned):
         the run leaves the prealloc queue and its prefill may start."""
         self.bootstrap_waits.append(now - self._queued_at.pop(rid))
-        decode = self._decode[rid]
-        self._prealloc[decode].remove(rid)
+        self._prealloc[self._decode[rid]].remove(rid)
         self._reserved[rid] = (keys, present)
-        self._reservations[decode] = self._reservations.get(decode, 0) + 1
         self._phase[rid] = PREFILL
-
-    def reservations(self, decode_worker: str) -> int:
-        """Reservations ``decode_worker`` holds for runs whose KV has not landed."""
-        return self._reservations.get(decode_worker, 0)
 
     def take_reservation(self, rid: str) -> tuple[list[int], int] | None:
         """The pages reserved for ``rid`` on its decode worker (SGLang's PD), now to be filled
         (the KV landed) or given back; None outside SGLang's PD."""
-        held = self._reserved.pop(rid, None)
-        if held is not None:
-            self._reservations[self._decode[rid]] -= 1
-        return held
+        return self._reserved.pop(rid, None)
 
     def phase(self, rid: str) -> str | None:
         """None: not a PD run (or it ended)."""
@@ -162,6 +151,5 @@ class TransferLinks:
         if self._phase.pop(rid, None) == BOOTSTRAP:
             self._prealloc[self._decode[rid]].remove(rid)
             self._queued_at.pop(rid, None)
-        held = self.take_reservation(rid) if rid in self._decode else None
         self._decode.pop(rid, None)
-        return held
+        return self._reserved.pop(rid, None)

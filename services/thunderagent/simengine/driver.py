@@ -138,6 +138,21 @@ def to_wire(
     return out
 
 
+class KvNotReserved(Exception):
+    """A decode engine found no room for a prompt's KV in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvReservation:
+    """Pages a decode engine reserved for a prompt's KV (``EngineDriver.reserve_kv``)."""
+
+    keys: list[int]
+    present: int
+    """Leading blocks already cached here (pinned, not sent)."""
+    token_ids: list[int]
+    space: CacheNamespace | None
+
+
 class EngineDriver:
     def __init__(
         self,
@@ -164,6 +179,8 @@ class EngineDriver:
         self._in_step = False
         self._between: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self.salts = SaltBook()
+        self._changed: asyncio.Future | None = None
+        """Resolved when a step ends or a cache change runs: room may have been freed."""
 
     @property
     def capacity_blocks(self) -> int:
@@ -260,6 +277,72 @@ class EngineDriver:
         seconds = blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
         return blocks, seconds
 
+    # ---- SGLang's PD, the decode side: reserve, fill or give back a prompt's pages ----------
+    async def reserve_kv(
+        self,
+        token_ids: list[int],
+        space: CacheNamespace | None,
+        reserved_decode_tokens: int,
+        timeout_s: float,
+    ) -> KvReservation:
+        """Reserve pages for the full blocks of ``token_ids``, whose KV a prefill engine will
+        send, once they fit with ``reserved_decode_tokens`` per request held kept free
+        (``EngineCore.reserve_for_decode``); waits for room up to ``timeout_s``."""
+        full = len(token_ids) - len(token_ids) % self.block_size
+        keys = kv_wire.sglang_block_hashes(
+            token_ids[:full], self.block_size, space and space.seed()
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            changed = self._next_change()
+            present = await self.between_steps(
+                lambda: self.core.reserve_for_decode(keys, reserved_decode_tokens)
+            )
+            if present is not None:
+                return KvReservation(keys, present, token_ids[:full], space)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KvNotReserved(
+                    f"no room for {len(keys)} KV blocks in {timeout_s:g} s (the decode engine "
+                    f"keeps {reserved_decode_tokens} tokens per request it holds)"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(changed), left)
+
+    async def fill_kv(self, reservation: KvReservation) -> float:
+        """The prefill engine's KV arrives in the reserved pages: after the modelled transfer
+        time the blocks are cached here (Stored events name the request's namespace). Returns
+        the modelled seconds."""
+        missing = len(reservation.keys) - reservation.present
+        seconds = missing * self.profile.kv_bytes_per_block / self.link_bytes_per_s
+        await asyncio.sleep(seconds / self.speedup)
+        keys, space = reservation.keys, reservation.space
+
+        def commit() -> None:
+            if space:
+                self.salts.hold(keys, space)
+            self.core.commit_import(keys, reservation.present, reservation.token_ids)
+
+        await self.between_steps(commit)
+        if space:
+            self.salts.release(keys, self.core.cache.__contains__)
+        return seconds
+
+    async def release_kv(self, reservation: KvReservation) -> None:
+        """Give reserved pages back (the prefill failed, or the request was dropped)."""
+        await self.between_steps(
+            lambda: self.core.abort_import(reservation.keys, reservation.present)
+        )
+
+    def _next_change(self) -> asyncio.Future:
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def _signal_change(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+
     async def between_steps(self, change: Callable[[], Any]) -> Any:
         """Run a cache change made outside any request (a KV export or import) between two
         engine steps, then publish its events: a step's events go out when the step ends, so a
@@ -274,6 +357,8 @@ class EngineDriver:
     def _change_now(self, change: Callable[[], Any]) -> Any:
         result = change()
         self._publish(self.core.drain_events())
+        self._signal_change()
+        self._wake.set()  # an engine stalled on memory may go on now
         return result
 
     def _run_between(self) -> None:
@@ -320,6 +405,8 @@ class EngineDriver:
             while self.core.has_work:
                 started = time.monotonic()
                 outcome = self.core.step(self.now())
+                if outcome.kind == "idle":  # no room until reserved KV lands: wait for it
+                    break
                 target = started + outcome.duration / self.speedup
                 self._in_step = True
                 try:
@@ -328,6 +415,7 @@ class EngineDriver:
                     self._in_step = False
                 self._deliver(outcome)
                 self._publish(outcome.events)
+                self._signal_change()
                 self._run_between()
             self._run_between()
 

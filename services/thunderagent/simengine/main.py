@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from aiohttp import web
 from thunderagent.engine import Profile, get_profile
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher, start_rank_publishers
 from thunderagent.simengine.driver import EngineDriver
+from thunderagent.simengine.pd_bootstrap import reserved_decode_tokens
 from thunderagent.simengine.server import EngineInfo, SimEngineApp, http_runner
 from thunderagent.telemetry import configure_logging, setup_telemetry
 
@@ -89,6 +91,10 @@ async def _serve(config: SimEngineConfig) -> None:
     info.disaggregation_mode = config.disaggregation_mode
     if config.instant and config.disaggregation_mode != "null":
         raise SystemExit("simengine: --engine instant answers at once; it has no PD mode")
+    try:  # read from the environment, as SGLang's decode engine reads it
+        info.reserved_decode_tokens = reserved_decode_tokens(os.environ)
+    except ValueError as err:
+        raise SystemExit(f"simengine: {err}") from None
     app = SimEngineApp(ranks, info).app
     runner = http_runner(app)
     await runner.setup()

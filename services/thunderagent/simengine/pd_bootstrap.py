@@ -5,22 +5,28 @@ engine at once, both carrying ``bootstrap_host`` and ``bootstrap_port`` (the pre
 bootstrap server) and ``bootstrap_room`` (a random 63-bit id naming the request on both); the
 decode engine streams the answer, the prefill engine's own answer is only its first token.
 
-* ``prefill``: the engine computes the prompt and its first token, then offers the prompt's KV
-  under the room. It serves its bootstrap registry on its API port (``GET /pd/{room}``), as
-  SGLang's Rust server does, and reports that port as ``disaggregation_bootstrap_port``.
-* ``decode``: the engine takes the request's KV from the prefill engine (waiting for its prefill
-  to finish, at most ``WAIT_S``), imports it at the modelled link speed, then runs the request:
-  the prompt's blocks are cached, so it computes only the partial last block, and streams every
-  output token.
+* ``decode``: the engine first reserves pages for the prompt's KV (SGLang's prealloc queue:
+  only while ``SGLANG_NUM_RESERVED_DECODE_TOKENS``, 512 by default, per request it holds stay
+  free for their decode; it waits for room up to ``WAIT_S``), then asks the prefill engine for
+  the room (``GET /pd/{room}``, the bootstrap), receives the prompt once it is prefilled, fills
+  the reserved pages after the modelled transfer time, and runs the request: the prompt's
+  blocks are cached, so it computes only the partial last block, and streams every output
+  token.
+* ``prefill``: the engine starts a request's prefill only once the decode side has asked for
+  its room, i.e. has reserved the pages (SGLang's bootstrap queue; a decode side that never
+  comes fails the request after ``WAIT_S``), computes the prompt and its first token, then
+  hands the prompt over under the room. It serves the registry on its API port, as SGLang's
+  Rust server does, and reports that port as ``disaggregation_bootstrap_port``.
 
-SGLang's transfer engine pushes the KV from the prefill side into pages the decode side has
-reserved; here the decode side pulls the tokens over HTTP and the copy is modelled, not made.
-A request without the three fields is refused by either kind of engine.
+SGLang's transfer engine pushes the KV from the prefill side into the pages the decode side
+reserved; here the decode side receives the tokens over HTTP and the copy is modelled, not
+made. A request without the three fields is refused by either kind of engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -28,8 +34,26 @@ from aiohttp import web
 
 MODES = ("null", "prefill", "decode")
 WAIT_S = 30.0
-"""How long a decode engine waits for the prefill of a request (SGLang's decode side gives a
-request up after its bootstrap timeout too)."""
+"""How long either side waits for the other (a decode engine for room and for the prefill, a
+prefill engine for the decode side's bootstrap): SGLang gives a request up after its bootstrap
+timeout too."""
+RESERVED_DECODE_TOKENS_ENV = "SGLANG_NUM_RESERVED_DECODE_TOKENS"
+RESERVED_DECODE_TOKENS = 512
+"""SGLang's default: tokens a decode engine keeps free per request it holds."""
+
+
+def reserved_decode_tokens(environ: Mapping[str, str]) -> int:
+    """Read as SGLang reads it: the environment variable, else 512."""
+    raw = environ.get(RESERVED_DECODE_TOKENS_ENV, "")
+    try:
+        value = int(raw) if raw.strip() else RESERVED_DECODE_TOKENS
+    except ValueError:
+        raise ValueError(f"{RESERVED_DECODE_TOKENS_ENV} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{RESERVED_DECODE_TOKENS_ENV} must be >= 0, got {value}")
+    return value
+
+
 ROOMS_KEPT = 4096
 """Offered rooms no decode engine has taken yet, kept at most (the oldest go first)."""
 
@@ -72,22 +96,40 @@ def pairing_of(body: dict, mode: str) -> Pairing:
 
 
 class PrefillRooms:
-    """The prefill side's registry: room -> the prompt it prefilled, until a decode takes it."""
+    """The prefill side's registry: per room, whether the decode side has bootstrapped it and
+    the prompt prefilled for it, until the decode side has taken it."""
 
     def __init__(self) -> None:
         self._rooms: dict[int, asyncio.Future[Offered]] = {}
+        self._bootstrapped: dict[int, asyncio.Future[None]] = {}
 
-    def _slot(self, room: int) -> asyncio.Future[Offered]:
-        slot = self._rooms.get(room)
+    @staticmethod
+    def _slot(table: dict[int, asyncio.Future], room: int) -> asyncio.Future:
+        slot = table.get(room)
         if slot is None:
-            slot = self._rooms[room] = asyncio.get_running_loop().create_future()
-            while len(self._rooms) > ROOMS_KEPT:
-                old = self._rooms.pop(next(iter(self._rooms)))
-                old.cancel()
+            slot = table[room] = asyncio.get_running_loop().create_future()
+            while len(table) > ROOMS_KEPT:
+                table.pop(next(iter(table))).cancel()
         return slot
 
+    async def bootstrapped(self, room: int) -> None:
+        """The prefill side: wait until the decode side has asked for ``room`` (it has reserved
+        the pages); raises ``KvNotReceived`` after ``WAIT_S``."""
+        slot = self._slot(self._bootstrapped, room)
+        gone = f"no decode engine bootstrapped room {room} in {WAIT_S:g} s"
+        try:
+            await asyncio.wait_for(asyncio.shield(slot), WAIT_S)
+        except TimeoutError:
+            raise KvNotReceived(gone) from None
+        except asyncio.CancelledError:
+            if slot.cancelled():  # dropped from a full registry, not our caller going away
+                raise KvNotReceived(gone) from None
+            raise
+        finally:
+            self._bootstrapped.pop(room, None)
+
     def offer(self, room: int, offered: Offered) -> None:
-        slot = self._slot(room)
+        slot = self._slot(self._rooms, room)
         if not slot.done():
             slot.set_result(offered)
 
@@ -98,7 +140,10 @@ class PrefillRooms:
             room = int(request.match_info["room"])
         except ValueError:
             return web.json_response({"error": {"message": "room must be an integer"}}, status=400)
-        slot = self._slot(room)
+        ready = self._slot(self._bootstrapped, room)
+        if not ready.done():
+            ready.set_result(None)  # the decode side is here: the prefill may start
+        slot = self._slot(self._rooms, room)
         try:
             offered = await asyncio.wait_for(asyncio.shield(slot), WAIT_S)
         except (TimeoutError, asyncio.CancelledError):

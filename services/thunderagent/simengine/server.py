@@ -31,12 +31,15 @@ from thunderagent.simengine.driver import (
     EngineDriver,
     EngineRejected,
     GenerateInput,
+    KvNotReserved,
     first_stop,
     stop_strings,
 )
 from thunderagent.simengine.kv_moves import KvMover
 from thunderagent.simengine.openai_api import OpenAIRoutes
 from thunderagent.simengine.pd_bootstrap import (
+    RESERVED_DECODE_TOKENS,
+    WAIT_S,
     KvNotReceived,
     Offered,
     Pairing,
@@ -69,6 +72,9 @@ class EngineInfo:
     (``pd_bootstrap.py``)."""
     bootstrap_port: int = 0
     """A prefill engine's bootstrap port: its API port, where it serves the registry."""
+    reserved_decode_tokens: int = RESERVED_DECODE_TOKENS
+    """A decode engine keeps this many tokens free per request it holds before it reserves
+    pages for another prompt (``SGLANG_NUM_RESERVED_DECODE_TOKENS``)."""
 
 
 KEEPALIVE_S = 5.0
@@ -113,6 +119,9 @@ class SimEngineApp:
         if self.rooms is not None:
             r.add_get("/pd/{room}", self.rooms.take)
         self._pd_session: aiohttp.ClientSession | None = None
+        self._bootstrapping: dict[str, asyncio.Future] = {}
+        """SGLang's PD: runs waiting for their other side, by request id (an abort ends it)."""
+        self._aborted: set[str] = set()
         self.app.on_cleanup.append(self._close_pd_session)
         self.mover: KvMover | None = None
         if self.engine.kv_pool is not None:  # KV export/import over NIXL (not an SGLang API)
@@ -196,6 +205,9 @@ class SimEngineApp:
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             return _bad("rid must be a string")
+        for waiting_rid in [r for r in self._bootstrapping if r.startswith(rid)]:
+            self._aborted.add(waiting_rid)
+            self._bootstrapping[waiting_rid].cancel()
         for engine in self.ranks.engines:  # SGLang hands an abort to every rank
             engine.abort(rid)
         return web.Response(text="")
@@ -243,10 +255,12 @@ class SimEngineApp:
         try:
             engine = self.ranks.pick(body)
             pairing = self._paired(body, parsed, self.ranks.engines.index(engine))
-            if pairing is not None and self.info.disaggregation_mode == "decode":
-                await self._take_kv(engine, pairing)
+            if pairing is not None:
+                await self._bootstrap(engine, pairing, parsed)
         except KvNotReceived as err:
             return _bad(str(err), 502)
+        except KvNotReserved as err:
+            return _bad(str(err), 503)
         except ValueError as err:  # a rank it lacks, a pairing without its fields
             return _bad(str(err))
         ctx = extract_context(request.headers)
@@ -282,15 +296,43 @@ class SimEngineApp:
                                    f"{pairing.room % ranks}")  # fmt: skip
         return pairing
 
-    async def _take_kv(self, engine: EngineDriver, pairing: Pairing) -> None:
-        """The decode side: the prompt's KV from the paired prefill engine, imported in its
-        namespace after the modelled transfer time."""
-        if self._pd_session is None:
-            self._pd_session = aiohttp.ClientSession()
-        offered = await take_kv(self._pd_session, pairing)
-        space = cache_namespace(offered.cache_salt, offered.lora_name)
-        _, seconds = engine.import_kv(offered.token_ids, space)
-        await asyncio.sleep(seconds / engine.speedup)
+    async def _bootstrap(self, engine: EngineDriver, pairing: Pairing, req: GenerateInput) -> None:
+        """SGLang's PD before a run: the decode side reserves pages and takes the KV, the
+        prefill side waits until the decode side has reserved. An abort for the request ends
+        the wait (SGLang aborts requests in its bootstrap and prealloc queues too)."""
+        if self.info.disaggregation_mode == "decode":
+            waiting = asyncio.ensure_future(self._take_kv(engine, pairing, req))
+        else:
+            waiting = asyncio.ensure_future(self.rooms.bootstrapped(pairing.room))
+        self._bootstrapping[req.rid] = waiting
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            if not waiting.cancelled() or req.rid not in self._aborted:
+                raise
+            raise KvNotReceived(f"request {req.rid} aborted during its PD bootstrap") from None
+        finally:
+            self._bootstrapping.pop(req.rid, None)
+            self._aborted.discard(req.rid)
+
+    async def _take_kv(self, engine: EngineDriver, pairing: Pairing, req: GenerateInput) -> None:
+        """The decode side: pages reserved for the prompt's KV, then the KV from the paired
+        prefill engine into them (in the request's namespace, after the modelled transfer
+        time); the reservation is given back if the KV does not come."""
+        space = cache_namespace(req.cache_salt, req.lora_name)
+        reservation = await engine.reserve_kv(
+            req.input_ids, space, self.info.reserved_decode_tokens, WAIT_S
+        )
+        try:
+            if self._pd_session is None:
+                self._pd_session = aiohttp.ClientSession()
+            offered = await take_kv(self._pd_session, pairing)
+            if offered.token_ids != req.input_ids:
+                raise KvNotReceived(f"room {pairing.room} holds another prompt")
+            await engine.fill_kv(reservation)
+        except BaseException:
+            await engine.release_kv(reservation)
+            raise
 
     async def _close_pd_session(self, _: web.Application) -> None:
         if self._pd_session is not None:

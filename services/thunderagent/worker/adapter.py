@@ -434,7 +434,10 @@ class WorkerAdapter:
         )  # fmt: skip
         self.running[rid] = generation
         context = len(work.request.token_ids or [])
-        self.runs.accept(generation.engine_rid, context - max(0, work.predicted_cached_tokens))
+        prefill = context - max(0, work.predicted_cached_tokens)
+        if work.bootstrap is not None and self.pd_mode == "decode":
+            prefill = 0  # SGLang's PD: the prefill engine computes it; the KV comes here
+        self.runs.accept(generation.engine_rid, prefill)
         try:
             final = await generation.run()
         finally:
