@@ -85,7 +85,7 @@ async def test_a_full_decode_pool_holds_the_prefill_until_it_has_room() -> None:
         # no room on the decode side: it has not bootstrapped the room, so nothing prefills
         assert not pre.driver.core.has_work and not pre.driver.core.cache.contents()
         assert not both.done()
-        await dec.driver.release_kv(held)
+        dec.driver.release_kv(held)
         (p_status, p_body), (d_status, d_body) = await asyncio.wait_for(both, 10)
     assert p_status == d_status == 200, (p_body, d_body)
     assert len(p_body["output_ids"]) == 1  # the prefill engine's answer is its first token
@@ -101,10 +101,10 @@ async def test_the_decode_engine_keeps_room_for_the_requests_it_holds() -> None:
         with pytest.raises(KvNotReserved, match="keeps 512 tokens"):
             await dec.driver.reserve_kv(list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
         assert dec.driver.core.imports_pending == 1  # the refused one reserved nothing
-        await dec.driver.release_kv(first)
+        dec.driver.release_kv(first)
         ok = await dec.driver.reserve_kv(list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
         assert ok.present == 0 and len(ok.keys) == 10
-        await dec.driver.release_kv(ok)
+        dec.driver.release_kv(ok)
         assert dec.driver.core.imports_pending == 0 and dec.driver.core.cache.reserved == 0
 
 
@@ -125,7 +125,7 @@ async def test_a_decode_pool_that_never_has_room_answers_503_and_keeps_nothing(
         assert "no decode engine bootstrapped room" in p_body["error"]["message"]
         assert not pre.driver.core.cache.contents()
         assert dec.driver.core.imports_pending == 1  # only the test's own reservation
-        await dec.driver.release_kv(held)
+        dec.driver.release_kv(held)
 
 
 async def test_an_abort_ends_a_prefill_waiting_for_its_decode_side() -> None:
@@ -150,3 +150,19 @@ def test_reserved_decode_tokens_is_read_as_sglang_reads_it() -> None:
         reserved_decode_tokens({"SGLANG_NUM_RESERVED_DECODE_TOKENS": "lots"})
     with pytest.raises(ValueError, match=">= 0"):
         reserved_decode_tokens({"SGLANG_NUM_RESERVED_DECODE_TOKENS": "-1"})
+
+
+async def test_an_abort_gives_back_what_a_waiting_decode_side_reserved(monkeypatch) -> None:
+    monkeypatch.setattr(pd_bootstrap, "WAIT_S", 1.0)  # the registry's own wait, at shutdown
+    async with pd_pair() as (pre, dec):
+        # the prefill engine never gets this request: the decode side reserves, then waits at
+        # the prefill engine's registry for a prefill that does not come
+        body = paired(pre, "r4", blocks=6)
+        waiting = asyncio.ensure_future(post(dec.url, body))
+        await asyncio.sleep(0.3)
+        assert dec.driver.core.imports_pending == 1 and dec.driver.core.cache.reserved == 6
+        status, _ = await post(dec.url, {"rid": "r4"}, path="/abort_request")
+        status, answer = await asyncio.wait_for(waiting, 5)
+        assert status == 502 and "aborted during its PD bootstrap" in answer["error"]["message"]
+        assert dec.driver.core.imports_pending == 0 and dec.driver.core.cache.reserved == 0
+        assert not dec.driver.core.has_work and not dec.driver.core.cache.contents()

@@ -142,7 +142,7 @@ class KvNotReserved(Exception):
     """A decode engine found no room for a prompt's KV in time."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KvReservation:
     """Pages a decode engine reserved for a prompt's KV (``EngineDriver.reserve_kv``)."""
 
@@ -151,6 +151,8 @@ class KvReservation:
     """Leading blocks already cached here (pinned, not sent)."""
     token_ids: list[int]
     space: CacheNamespace | None
+    open: bool = True
+    """Reserved, and neither filled nor given back yet (each happens once)."""
 
 
 class EngineDriver:
@@ -293,11 +295,22 @@ class EngineDriver:
             token_ids[:full], self.block_size, space and space.seed()
         )
         deadline = time.monotonic() + timeout_s
+        made: list[int] = []
+
+        def attempt() -> int | None:
+            present = self.core.reserve_for_decode(keys, reserved_decode_tokens)
+            if present is not None:
+                made.append(present)
+            return present
+
         while True:
             changed = self._next_change()
-            present = await self.between_steps(
-                lambda: self.core.reserve_for_decode(keys, reserved_decode_tokens)
-            )
+            try:
+                present = await self.between_steps(attempt)
+            except asyncio.CancelledError:
+                if made:  # reserved just before the cancel reached us: give it back
+                    self.core.abort_import(keys, made[0])
+                raise
             if present is not None:
                 return KvReservation(keys, present, token_ids[:full], space)
             left = deadline - time.monotonic()
@@ -319,6 +332,9 @@ class EngineDriver:
         keys, space = reservation.keys, reservation.space
 
         def commit() -> None:
+            if not reservation.open:  # given back while the bytes crossed
+                return
+            reservation.open = False
             if space:
                 self.salts.hold(keys, space)
             self.core.commit_import(keys, reservation.present, reservation.token_ids)
@@ -328,11 +344,14 @@ class EngineDriver:
             self.salts.release(keys, self.core.cache.__contains__)
         return seconds
 
-    async def release_kv(self, reservation: KvReservation) -> None:
-        """Give reserved pages back (the prefill failed, or the request was dropped)."""
-        await self.between_steps(
-            lambda: self.core.abort_import(reservation.keys, reservation.present)
-        )
+    def release_kv(self, reservation: KvReservation) -> None:
+        """Give reserved pages back (the prefill failed, or the request was dropped): at once,
+        as nothing was inserted there is no event to order."""
+        if reservation.open:
+            reservation.open = False
+            self.core.abort_import(reservation.keys, reservation.present)
+            self._signal_change()
+            self._wake.set()
 
     def _next_change(self) -> asyncio.Future:
         if self._changed is None or self._changed.done():

@@ -308,7 +308,8 @@ class SimEngineApp:
         try:
             await waiting
         except asyncio.CancelledError:
-            if not waiting.cancelled() or req.rid not in self._aborted:
+            if req.rid not in self._aborted:  # this handler itself was cancelled
+                waiting.cancel()
                 raise
             raise KvNotReceived(f"request {req.rid} aborted during its PD bootstrap") from None
         finally:
@@ -330,9 +331,8 @@ class SimEngineApp:
             if offered.token_ids != req.input_ids:
                 raise KvNotReceived(f"room {pairing.room} holds another prompt")
             await engine.fill_kv(reservation)
-        except BaseException:
-            await engine.release_kv(reservation)
-            raise
+        finally:
+            engine.release_kv(reservation)  # a no-op once filled
 
     async def _close_pd_session(self, _: web.Application) -> None:
         if self._pd_session is not None:
