@@ -19,7 +19,7 @@ from aiohttp import web
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine import pd_bootstrap, server
-from thunderagent.simengine.driver import EngineDriver, KvNotReserved
+from thunderagent.simengine.driver import EngineDriver, GenerateInput, KvNotReserved
 from thunderagent.simengine.pd_bootstrap import reserved_decode_tokens
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
@@ -166,3 +166,31 @@ async def test_an_abort_gives_back_what_a_waiting_decode_side_reserved(monkeypat
         assert status == 502 and "aborted during its PD bootstrap" in answer["error"]["message"]
         assert dec.driver.core.imports_pending == 0 and dec.driver.core.cache.reserved == 0
         assert not dec.driver.core.has_work and not dec.driver.core.cache.contents()
+
+
+async def test_an_engine_out_of_pages_waits_for_the_import_without_spinning() -> None:
+    driver = EngineDriver(PROFILE, speedup=20.0)
+    try:
+        # 10 prompt blocks + 300 tokens out (~29 blocks in all) on a 32-block pool
+        request = GenerateInput("g", list(range(4, 4 + 10 * BLOCK)), 300)
+        events = driver.generate(request)
+        await anext(events)
+        held = await driver.reserve_kv(list(range(9_000, 9_000 + 20 * BLOCK)), None, 0, 1.0)
+        drained = asyncio.ensure_future(_drain(events))
+        await asyncio.sleep(0.3)
+        cpu = time.process_time()
+        await asyncio.sleep(0.5)  # the decode cannot get a page: retracted, the engine stalls
+        assert not drained.done()
+        assert time.process_time() - cpu < 0.1  # waiting, not spinning
+        driver.release_kv(held)
+        last = await asyncio.wait_for(drained, 10)
+        assert last.finished and last.completion_tokens == 300
+    finally:
+        await driver.close()
+
+
+async def _drain(events):
+    last = None
+    async for event in events:
+        last = event
+    return last

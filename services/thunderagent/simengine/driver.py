@@ -309,7 +309,7 @@ class EngineDriver:
                 present = await self.between_steps(attempt)
             except asyncio.CancelledError:
                 if made:  # reserved just before the cancel reached us: give it back
-                    self.core.abort_import(keys, made[0])
+                    self.give_back_import(keys, made[0])
                 raise
             if present is not None:
                 return KvReservation(keys, present, token_ids[:full], space)
@@ -349,9 +349,14 @@ class EngineDriver:
         as nothing was inserted there is no event to order."""
         if reservation.open:
             reservation.open = False
-            self.core.abort_import(reservation.keys, reservation.present)
-            self._signal_change()
-            self._wake.set()
+            self.give_back_import(reservation.keys, reservation.present)
+
+    def give_back_import(self, keys: list[int], present: int) -> None:
+        """An import that will not land gives its pages back at once (no event to order), and
+        an engine that stalled for want of them goes on."""
+        self.core.abort_import(keys, present)
+        self._signal_change()
+        self._wake.set()
 
     def _next_change(self) -> asyncio.Future:
         if self._changed is None or self._changed.done():

@@ -241,7 +241,7 @@ class KvMover:
         if record.present is None:
             return
         self.pool.unstage(record.slots)
-        self.engine.core.abort_import(record.keys, record.present)
+        self.engine.give_back_import(record.keys, record.present)
         record.present, record.slots = None, []
 
     def _check_pull(self, body: dict[str, Any], space: CacheNamespace | None) -> tuple:
