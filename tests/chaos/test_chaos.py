@@ -199,6 +199,35 @@ async def test_engine_killed_mid_stream_resumes_as_continuation(nats_server):
            recover_s=round(max(o.ended_at for o in outcomes) - killed_at, 2))  # fmt: skip
 
 
+async def test_decode_engine_killed_under_sglang_pd_resumes_every_run(nats_server):
+    """SGLang's PD, one prefill and two decode engines: the decode engine under some runs dies,
+    before or after its prefill side handed them over. Every run goes on as a continuation,
+    paired with the other decode engine; each client sees one unbroken stream."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(
+            stack, workers=3, pd_modes=["prefill", "decode", "decode"], scheduler="pd_capped",
+            policy="thunder", profile="tiny", block_size=16, adapter={"lease_s": LEASE_S},
+        )  # fmt: skip
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30,
+                                             retry_after_s=60)  # fmt: skip
+        tasks = [asyncio.create_task(run(client, slow(i, out=200))) for i in range(6)]
+        engine = stack.engines["w1"]
+        await wait_for(lambda: engine.core.load().num_running >= 1, "w1 decoding")
+        await asyncio.sleep(0.3)
+        killed_at = time.monotonic()
+        await stack.kill_engine("w1")
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 40)
+        await client.close()
+    assert all(isinstance(o.end, FinalReply) for o in outcomes), [
+        o.end for o in outcomes if not isinstance(o.end, FinalReply)
+    ]
+    assert all(o.contiguous() and len(o.tokens) == 200 for o in outcomes)
+    assert all(o.end.worker_id == "w2" for o in outcomes), [o.end.worker_id for o in outcomes]
+    report("decode engine killed under SGLang's PD", requests=len(outcomes),
+           completed=len(outcomes), lost=0,
+           recover_s=round(max(o.ended_at for o in outcomes) - killed_at, 2))  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def two_router_replicas(nats_url: str, **client_settings):
     """A full in-process stack (its router runs ``least_loaded``), a second router replica in

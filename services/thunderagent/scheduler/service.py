@@ -248,11 +248,21 @@ class SchedulerService:
     async def on_run_failed(self, failed: RunFailed, delivery: Delivery) -> None:
         """An engine failed a run: resume it elsewhere as a continuation, if we can."""
         pending = self.pending.get(failed.request_id)
+        by = failed.worker_id  # "" from a waiting request: no worker ran it, nothing failed
+        paired = (
+            pending is not None
+            and by != ""
+            and by == pending.decode_worker
+            and pending.worker_id != by  # the prefill side has not handed the run over yet
+        )
+        if paired:  # SGLang's PD: the decode side failed before the prefill side handed over
+            await self.handoff.abort(pending.worker_id, failed.request_id,
+                                     f"its decode side on {by} failed")  # fmt: skip
         ok = (
             pending is not None
-            and failed.worker_id != ""  # a waiting request has no worker: nothing failed it
-            and pending.worker_id == failed.worker_id
-            and self._resume(pending, failed.worker_id, failed.output_token_ids)
+            and by != ""
+            and (pending.worker_id == by or paired)
+            and self._resume(pending, by, failed.output_token_ids)
         )
         if ok:
             pending.failure = f"{failed.worker_id}: {failed.reason}"
@@ -288,7 +298,11 @@ class SchedulerService:
                 pending.started = True
             self.core.on_started(rid, progress.worker_id, now)
         elif progress.phase == "transferred":  # PD: the decode worker runs the rest
-            if pending is not None:
+            if (
+                pending is not None
+                and pending.worker_id == progress.from_worker
+                and pending.decode_worker == progress.worker_id
+            ):  # of the current run: not one this scheduler stopped and resumed elsewhere
                 pending.worker_id = progress.worker_id
             self.core.on_transfer_done(rid, progress.worker_id, now)
         elif pending is not None and (

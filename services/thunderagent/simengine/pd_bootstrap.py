@@ -54,6 +54,8 @@ def reserved_decode_tokens(environ: Mapping[str, str]) -> int:
     return value
 
 
+CHECK_GONE_S = 0.5
+"""How often a decode side's wait for its room looks whether that decode side is still there."""
 ROOMS_KEPT = 4096
 """Offered rooms no decode engine has taken yet, kept at most (the oldest go first)."""
 
@@ -128,7 +130,8 @@ class PrefillRooms:
         finally:
             self._bootstrapped.pop(room, None)
 
-    def offer(self, room: int, offered: Offered) -> None:
+    def offer(self, room: int, offered: Offered | None) -> None:
+        """The prefill for ``room`` is done (None: it ended without computing the prompt)."""
         slot = self._slot(self._rooms, room)
         if not slot.done():
             slot.set_result(offered)
@@ -144,15 +147,31 @@ class PrefillRooms:
         if not ready.done():
             ready.set_result(None)  # the decode side is here: the prefill may start
         slot = self._slot(self._rooms, room)
-        try:
-            offered = await asyncio.wait_for(asyncio.shield(slot), WAIT_S)
-        except (TimeoutError, asyncio.CancelledError):
+        offered = await _until_offered(slot, request)
+        self._rooms.pop(room, None)
+        if offered is None:
             return web.json_response(
                 {"error": {"message": f"no prefill for room {room}"}}, status=404
             )
-        self._rooms.pop(room, None)
         return web.json_response({"token_ids": offered.token_ids, "cache_salt": offered.cache_salt,
                                   "lora_name": offered.lora_name})  # fmt: skip
+
+
+async def _until_offered(slot: asyncio.Future[Offered | None], request: web.Request):
+    """The room's prompt once prefilled; None after ``WAIT_S``, or as soon as the decode side
+    has gone (its request aborted: its connection closed), which the server would otherwise
+    not notice until the wait ran out."""
+    give_up_at = asyncio.get_running_loop().time() + WAIT_S
+    while True:
+        left = give_up_at - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), min(CHECK_GONE_S, max(left, 0)))
+        except TimeoutError:
+            transport = request.transport
+            if left <= CHECK_GONE_S or transport is None or transport.is_closing():
+                return None
+        except asyncio.CancelledError:
+            return None
 
 
 async def take_kv(session: aiohttp.ClientSession, pairing: Pairing) -> Offered:

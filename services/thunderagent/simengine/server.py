@@ -32,6 +32,7 @@ from thunderagent.simengine.driver import (
     EngineRejected,
     GenerateInput,
     KvNotReserved,
+    TokenEvent,
     first_stop,
     stop_strings,
 )
@@ -266,16 +267,26 @@ class SimEngineApp:
         ctx = extract_context(request.headers)
         with _tracer.start_as_current_span("engine generate", context=ctx, kind=SpanKind.SERVER):
             events = engine.generate(parsed)
+            first = None
             try:
                 first = await anext(events)
             except (EngineRejected, ValueError) as err:
                 return _bad(str(err))
-            if pairing is not None and self.rooms is not None:  # prefilled: the KV is ready
-                offered = Offered(parsed.input_ids, parsed.cache_salt, parsed.lora_name)
-                self.rooms.offer(pairing.room, offered)
+            finally:
+                if pairing is not None and self.rooms is not None:
+                    self._hand_over(pairing.room, parsed, first)
             if body.get("stream"):
                 return await self._stream(request, parsed, first, events, received)
             return await self._whole(parsed, first, events, received)
+
+    def _hand_over(self, room: int, req: GenerateInput, first: TokenEvent | None) -> None:
+        """The prefill side: a run's first token means the prompt's KV is ready for the decode
+        side; a run that ended without one (aborted, refused) has none, and the decode side
+        hears so at once instead of waiting for it."""
+        assert self.rooms is not None
+        prefilled = first is not None and bool(first.token_ids)
+        offered = Offered(req.input_ids, req.cache_salt, req.lora_name) if prefilled else None
+        self.rooms.offer(room, offered)
 
     def _paired(self, body: dict, parsed: GenerateInput, rank: int) -> Pairing | None:
         """SGLang's PD: a request's pairing (None outside PD); a prefill engine computes only
@@ -307,7 +318,11 @@ class SimEngineApp:
         self._bootstrapping[req.rid] = waiting
         try:
             await waiting
-        except asyncio.CancelledError:
+        except BaseException as err:
+            if self.rooms is not None:  # this prefill will not run: a decode side asking later
+                self.rooms.offer(pairing.room, None)  # hears so at once
+            if not isinstance(err, asyncio.CancelledError):
+                raise
             if req.rid not in self._aborted:  # this handler itself was cancelled
                 waiting.cancel()
                 raise
