@@ -117,16 +117,21 @@ class SchedulerActions:
     def _add(self, rec: Record, w: int, request: Request, t: float, predicted: int = 0) -> None:
         refused = self.cores[w].add(request, t)
         rec.worker = w
-        if refused is not None:  # it can never fit this engine's KV pool
-            self._unpair(rec.request_id, t)
-            self.router.on_finished(rec.request_id, self.ids[w], t)
-            self.scheduler.on_failed(rec.request_id, self.ids[w], t)
-            self._reject(rec, "prompt + output exceed the engine's KV pool", t)
+        if refused is not None:
+            self._refuse(rec, "prompt + output exceed the engine's KV pool", t)
             return
         self.accepted[w].accept(rec.request_id, request.prompt_len - predicted)
         rec.status = "running"
         if w not in self.inflight:
             self.dirty.add(w)
+
+    def _refuse(self, rec: Record, reason: str, t: float) -> None:
+        """The run can never fit its engine (``rec.worker``): the request ends rejected."""
+        rid, worker_id = rec.request_id, self.ids[rec.worker]
+        self._unpair(rid, t)
+        self.router.on_finished(rid, worker_id, t)
+        self.scheduler.on_failed(rid, worker_id, t)
+        self._reject(rec, reason, t)
 
     def _preempt(self, action: Preempt, t: float) -> None:
         rec = self.records[action.request_id]
@@ -163,10 +168,7 @@ class SchedulerActions:
         d = self.slot[self.links.decode_worker(rid)]
         keys = list(self.keys[rid].primary[: request.prompt_len // self.block_size])
         if len(keys) > self.cores[d].cache.capacity:  # no reservation could ever be made
-            self.links.forget(rid)
-            self.router.on_finished(rid, self.ids[rec.worker], t)
-            self.scheduler.on_failed(rid, self.ids[rec.worker], t)
-            self._reject(rec, "the prompt exceeds the decode engine's KV pool", t)
+            self._refuse(rec, "the prompt exceeds the decode engine's KV pool", t)
             return
         self.accepted[d].accept(rid, 0)  # the decode side prefills nothing
         rec.status = "bootstrapping"
@@ -233,7 +235,7 @@ class SchedulerActions:
             self.cores[d].commit_import(*reserved, None)
         self.scheduler.on_transfer_done(rid, decode, t)
         if rec.completion_tokens >= rec.output_tokens:  # one token: the decode engine sends it
-            rec.first_token = t
+            rec.first_token, rec.worker = t, d
             self.accepted[d].finished(rid)
             cached = max(rec.cached_tokens, 0)
             self.router.on_finished(rid, self.ids[rec.worker], t, cached_tokens=cached)
