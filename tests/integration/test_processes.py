@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,15 @@ def test_up_with_sglang_pd_engines_pairs_a_prefill_and_a_decode_worker(tmp_path)
         final = _request(nats_url, env, prompt)
         assert final["worker_id"] == "w1", final
         assert final["usage"]["cached_tokens"] >= 64, final  # the prefill engine's KV
+        # the same through the OpenAI gateway (its URL is the banner's next line)
+        gateway = proc.stdout.readline().split()[1]
+        asked = [{"role": "user", "content": prompt + ", asked over HTTP"}]
+        body = {"model": "sim/llama-3.1-8b", "max_tokens": 8, "messages": asked}
+        post = urllib.request.Request(f"{gateway}/chat/completions", json.dumps(body).encode(),
+                                      {"content-type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(post, timeout=30) as resp:
+            answer, worker = json.loads(resp.read()), resp.headers["x-thunderagent-worker"]
+        assert worker == "w1" and answer["choices"][0]["message"]["content"], answer
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
