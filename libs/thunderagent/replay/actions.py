@@ -216,6 +216,10 @@ class SchedulerActions:
             self._completed(rec, decode, t)
             return
         rec.status = "transferring"
+        if self.links.via == "sglang":  # the prefill engine's pages are the transfer's source
+            keys = list(self.keys[rid].primary[: context // self.block_size])
+            pinned, _ = self.cores[w].pin_prefix(keys, need_tokens=False)
+            self.links.hold_source(rid, self.ids[w], pinned)
         done = self.links.send(rid, self.ids[w], context, t)
         self._push_timer(done, "transfer", rid)
 
@@ -228,6 +232,11 @@ class SchedulerActions:
         run = rec.run
         context = run.context_tokens - 1  # KV exists up to the last generated token
         primary = self.keys[rid].primary
+        source = self.links.release_source(rid)
+        if source is not None:  # the prefill engine frees the pages it sent from
+            s = self.slot[source[0]]
+            self.cores[s].unpin_prefix(source[1])
+            self.dirty.add(s)
         reserved = self.links.take_reservation(rid)
         if reserved is None:
             self.cores[d].import_blocks(primary[: context // self.block_size])

@@ -377,8 +377,8 @@ class Replay(SchedulerActions):
                 continue
             outcome = core.step(now, until=until)
             if outcome.kind == "idle":
-                if core.imports_pending:  # no room until KV in flight lands (a timer wakes it)
-                    continue
+                if core.imports_pending or self.links.sending(self.ids[w]):
+                    continue  # no room until KV in flight lands (a timer wakes it)
                 raise RuntimeError(f"engine {w} has work but planned an idle step at {now}")
             self.steps += 1
             self.prefill_tokens += outcome.prefill_tokens

@@ -30,6 +30,8 @@ engines at once and two things change:
    made (its bootstrap queue). A full decode pool therefore holds prefills back, which is
    SGLang's own back-pressure. The reservation is ``EngineCore.reserve_for_decode`` on the decode
    worker (blocks it already holds are pinned, not reserved again); the landing commits it.
+2. the prefill engine keeps the prompt's KV until the transfer has landed (its pages are the
+   transfer's source), so a slow link fills the prefill pool and holds later prefills back.
 3. the client's first token is the decode engine's: it reaches the client after the transfer
    (here: the decode run's first token, one decode step after the landing; SGLang's decode
    engine streams the prefill's token in a step of its own, so this reads up to one decode step
@@ -70,6 +72,9 @@ class TransferLinks:
     _prealloc: dict[str, deque[str]] = field(default_factory=dict)
     _reserved: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     _queued_at: dict[str, float] = field(default_factory=dict)
+    _sources: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    """SGLang's PD: per run in transfer, its prefill worker and the blocks pinned there."""
+    _pinned_on: dict[str, int] = field(default_factory=dict)
     bootstrap_waits: list[float] = field(default_factory=list)
     """SGLang's PD: each run's time in its decode worker's prealloc queue."""
 
@@ -106,6 +111,22 @@ class TransferLinks:
         self._prealloc[self._decode[rid]].remove(rid)
         self._reserved[rid] = (keys, present)
         self._phase[rid] = PREFILL
+
+    def hold_source(self, rid: str, source: str, keys: list[int]) -> None:
+        """SGLang's PD: the prefill worker keeps a run's KV (``keys`` pinned) until it lands."""
+        self._sources[rid] = (source, keys)
+        self._pinned_on[source] = self._pinned_on.get(source, 0) + 1
+
+    def release_source(self, rid: str) -> tuple[str, list[int]] | None:
+        """The run's KV landed: the prefill worker and the blocks it may unpin now."""
+        held = self._sources.pop(rid, None)
+        if held is not None:
+            self._pinned_on[held[0]] -= 1
+        return held
+
+    def sending(self, worker: str) -> int:
+        """Runs whose KV ``worker`` keeps pinned until their transfer lands."""
+        return self._pinned_on.get(worker, 0)
 
     def take_reservation(self, rid: str) -> tuple[list[int], int] | None:
         """The pages reserved for ``rid`` on its decode worker (SGLang's PD), now to be filled

@@ -89,7 +89,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-workers", type=at_least(0), default=0,
         help="PD: this many workers prefill, the rest decode, and the scheduler pairs them "
-        "(--policy pd_capped); 0: whole engines",
+        "(--policy pd_uncapped); 0: whole engines",
     )  # fmt: skip
     p.add_argument(
         "--pd-via", choices=["sglang", "workers"], default="sglang",

@@ -228,7 +228,7 @@ class Stack:
         nats = ["--nats", self.nats_url]
         self._service("index", "index", *nats, "--redis", self.redis_url)
         pulls = [] if c.pull_min_tokens is None else ["--pull-min-tokens", str(c.pull_min_tokens)]
-        pd = ["--policy", "pd_capped"] if c.prefill_workers else []
+        pd = ["--policy", "pd_uncapped"] if c.prefill_workers else []
         self._service("scheduler", "scheduler", *nats, *pulls, *pd)
         for i in range(c.routers):
             self._service(f"router-{i}", "router", *nats, "--policy", c.policy,
