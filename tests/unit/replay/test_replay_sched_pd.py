@@ -157,3 +157,29 @@ def test_sglang_pd_rejects_a_prompt_the_decode_pool_can_never_reserve() -> None:
 def test_replay_refuses_an_unknown_pd_transfer() -> None:
     with pytest.raises(ValueError, match="pd_via"):
         _run_sglang([TraceRequest("r", 0.0, 8, 2, [1, 2])], pd_via="nixl")
+
+
+def test_sglang_pd_prefill_engine_keeps_the_pages_it_sends_until_they_land() -> None:
+    timing = TimingModel(TINY)
+    t1 = timing.prefill_time([(32, 0)]) + timing.prefill_time([(8, 32)])
+    transfer = 40 * 4096 / LINK
+
+    def replay(pd_via: str) -> Replay:
+        config = ReplayConfig(
+            profile=TINY, policy="round_robin", workers=2, scheduler="pd_uncapped",
+            scheduler_params={"window": "none"}, roles=["prefill", "decode"],
+            link_bytes_per_s=LINK, pd_via=pd_via,
+        )  # fmt: skip
+        return Replay(config, BS)
+
+    trace = [TraceRequest("r", 0.0, 40, 5, list(range(1, 11)))]
+    mid = replay("sglang")
+    result = mid.run(trace, until=t1 + transfer / 2)
+    assert result.in_flight == 1 and result.records[0].status == "transferring"
+    assert mid.cores[0].cache.pinned == 10  # the prompt's blocks, pinned while they are sent
+    handed = replay("workers")
+    handed.run(trace, until=t1 + transfer / 2)
+    assert handed.cores[0].cache.pinned == 0  # the hand-off's copy is not modelled as pinning
+    done = replay("sglang")
+    assert done.run(trace).records[0].status == "completed"
+    assert done.cores[0].cache.pinned == 0  # unpinned once landed
