@@ -102,7 +102,7 @@ class PrefillRooms:
     the prompt prefilled for it, until the decode side has taken it."""
 
     def __init__(self) -> None:
-        self._rooms: dict[int, asyncio.Future[Offered]] = {}
+        self._rooms: dict[int, asyncio.Future[Offered | None]] = {}
         self._bootstrapped: dict[int, asyncio.Future[None]] = {}
 
     @staticmethod
@@ -157,7 +157,9 @@ class PrefillRooms:
                                   "lora_name": offered.lora_name})  # fmt: skip
 
 
-async def _until_offered(slot: asyncio.Future[Offered | None], request: web.Request):
+async def _until_offered(
+    slot: asyncio.Future[Offered | None], request: web.Request
+) -> Offered | None:
     """The room's prompt once prefilled; None after ``WAIT_S``, or as soon as the decode side
     has gone (its request aborted: its connection closed), which the server would otherwise
     not notice until the wait ran out."""
