@@ -37,12 +37,14 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def pd_pair(reserved: int = 0) -> AsyncIterator[tuple[Engine, Engine]]:
+async def pd_pair(
+    reserved: int = 0, link_bytes_per_s: float = 25e9
+) -> AsyncIterator[tuple[Engine, Engine]]:
     """A prefill engine and a decode engine (32 blocks of 16 tokens each), 20 x real time."""
     out: list[Engine] = []
     try:
         for mode in ("prefill", "decode"):
-            driver = EngineDriver(PROFILE, speedup=20.0)
+            driver = EngineDriver(PROFILE, speedup=20.0, link_bytes_per_s=link_bytes_per_s)
             info = EngineInfo("m", BLOCK)
             info.disaggregation_mode, info.reserved_decode_tokens = mode, reserved
             port = free_port()
@@ -141,6 +143,23 @@ async def test_an_abort_ends_a_prefill_waiting_for_its_decode_side() -> None:
         assert time.monotonic() - started < 2
     assert status == 502 and "aborted during its PD bootstrap" in answer["error"]["message"]
     assert not pre.driver.core.cache.contents()
+
+
+async def test_the_prefill_engine_keeps_the_pages_it_hands_over_while_they_are_copied() -> None:
+    # 10 blocks of 64 KiB at 100 kB/s: a 6.5 s copy, 0.33 s at 20 x
+    async with pd_pair(link_bytes_per_s=1e5) as (pre, dec):
+        body = paired(pre, "r5", blocks=10)
+        prefill = asyncio.ensure_future(post(pre.url, body))
+        decode = asyncio.ensure_future(post(dec.url, body))
+        status, _ = await asyncio.wait_for(prefill, 5)  # its first token: the prompt is computed
+        await asyncio.sleep(0.05)
+        assert status == 200 and not decode.done()
+        assert pre.driver.core.cache.pinned == 10  # the copy's source, kept while it lasts
+        status, answer = await asyncio.wait_for(decode, 10)
+        assert status == 200 and answer["meta_info"]["cached_tokens"] == 10 * BLOCK
+        await asyncio.sleep(0.1)
+        assert pre.driver.core.cache.pinned == 0  # freed once copied, still cached
+        assert len(pre.driver.core.cache.contents()) >= 10
 
 
 def test_reserved_decode_tokens_is_read_as_sglang_reads_it() -> None:

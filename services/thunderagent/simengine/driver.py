@@ -326,8 +326,7 @@ class EngineDriver:
         """The prefill engine's KV arrives in the reserved pages: after the modelled transfer
         time the blocks are cached here (Stored events name the request's namespace). Returns
         the modelled seconds."""
-        missing = len(reservation.keys) - reservation.present
-        seconds = missing * self.profile.kv_bytes_per_block / self.link_bytes_per_s
+        seconds = self.copy_s(len(reservation.keys) - reservation.present)
         await asyncio.sleep(seconds / self.speedup)
         keys, space = reservation.keys, reservation.space
 
@@ -350,6 +349,28 @@ class EngineDriver:
         if reservation.open:
             reservation.open = False
             self.give_back_import(reservation.keys, reservation.present)
+
+    def copy_s(self, blocks: int) -> float:
+        """Modelled seconds to copy ``blocks`` KV blocks over the PD link."""
+        return blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
+
+    def hold_prompt(self, token_ids: list[int], space: CacheNamespace | None) -> Callable[[], None]:
+        """SGLang's PD, the prefill side: pin the prompt's cached full blocks, the source of a
+        copy, so they stay while it lasts; returns the release (once; later calls do nothing)."""
+        full = len(token_ids) - len(token_ids) % self.block_size
+        keys = kv_wire.sglang_block_hashes(
+            token_ids[:full], self.block_size, space and space.seed()
+        )
+        pinned, _ = self.core.pin_prefix(keys, need_tokens=False)  # no event: no step order
+        held = [pinned]
+
+        def release() -> None:
+            if held:
+                self.core.unpin_prefix(held.pop())
+                self._signal_change()
+                self._wake.set()
+
+        return release
 
     def give_back_import(self, keys: list[int], present: int) -> None:
         """An import that will not land gives its pages back at once (no event to order), and

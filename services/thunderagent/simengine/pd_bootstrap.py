@@ -15,8 +15,10 @@ decode engine streams the answer, the prefill engine's own answer is only its fi
 * ``prefill``: the engine starts a request's prefill only once the decode side has asked for
   its room, i.e. has reserved the pages (SGLang's bootstrap queue; a decode side that never
   comes fails the request after ``WAIT_S``), computes the prompt and its first token, then
-  hands the prompt over under the room. It serves the registry on its API port, as SGLang's
-  Rust server does, and reports that port as ``disaggregation_bootstrap_port``.
+  hands the prompt over under the room, keeping its pages (pinned) for the modelled copy of the
+  whole prompt once the decode side has taken it (``WAIT_S`` if it never does). It serves the
+  registry on its API port, as SGLang's Rust server does, and reports that port as
+  ``disaggregation_bootstrap_port``.
 
 SGLang's transfer engine pushes the KV from the prefill side into the pages the decode side
 reserved; here the decode side receives the tokens over HTTP and the copy is modelled, not
@@ -26,7 +28,7 @@ made. A request without the three fields is refused by either kind of engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -82,6 +84,8 @@ class Offered:
     token_ids: list[int]
     cache_salt: str | None
     lora_name: str | None
+    taken: Callable[[], None] | None = None
+    """Called when the decode side takes it (the prefill side's pages are being copied)."""
 
 
 def pairing_of(body: dict, mode: str) -> Pairing:
@@ -153,6 +157,8 @@ class PrefillRooms:
             return web.json_response(
                 {"error": {"message": f"no prefill for room {room}"}}, status=404
             )
+        if offered.taken is not None:
+            offered.taken()
         return web.json_response({"token_ids": offered.token_ids, "cache_salt": offered.cache_salt,
                                   "lora_name": offered.lora_name})  # fmt: skip
 

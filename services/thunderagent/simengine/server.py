@@ -274,19 +274,33 @@ class SimEngineApp:
                 return _bad(str(err))
             finally:
                 if pairing is not None and self.rooms is not None:
-                    self._hand_over(pairing.room, parsed, first)
+                    self._hand_over(engine, pairing.room, parsed, first)
             if body.get("stream"):
                 return await self._stream(request, parsed, first, events, received)
             return await self._whole(parsed, first, events, received)
 
-    def _hand_over(self, room: int, req: GenerateInput, first: TokenEvent | None) -> None:
+    def _hand_over(
+        self, engine: EngineDriver, room: int, req: GenerateInput, first: TokenEvent | None
+    ) -> None:
         """The prefill side: a run's first token means the prompt's KV is ready for the decode
-        side; a run that ended without one (aborted, refused) has none, and the decode side
-        hears so at once instead of waiting for it."""
+        side, whose copy reads it from pages this engine keeps until the copy is done; a run
+        that ended without one (aborted, refused) has none, and the decode side hears so at
+        once instead of waiting for it."""
         assert self.rooms is not None
-        prefilled = first is not None and bool(first.token_ids)
-        offered = Offered(req.input_ids, req.cache_salt, req.lora_name) if prefilled else None
-        self.rooms.offer(room, offered)
+        if first is None or not first.token_ids:
+            self.rooms.offer(room, None)
+            return
+        space = cache_namespace(req.cache_salt, req.lora_name)
+        release = engine.hold_prompt(req.input_ids, space)
+        loop = asyncio.get_running_loop()
+        untaken = loop.call_later(WAIT_S, release)
+        copy_s = engine.copy_s(len(req.input_ids) // engine.block_size) / engine.speedup
+
+        def taken() -> None:
+            untaken.cancel()
+            loop.call_later(copy_s, release)
+
+        self.rooms.offer(room, Offered(req.input_ids, req.cache_salt, req.lora_name, taken))
 
     def _paired(self, body: dict, parsed: GenerateInput, rank: int) -> Pairing | None:
         """SGLang's PD: a request's pairing (None outside PD); a prefill engine computes only
