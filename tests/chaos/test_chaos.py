@@ -27,12 +27,14 @@ from thunderagent.bus import Bus, connect
 from thunderagent.client import ThunderClient
 from thunderagent.hashing import BlockHasher
 from thunderagent.schemas import (
+    Ack,
     ErrorCode,
     ErrorReply,
     FinalReply,
     GenerateRequest,
     ProgressBatch,
     RouteDecisionBatch,
+    RunFailed,
     TokenChunk,
     subjects,
 )
@@ -216,6 +218,19 @@ async def test_decode_engine_killed_under_sglang_pd_resumes_every_run(nats_serve
         await asyncio.sleep(0.3)
         killed_at = time.monotonic()
         await stack.kill_engine("w1")
+        # a failure report that comes after its run was replaced (both sides of a pairing can
+        # fail) is old news: accepted, so that worker does not end the client's stream
+        pending = stack.services["scheduler"].runtime.pending
+        await wait_for(lambda: any(p.replaced for p in pending.values()), "a run replaced")
+        rid, replaced = next((r, p.replaced) for r, p in pending.items() if p.replaced)
+        nc = await connect(nats_server.url, name="late-report")
+        for worker in sorted(replaced):
+            late = RunFailed(request_id=rid, worker_id=worker, reason="late report")
+            ack = await Bus(nc, service="late").request(
+                subjects.sched_run_failed(MODEL), late, Ack, timeout=2.0
+            )
+            assert ack.accepted, (worker, ack)
+        await nc.close()
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 40)
         await client.close()
     assert all(isinstance(o.end, FinalReply) for o in outcomes), [

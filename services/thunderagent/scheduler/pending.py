@@ -36,6 +36,9 @@ class Pending:
     """The latest of those failures, as its worker said it (told the client if none is left)."""
     resumes: int = 0
     """Times it was resumed after a worker or engine failure."""
+    replaced: set[str] = field(default_factory=set)
+    """Workers whose run of it was ended here and replaced by a continuation (the one that
+    failed, and a PD run's other side): a failure one of them reports later is old news."""
 
     @property
     def request_id(self) -> str:

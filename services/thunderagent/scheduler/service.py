@@ -228,8 +228,9 @@ class SchedulerService:
             return False
         pending.resumes += 1
         pending.excluded.add(failed_worker)
+        pending.replaced.update({failed_worker, pending.worker_id, pending.decode_worker} - {""})
         pending.output = list(output)
-        pending.worker_id, pending.started = "", False
+        pending.worker_id, pending.decode_worker, pending.started = "", "", False
         self.waiting[pending.submit.request.model] += 1
         self.core.submit(pending.sched_request(), self.clock())
         return True
@@ -249,21 +250,17 @@ class SchedulerService:
         """An engine failed a run: resume it elsewhere as a continuation, if we can."""
         pending = self.pending.get(failed.request_id)
         by = failed.worker_id  # "" from a waiting request: no worker ran it, nothing failed
-        paired = (
-            pending is not None
-            and by != ""
-            and by == pending.decode_worker
-            and pending.worker_id != by  # the prefill side has not handed the run over yet
-        )
-        if paired:  # SGLang's PD: the decode side failed before the prefill side handed over
+        running = pending is not None and by != "" and pending.worker_id != ""
+        # SGLang's PD: the decode side failed before the prefill side handed the run over
+        paired = running and by == pending.decode_worker and pending.worker_id != by
+        if paired:
             await self.handoff.abort(pending.worker_id, failed.request_id,
                                      f"its decode side on {by} failed")  # fmt: skip
-        ok = (
-            pending is not None
-            and by != ""
-            and (pending.worker_id == by or paired)
-            and self._resume(pending, by, failed.output_token_ids)
-        )
+        current = running and (pending.worker_id == by or paired)
+        ok = current and self._resume(pending, by, failed.output_token_ids)
+        # a run this scheduler already replaced: the request goes on, its worker ends quietly
+        # (telling the client would end a stream its continuation is still feeding)
+        old_news = not current and pending is not None and by in pending.replaced
         if ok:
             pending.failure = f"{failed.worker_id}: {failed.reason}"
             log.info("request %s: engine of %s failed (%s): resuming elsewhere",
@@ -272,10 +269,11 @@ class SchedulerService:
             self.wake.set()
         if delivery.reply:
             unknown = pending is None  # maybe dispatched on credit, its report on its way
+            taken = ok or old_news
             answer = Ack(
-                accepted=ok,
+                accepted=taken,
                 code=ErrorCode.UNAVAILABLE if unknown else None,
-                reason="unknown request" if unknown else ("" if ok else "not resumable"),
+                reason="unknown request" if unknown else ("" if taken else "not resumable"),
             )
             await self.bus.publish(delivery.reply, answer)
 
