@@ -266,18 +266,24 @@ class EngineDriver:
         """PD: the full blocks of ``token_ids`` arrive from a prefill engine and become cached
         here, in ``space`` (the request's salt and adapter) as the prefill engine cached them.
         Returns (blocks imported, modelled transfer seconds at ``link_bytes_per_s``)."""
-        full = len(token_ids) - len(token_ids) % self.block_size
-        keys = kv_wire.sglang_block_hashes(
-            token_ids[:full], self.block_size, space and space.seed()
-        )
+        keys, full = self._full_block_keys(token_ids, space)
         if space:  # the events of the imported blocks name the namespace
             self.salts.hold(keys, space)
         blocks = self.core.import_blocks(keys, token_ids[:full])
         self._publish(self.core.drain_events())
         if space:
             self.salts.release(keys, self.core.cache.__contains__)
-        seconds = blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
-        return blocks, seconds
+        return blocks, self.copy_s(blocks)
+
+    def _full_block_keys(
+        self, token_ids: list[int], space: CacheNamespace | None
+    ) -> tuple[list[int], int]:
+        """The keys of the full blocks of ``token_ids`` in ``space``, as this engine caches
+        them, and how many tokens those blocks hold."""
+        full = len(token_ids) - len(token_ids) % self.block_size
+        return kv_wire.sglang_block_hashes(
+            token_ids[:full], self.block_size, space and space.seed()
+        ), full
 
     # ---- SGLang's PD, the decode side: reserve, fill or give back a prompt's pages ----------
     async def reserve_kv(
@@ -290,10 +296,7 @@ class EngineDriver:
         """Reserve pages for the full blocks of ``token_ids``, whose KV a prefill engine will
         send, once they fit with ``reserved_decode_tokens`` per request held kept free
         (``EngineCore.reserve_for_decode``); waits for room up to ``timeout_s``."""
-        full = len(token_ids) - len(token_ids) % self.block_size
-        keys = kv_wire.sglang_block_hashes(
-            token_ids[:full], self.block_size, space and space.seed()
-        )
+        keys, full = self._full_block_keys(token_ids, space)
         deadline = time.monotonic() + timeout_s
         made: list[int] = []
 
@@ -357,10 +360,7 @@ class EngineDriver:
     def hold_prompt(self, token_ids: list[int], space: CacheNamespace | None) -> Callable[[], None]:
         """SGLang's PD, the prefill side: pin the prompt's cached full blocks, the source of a
         copy, so they stay while it lasts; returns the release (once; later calls do nothing)."""
-        full = len(token_ids) - len(token_ids) % self.block_size
-        keys = kv_wire.sglang_block_hashes(
-            token_ids[:full], self.block_size, space and space.seed()
-        )
+        keys, _ = self._full_block_keys(token_ids, space)
         pinned, _ = self.core.pin_prefix(keys, need_tokens=False)  # no event: no step order
         held = [pinned]
 
