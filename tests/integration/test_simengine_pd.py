@@ -19,8 +19,9 @@ from aiohttp import web
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine import pd_bootstrap, server
-from thunderagent.simengine.driver import EngineDriver, GenerateInput, KvNotReserved
+from thunderagent.simengine.driver import EngineDriver, GenerateInput
 from thunderagent.simengine.pd_bootstrap import reserved_decode_tokens
+from thunderagent.simengine.pd_pages import KvNotReserved, release_kv, reserve_kv
 from thunderagent.simengine.server import EngineInfo, SimEngineApp
 
 pytestmark = pytest.mark.integration
@@ -80,14 +81,14 @@ async def post(url: str, body: dict, path: str = "/generate") -> tuple[int, dict
 async def test_a_full_decode_pool_holds_the_prefill_until_it_has_room() -> None:
     async with pd_pair() as (pre, dec):
         # 28 of the decode engine's 32 blocks taken by a transfer in flight
-        held = await dec.driver.reserve_kv(list(range(4, 4 + 28 * BLOCK)), None, 0, 1.0)
+        held = await reserve_kv(dec.driver, list(range(4, 4 + 28 * BLOCK)), None, 0, 1.0)
         body = paired(pre, "r1", blocks=10)
         both = asyncio.gather(post(pre.url, body), post(dec.url, body))
         await asyncio.sleep(0.3)
         # no room on the decode side: it has not bootstrapped the room, so nothing prefills
         assert not pre.driver.core.has_work and not pre.driver.core.cache.contents()
         assert not both.done()
-        dec.driver.release_kv(held)
+        release_kv(dec.driver, held)
         (p_status, p_body), (d_status, d_body) = await asyncio.wait_for(both, 10)
     assert p_status == d_status == 200, (p_body, d_body)
     assert len(p_body["output_ids"]) == 1  # the prefill engine's answer is its first token
@@ -99,14 +100,14 @@ async def test_the_decode_engine_keeps_room_for_the_requests_it_holds() -> None:
     # 512 tokens kept per request held: with one transfer in flight (32 blocks of room
     # wanted) a 10-block prompt cannot be reserved on this 32-block pool until it lands
     async with pd_pair(reserved=512) as (_, dec):
-        first = await dec.driver.reserve_kv(list(range(4, 4 + 2 * BLOCK)), None, 512, 1.0)
+        first = await reserve_kv(dec.driver, list(range(4, 4 + 2 * BLOCK)), None, 512, 1.0)
         with pytest.raises(KvNotReserved, match="keeps 512 tokens"):
-            await dec.driver.reserve_kv(list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
+            await reserve_kv(dec.driver, list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
         assert dec.driver.core.imports_pending == 1  # the refused one reserved nothing
-        dec.driver.release_kv(first)
-        ok = await dec.driver.reserve_kv(list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
+        release_kv(dec.driver, first)
+        ok = await reserve_kv(dec.driver, list(range(9_000, 9_000 + 10 * BLOCK)), None, 512, 0.2)
         assert ok.present == 0 and len(ok.keys) == 10
-        dec.driver.release_kv(ok)
+        release_kv(dec.driver, ok)
         assert dec.driver.core.imports_pending == 0 and dec.driver.core.cache.reserved == 0
 
 
@@ -116,7 +117,7 @@ async def test_a_decode_pool_that_never_has_room_answers_503_and_keeps_nothing(
     monkeypatch.setattr(server, "WAIT_S", 0.3)
     monkeypatch.setattr(pd_bootstrap, "WAIT_S", 0.3)
     async with pd_pair() as (pre, dec):
-        held = await dec.driver.reserve_kv(list(range(4, 4 + 30 * BLOCK)), None, 0, 1.0)
+        held = await reserve_kv(dec.driver, list(range(4, 4 + 30 * BLOCK)), None, 0, 1.0)
         body = paired(pre, "r2", blocks=10)
         (p_status, p_body), (d_status, d_body) = await asyncio.gather(
             post(pre.url, body), post(dec.url, body)
@@ -127,7 +128,7 @@ async def test_a_decode_pool_that_never_has_room_answers_503_and_keeps_nothing(
         assert "no decode engine bootstrapped room" in p_body["error"]["message"]
         assert not pre.driver.core.cache.contents()
         assert dec.driver.core.imports_pending == 1  # only the test's own reservation
-        dec.driver.release_kv(held)
+        release_kv(dec.driver, held)
 
 
 async def test_an_abort_ends_a_prefill_waiting_for_its_decode_side() -> None:
@@ -194,14 +195,14 @@ async def test_an_engine_out_of_pages_waits_for_the_import_without_spinning() ->
         request = GenerateInput("g", list(range(4, 4 + 10 * BLOCK)), 300)
         events = driver.generate(request)
         await anext(events)
-        held = await driver.reserve_kv(list(range(9_000, 9_000 + 20 * BLOCK)), None, 0, 1.0)
+        held = await reserve_kv(driver, list(range(9_000, 9_000 + 20 * BLOCK)), None, 0, 1.0)
         drained = asyncio.ensure_future(_drain(events))
         await asyncio.sleep(0.3)
         cpu = time.process_time()
         await asyncio.sleep(0.5)  # the decode cannot get a page: retracted, the engine stalls
         assert not drained.done()
         assert time.process_time() - cpu < 0.1  # waiting, not spinning
-        driver.release_kv(held)
+        release_kv(driver, held)
         last = await asyncio.wait_for(drained, 10)
         assert last.finished and last.completion_tokens == 300
     finally:

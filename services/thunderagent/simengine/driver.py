@@ -138,23 +138,6 @@ def to_wire(
     return out
 
 
-class KvNotReserved(Exception):
-    """A decode engine found no room for a prompt's KV in time."""
-
-
-@dataclass(slots=True)
-class KvReservation:
-    """Pages a decode engine reserved for a prompt's KV (``EngineDriver.reserve_kv``)."""
-
-    keys: list[int]
-    present: int
-    """Leading blocks already cached here (pinned, not sent)."""
-    token_ids: list[int]
-    space: CacheNamespace | None
-    open: bool = True
-    """Reserved, and neither filled nor given back yet (each happens once)."""
-
-
 class EngineDriver:
     def __init__(
         self,
@@ -266,7 +249,7 @@ class EngineDriver:
         """PD: the full blocks of ``token_ids`` arrive from a prefill engine and become cached
         here, in ``space`` (the request's salt and adapter) as the prefill engine cached them.
         Returns (blocks imported, modelled transfer seconds at ``link_bytes_per_s``)."""
-        keys, full = self._full_block_keys(token_ids, space)
+        keys, full = self.full_block_keys(token_ids, space)
         if space:  # the events of the imported blocks name the namespace
             self.salts.hold(keys, space)
         blocks = self.core.import_blocks(keys, token_ids[:full])
@@ -275,7 +258,7 @@ class EngineDriver:
             self.salts.release(keys, self.core.cache.__contains__)
         return blocks, self.copy_s(blocks)
 
-    def _full_block_keys(
+    def full_block_keys(
         self, token_ids: list[int], space: CacheNamespace | None
     ) -> tuple[list[int], int]:
         """The keys of the full blocks of ``token_ids`` in ``space``, as this engine caches
@@ -285,92 +268,16 @@ class EngineDriver:
             token_ids[:full], self.block_size, space and space.seed()
         ), full
 
-    # ---- SGLang's PD, the decode side: reserve, fill or give back a prompt's pages ----------
-    async def reserve_kv(
-        self,
-        token_ids: list[int],
-        space: CacheNamespace | None,
-        reserved_decode_tokens: int,
-        timeout_s: float,
-    ) -> KvReservation:
-        """Reserve pages for the full blocks of ``token_ids``, whose KV a prefill engine will
-        send, once they fit with ``reserved_decode_tokens`` per request held kept free
-        (``EngineCore.reserve_for_decode``); waits for room up to ``timeout_s``."""
-        keys, full = self._full_block_keys(token_ids, space)
-        deadline = time.monotonic() + timeout_s
-        made: list[int] = []
-
-        def attempt() -> int | None:
-            present = self.core.reserve_for_decode(keys, reserved_decode_tokens)
-            if present is not None:
-                made.append(present)
-            return present
-
-        while True:
-            changed = self._next_change()
-            try:
-                present = await self.between_steps(attempt)
-            except asyncio.CancelledError:
-                if made:  # reserved just before the cancel reached us: give it back
-                    self.give_back_import(keys, made[0])
-                raise
-            if present is not None:
-                return KvReservation(keys, present, token_ids[:full], space)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise KvNotReserved(
-                    f"no room for {len(keys)} KV blocks in {timeout_s:g} s (the decode engine "
-                    f"keeps {reserved_decode_tokens} tokens per request it holds)"
-                )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(changed), left)
-
-    async def fill_kv(self, reservation: KvReservation) -> float:
-        """The prefill engine's KV arrives in the reserved pages: after the modelled transfer
-        time the blocks are cached here (Stored events name the request's namespace). Returns
-        the modelled seconds."""
-        seconds = self.copy_s(len(reservation.keys) - reservation.present)
-        await asyncio.sleep(seconds / self.speedup)
-        keys, space = reservation.keys, reservation.space
-
-        def commit() -> None:
-            if not reservation.open:  # given back while the bytes crossed
-                return
-            reservation.open = False
-            if space:
-                self.salts.hold(keys, space)
-            self.core.commit_import(keys, reservation.present, reservation.token_ids)
-
-        await self.between_steps(commit)
-        if space:
-            self.salts.release(keys, self.core.cache.__contains__)
-        return seconds
-
-    def release_kv(self, reservation: KvReservation) -> None:
-        """Give reserved pages back (the prefill failed, or the request was dropped): at once,
-        as nothing was inserted there is no event to order."""
-        if reservation.open:
-            reservation.open = False
-            self.give_back_import(reservation.keys, reservation.present)
-
     def copy_s(self, blocks: int) -> float:
         """Modelled seconds to copy ``blocks`` KV blocks over the PD link."""
         return blocks * self.profile.kv_bytes_per_block / self.link_bytes_per_s
 
-    def hold_prompt(self, token_ids: list[int], space: CacheNamespace | None) -> Callable[[], None]:
-        """SGLang's PD, the prefill side: pin the prompt's cached full blocks, the source of a
-        copy, so they stay while it lasts; returns the release (once; later calls do nothing)."""
-        keys, _ = self._full_block_keys(token_ids, space)
-        pinned, _ = self.core.pin_prefix(keys, need_tokens=False)  # no event: no step order
-        held = [pinned]
-
-        def release() -> None:
-            if held:
-                self.core.unpin_prefix(held.pop())
-                self._signal_change()
-                self._wake.set()
-
-        return release
+    def unpin(self, keys: list[int]) -> None:
+        """Blocks pinned outside any request (a copy's source) are free to go; an engine that
+        stalled for want of room goes on."""
+        self.core.unpin_prefix(keys)
+        self._signal_change()
+        self._wake.set()
 
     def give_back_import(self, keys: list[int], present: int) -> None:
         """An import that will not land gives its pages back at once (no event to order), and
@@ -379,7 +286,8 @@ class EngineDriver:
         self._signal_change()
         self._wake.set()
 
-    def _next_change(self) -> asyncio.Future:
+    def next_change(self) -> asyncio.Future:
+        """Resolved at the next step's end or cache change: room may have been freed then."""
         if self._changed is None or self._changed.done():
             self._changed = asyncio.get_running_loop().create_future()
         return self._changed

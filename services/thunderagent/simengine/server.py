@@ -31,7 +31,6 @@ from thunderagent.simengine.driver import (
     EngineDriver,
     EngineRejected,
     GenerateInput,
-    KvNotReserved,
     TokenEvent,
     first_stop,
     stop_strings,
@@ -48,6 +47,13 @@ from thunderagent.simengine.pd_bootstrap import (
     PrefillRooms,
     pairing_of,
     take_kv,
+)
+from thunderagent.simengine.pd_pages import (
+    KvNotReserved,
+    fill_kv,
+    hold_prompt,
+    release_kv,
+    reserve_kv,
 )
 from thunderagent.simengine.salts import cache_namespace
 from thunderagent.telemetry import extract_context, start_span_if_sampled
@@ -291,7 +297,7 @@ class SimEngineApp:
             self.rooms.offer(room, None)
             return
         space = cache_namespace(req.cache_salt, req.lora_name)
-        release = engine.hold_prompt(req.input_ids, space)
+        release = hold_prompt(engine, req.input_ids, space)
         loop = asyncio.get_running_loop()
         untaken = loop.call_later(WAIT_S, release)
         copy_s = engine.copy_s(len(req.input_ids) // engine.block_size) / engine.speedup
@@ -350,8 +356,8 @@ class SimEngineApp:
         prefill engine into them (in the request's namespace, after the modelled transfer
         time); the reservation is given back if the KV does not come."""
         space = cache_namespace(req.cache_salt, req.lora_name)
-        reservation = await engine.reserve_kv(
-            req.input_ids, space, self.info.reserved_decode_tokens, WAIT_S
+        reservation = await reserve_kv(
+            engine, req.input_ids, space, self.info.reserved_decode_tokens, WAIT_S
         )
         try:
             if self._pd_session is None:
@@ -359,9 +365,9 @@ class SimEngineApp:
             offered = await take_kv(self._pd_session, pairing)
             if offered.token_ids != req.input_ids:
                 raise KvNotReceived(f"room {pairing.room} holds another prompt")
-            await engine.fill_kv(reservation)
+            await fill_kv(engine, reservation)
         finally:
-            engine.release_kv(reservation)  # a no-op once filled
+            release_kv(engine, reservation)  # a no-op once filled
 
     async def _close_pd_session(self, _: web.Application) -> None:
         if self._pd_session is not None:
