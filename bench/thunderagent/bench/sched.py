@@ -185,24 +185,26 @@ def pd(s: Setup) -> dict:
     )
     for key, name, via in runs:
         cfg = _cfg(s, name, roles=roles, link_bytes_per_s=s.link_bytes_per_s, pd_via=via)
-        res, wall = _timed(lambda c=cfg: run_open(c, reqs))
-        out[key] = {
-            "ttft_p50_ms": _ms(_ttft(res.records), 50),
-            "ttft_p99_ms": _ms(_ttft(res.records), 99),
-            "e2e_p50_ms": _ms(_e2e(res.records), 50),
-            "e2e_p99_ms": _ms(_e2e(res.records), 99),
-            "transfer_p50_ms": _ms(res.transfers_s, 50),
-            "transfer_p99_ms": _ms(res.transfers_s, 99),
-            "pd_held_polls": res.sched_stats.get("pd_held_polls", 0),
-            "bootstrap_waits": sum(w > 0 for w in res.bootstrap_waits_s),
-            "bootstrap_wait_p99_ms": _ms(res.bootstrap_waits_s, 99)
-            if res.bootstrap_waits_s
-            else None,
-            **_common(res, wall),
-        }
+        out[key] = _pd_row(*_timed(lambda c=cfg: run_open(c, reqs)))
     out["roles"] = {"prefill": n_prefill, "decode": s.workers - n_prefill}
     out["link_gb_s"] = s.link_bytes_per_s / 1e9
     return out
+
+
+def _pd_row(res: ReplayResult, wall: float) -> dict:
+    waits = res.bootstrap_waits_s
+    return {
+        "ttft_p50_ms": _ms(_ttft(res.records), 50),
+        "ttft_p99_ms": _ms(_ttft(res.records), 99),
+        "e2e_p50_ms": _ms(_e2e(res.records), 50),
+        "e2e_p99_ms": _ms(_e2e(res.records), 99),
+        "transfer_p50_ms": _ms(res.transfers_s, 50),
+        "transfer_p99_ms": _ms(res.transfers_s, 99),
+        "pd_held_polls": res.sched_stats.get("pd_held_polls", 0),
+        "bootstrap_waits": sum(w > 0 for w in waits),
+        "bootstrap_wait_p99_ms": _ms(waits, 99) if waits else None,
+        **_common(res, wall),
+    }
 
 
 # ---- scenario 4: agent programs -----------------------------------------------------------
