@@ -427,7 +427,7 @@ class Replay(SchedulerActions):
                 completion_tokens=rec.completion_tokens,
             )
             self._completed(rec, worker_id, t)
-        if self.links.prealloc_queue(worker_id):  # SGLang's PD: room freed for a reservation?
+        if self.links.awaiting_room(worker_id):  # SGLang's PD: room freed for a reservation?
             self._preallocate(w, t)
 
     def _completed(self, rec: Record, worker_id: str, t: float) -> None:

@@ -22,7 +22,7 @@ A ``Dispatch(rid, p, decode_worker=d)`` is modelled in three phases:
 That is the workers' hand-off (``pd_via="workers"``, ``thunderagent up --pd-via workers``): the
 client's first token is the prefill's. Under SGLang's own PD (``pd_via="sglang"``, read in SGLang
 0.5.23's ``disaggregation/decode.py`` and ``prefill.py``) the router sends the request to both
-engines at once and two things change:
+engines at once and three things change:
 
 0. **bootstrap** first: the decode engine reserves pages for the prompt's KV when the request
    arrives (its prealloc queue, first come first served: one that does not fit waits, and so do
@@ -74,7 +74,6 @@ class TransferLinks:
     _queued_at: dict[str, float] = field(default_factory=dict)
     _sources: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     """SGLang's PD: per run in transfer, its prefill worker and the blocks pinned there."""
-    _pinned_on: dict[str, int] = field(default_factory=dict)
     bootstrap_waits: list[float] = field(default_factory=list)
     """SGLang's PD: each run's time in its decode worker's prealloc queue."""
 
@@ -102,7 +101,11 @@ class TransferLinks:
 
     def prealloc_queue(self, decode_worker: str) -> deque[str]:
         """Runs waiting for ``decode_worker`` to reserve their prompt's pages, oldest first."""
-        return self._prealloc.get(decode_worker) or deque()
+        return self._prealloc.setdefault(decode_worker, deque())
+
+    def awaiting_room(self, decode_worker: str) -> bool:
+        """Some run waits in ``decode_worker``'s prealloc queue (checked after every step)."""
+        return bool(self._prealloc.get(decode_worker))
 
     def bootstrapped(self, rid: str, keys: list[int], present: int, now: float) -> None:
         """The decode worker reserved ``keys`` (``present`` of them it already held, pinned):
@@ -115,18 +118,15 @@ class TransferLinks:
     def hold_source(self, rid: str, source: str, keys: list[int]) -> None:
         """SGLang's PD: the prefill worker keeps a run's KV (``keys`` pinned) until it lands."""
         self._sources[rid] = (source, keys)
-        self._pinned_on[source] = self._pinned_on.get(source, 0) + 1
 
     def release_source(self, rid: str) -> tuple[str, list[int]] | None:
         """The run's KV landed: the prefill worker and the blocks it may unpin now."""
-        held = self._sources.pop(rid, None)
-        if held is not None:
-            self._pinned_on[held[0]] -= 1
-        return held
+        return self._sources.pop(rid, None)
 
-    def sending(self, worker: str) -> int:
-        """Runs whose KV ``worker`` keeps pinned until their transfer lands."""
-        return self._pinned_on.get(worker, 0)
+    def sending(self, worker: str) -> bool:
+        """``worker`` keeps some run's KV pinned until its transfer lands (asked only when an
+        engine finds nothing it can run)."""
+        return any(source == worker for source, _ in self._sources.values())
 
     def take_reservation(self, rid: str) -> tuple[list[int], int] | None:
         """The pages reserved for ``rid`` on its decode worker (SGLang's PD), now to be filled
