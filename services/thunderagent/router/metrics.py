@@ -41,3 +41,8 @@ class RouterMetrics:
             description="Hashing + index walk + scoring per request",
             explicit_bucket_boundaries_advisory=list(DECISION_BUCKETS_S),
         )
+        self.shed = m.create_counter(
+            "thunderagent_shed_requests",
+            description="Requests answered overloaded unrouted: the hand-offs this router "
+            "waits on were at their limit (HandoffLimit)",
+        )

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from msgspec import structs
@@ -29,6 +29,7 @@ from thunderagent.migration.pull import PullPlanner
 from thunderagent.router.metrics import RouterMetrics
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
 from thunderagent.scheduling.credits import CreditWallet, Grant
+from thunderagent.scheduling.handoff_limit import HandoffLimit
 from thunderagent.schemas import (
     RUN_END_PHASES,
     Ack,
@@ -89,6 +90,9 @@ class RouterConfig:
     pull: MigrationParams = field(default_factory=MigrationParams)
     """What a pull at dispatch is decided on, for the runs this replica hands to a worker
     itself (the fast path; ``SchedulerConfig.pull``)."""
+    handoffs: HandoffLimit = field(default_factory=HandoffLimit)
+    """How many requests may wait for their hand-off's ack at once; more are answered
+    ``overloaded`` unrouted (a client's resend never is)."""
 
 
 class Router:
@@ -102,6 +106,9 @@ class Router:
         self.wallet = CreditWallet()
         """Room the scheduler lent this replica (the fast path)."""
         self.pulls = PullPlanner(config.pull)
+        self.handoffs = replace(config.handoffs)  # its own count and limit
+        self._shed_logged = (0.0, 0)
+        """When refusals were last logged, and the count then."""
         self.last_grant_at = 0.0
         self.served_models: set[str] = set()
         """Models some worker registered since start (the fleet watcher adds them): asked for
@@ -153,8 +160,24 @@ class Router:
         if refused is not None:
             await self._fail(reply, req, *refused)
             return
+        # a resend is never refused: its first send may be running, and "overloaded" would
+        # have its client give up on it
+        if req.retry:
+            await self._route_and_hand_on(req, reply, workers[0].registration.block_size)
+            return
+        if not self.handoffs.acquire():
+            await self._shed(req, reply)
+            return
+        started = time.monotonic()
+        try:
+            await self._route_and_hand_on(req, reply, workers[0].registration.block_size)
+        finally:
+            now = time.monotonic()
+            self.handoffs.release(now - started, now)
+
+    async def _route_and_hand_on(self, req: GenerateRequest, reply: str, block_size: int) -> None:
         with child_span(_tracer, "router route") as span:
-            routed = self.route(req, reply, workers[0].registration.block_size)
+            routed = self.route(req, reply, block_size)
             if routed is None:  # the last worker left while we tokenized
                 await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
                 return
@@ -165,6 +188,27 @@ class Router:
             self.decisions.add(decision)
             if not await self._dispatch_directly(*routed):
                 await self._submit(submit)
+
+    async def _shed(self, req: GenerateRequest, reply: str) -> None:
+        """``overloaded``, unrouted: the stack behind this replica is not answering its
+        hand-offs in time (``HandoffLimit``). Logged once a second with the count: a line per
+        request would add to the load being shed."""
+        self.metrics.shed.add(1)
+        now = time.monotonic()
+        if now - self._shed_logged[0] >= 1.0:
+            refused = self.handoffs.shed - self._shed_logged[1]
+            log.warning("router overloaded: %d requests refused, %d hand-offs in flight",
+                        refused, self.handoffs.in_flight)  # fmt: skip
+            self._shed_logged = (now, self.handoffs.shed)
+        error = ErrorReply(
+            code=ErrorCode.OVERLOADED,
+            message=f"router overloaded: {self.handoffs.in_flight} requests already wait for "
+            "the scheduler or a worker to take them; retry later",
+            request_id=req.request_id,
+            service="router",
+            retry_after_s=self.handoffs.retry_after_s(),
+        )
+        await self.bus.publish(reply, error)
 
     async def _dispatch_directly(self, submit: ScheduleRequest, routed: Routed) -> bool:
         """The fast path: with credit for the first candidate, hand the request to its adapter
