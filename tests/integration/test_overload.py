@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.test_kv_routing import wait_for
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
 from thunderagent.scheduling.handoff_limit import HandoffLimit
@@ -52,8 +53,7 @@ async def test_a_router_past_its_hand_off_bound_refuses_at_once_and_serves_the_r
         try:
             scheduler.delay_s = 0.6
             first = asyncio.create_task(client.generate(_request([1, 2, 3])))
-            while router.handoffs.in_flight < 1:
-                await asyncio.sleep(0.005)
+            await wait_for(lambda: router.handoffs.in_flight == 1, what="the first hand-off")
 
             started = time.monotonic()
             with pytest.raises(RequestFailed) as refused:
