@@ -84,4 +84,3 @@ class HandoffLimit:
     def retry_after_s(self) -> float:
         """A hint for a refused sender: about one slow answer's time, in whole seconds."""
         return float(max(1, math.ceil(self.slow_s)))
-
