@@ -40,8 +40,10 @@ class HandoffLimit:
     136 / 86 ms); at 4,000 req/s, past what the stack holds, 0.25 s kept added p99 at 363 ms
     (1,961 of 12,000 refused) and 0.5 s let it reach 1,041 ms (1,527 refused)."""
     backoff: float = 0.7
-    """The limit after a slow ack, as a share of what it was."""
+    """After a slow ack the bound is this share of what it was, or of the hand-offs then in
+    flight where they are fewer."""
     limit: float = field(init=False)
+    """The bound now (its whole part counts)."""
     in_flight: int = field(default=0, init=False)
     shed: int = field(default=0, init=False)
     """Requests refused so far."""
