@@ -198,3 +198,35 @@ async def test_an_abandoned_stream_is_cancelled_when_asked(nats_server):
         await nc.close()
     await watcher.close()
     await router.close()
+
+
+async def test_a_second_run_from_the_same_position_reaches_the_client_once(nats_server):
+    """A run the scheduler could not stop (its worker answered neither the hand-off nor the
+    abort) streams on beside the run that replaced it, both from the same position: the client
+    gets each position's tokens once, in order, however the two interleave."""
+    nc = await connect(nats_server.url, name="two-runs")
+
+    async def on_request(msg) -> None:
+        req = msgspec.json.decode(msg.data, type=GenerateRequest)
+        tokens = req.token_ids or []
+        # the stray run got two tokens out, then the replacement streams them all from 0
+        for i in [0, 1, 0, 1, 2, 3]:
+            chunk = TokenChunk(request_id=req.request_id, index=i, token_ids=[tokens[i]])
+            await nc.publish(msg.reply, enc.encode(chunk))
+        usage = Usage(prompt_tokens=4, cached_tokens=0, completion_tokens=4)
+        done = FinalReply(request_id=req.request_id, worker_id="w", usage=usage,
+                          ttft_ms=0.1, e2e_ms=0.2)  # fmt: skip
+        await nc.publish(msg.reply, enc.encode(done))
+
+    await nc.subscribe(subjects.requests(MODEL), cb=on_request)
+    await nc.flush()
+    for retries in (0, 3):  # the first chunk comes through the retrying path too
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=5, retries=retries)
+        request = GenerateRequest(model=MODEL, token_ids=[7, 8, 9, 10], max_tokens=4)
+        replies = await _collect(client.stream(request))
+        chunks = [r for r in replies if isinstance(r, TokenChunk)]
+        assert [c.index for c in chunks] == [0, 1, 2, 3]
+        assert [t for c in chunks for t in c.token_ids] == [7, 8, 9, 10]
+        assert isinstance(replies[-1], FinalReply)
+        await client.close()
+    await nc.close()

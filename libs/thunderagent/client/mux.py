@@ -35,6 +35,7 @@ from thunderagent.schemas import (
     GenerateRequest,
     HeldReply,
     ReplyMessage,
+    TokenChunk,
     subjects,
 )
 from thunderagent.telemetry import extract_context, inject_headers
@@ -187,6 +188,8 @@ class Call:
         self._spawn = spawn
         self.published = False
         self.finished = False
+        self._delivered = 0
+        """Output positions the client has had tokens for (``TokenChunk.index`` + its length)."""
         self.cancel_reason = "client disconnected"
 
     async def start(self, headers: dict[str, str] | None = None) -> ReplyMessage:
@@ -208,8 +211,9 @@ class Call:
             reply = await self._first(self.retry_after_s)
             if isinstance(reply, HeldReply):
                 return await self.next()
-            if not _worth_retrying(reply):
-                return reply  # not None: silence is worth retrying
+            if not _worth_retrying(reply):  # not None: silence is worth retrying
+                self._new(reply)  # the positions of a first chunk count as delivered
+                return reply
             if not self.retries:
                 return reply if reply is not None else self._unheard(sends, started)
             self.retries -= 1
@@ -281,16 +285,18 @@ class Call:
         return None
 
     def next_nowait(self) -> ReplyMessage | None:
-        """The next reply already here, or None (a ``HeldReply`` is not one: it is skipped)."""
+        """The next reply already here, or None (a ``HeldReply`` is not one, nor are tokens
+        the client already has: both are skipped)."""
         while (msg := self._inbox.pop()) is not None:
             reply = self._decode(msg)
-            if not isinstance(reply, HeldReply):
+            if self._new(reply):
                 return reply
         return None
 
     async def next(self) -> ReplyMessage:
-        """The next reply, ``HeldReply`` skipped (one may trail a resend the first token beat);
-        the ``timeout_code`` error after ``idle_timeout_s`` without one."""
+        """The next reply, ``HeldReply`` skipped (one may trail a resend the first token beat)
+        and tokens the client already has skipped; the ``timeout_code`` error after
+        ``idle_timeout_s`` without one."""
         while True:
             msg = self._inbox.pop()
             if msg is None:
@@ -300,8 +306,22 @@ class Call:
                     self.cancel_reason = f"{self.service}: no reply within {self.idle_timeout_s:g}s"
                     return self._error(self.timeout_code, self.cancel_reason)
             reply = self._decode(msg)
-            if not isinstance(reply, HeldReply):
+            if self._new(reply):
                 return reply
+
+    def _new(self, reply: ReplyMessage) -> bool:
+        """Whether ``reply`` is news to the client. A chunk whose tokens all sit at positions
+        already delivered is a second run's copy: a run the scheduler could not confirm it had
+        stopped (its worker answered neither the hand-off nor the abort) streams on beside the
+        one that replaced it, both from the same position. The client keeps one stream."""
+        if isinstance(reply, HeldReply):
+            return False
+        if isinstance(reply, TokenChunk) and reply.token_ids:
+            end = reply.index + len(reply.token_ids)
+            if end <= self._delivered:
+                return False
+            self._delivered = end
+        return True
 
     def _decode(self, msg) -> ReplyMessage:
         headers = msg.headers
