@@ -51,7 +51,7 @@ async def test_a_router_past_its_hand_off_bound_refuses_at_once_and_serves_the_r
         router.handoffs = HandoffLimit(initial=1, minimum=1, slow_s=0.25)
         client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20, retries=0)
         try:
-            scheduler.delay_s = 0.6
+            scheduler.delay_s = 0.4  # over slow_s; two in a row stay well under the 2 s wait
             first = asyncio.create_task(client.generate(_request([1, 2, 3])))
             await wait_for(lambda: router.handoffs.in_flight == 1, what="the first hand-off")
 
