@@ -97,11 +97,15 @@ def _planner_params(params: dict) -> object:
 def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.router.service import RouterConfig, main
     from thunderagent.router_core import RouterParams
+    from thunderagent.scheduling.handoff_limit import HandoffLimit
     from thunderagent.shell import run_service
 
     params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
     _checked("router", lambda: _policy(params))
-    config = RouterConfig(params=params, redis_url=args.redis, pull=_pull_params(args))
+    handoffs = HandoffLimit(slow_s=args.handoff_slow_ms / 1e3)
+    config = RouterConfig(
+        params=params, redis_url=args.redis, pull=_pull_params(args), handoffs=handoffs
+    )
     run_service("router", args.nats, lambda ctx: main(ctx, config), metrics_port=args.metrics_port)
 
 
@@ -265,12 +269,19 @@ def _stack_commands(add) -> None:
 
 
 def _control_plane_commands(add) -> None:
+    from thunderagent.shell.argtypes import positive
+
     p = add("router", "run a router replica", _cmd_router)
     _nats_arg(p)
     _metrics_arg(p)
     p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
     _param_arg(p, "routing policy")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
+    p.add_argument(
+        "--handoff-slow-ms", type=positive, default=250.0,
+        help="a hand-off ack slower than this cuts the bound on the requests waiting for one "
+        "(past it a request is answered overloaded, HTTP 429); docs/reliability.md, Limits",
+    )  # fmt: skip
     _pull_arg(p)
     p.add_argument(
         "--redis",

@@ -81,6 +81,7 @@ def test_list_flags_refuse_empty_repeated_and_non_finite_items() -> None:
         (["request", "hi", "--priority", "12"], "--priority"),
         (["gateway", "--default-max-tokens", "0"], "--default-max-tokens"),
         (["migration", "--link-gbps", "0"], "--link-gbps"),
+        (["router", "--handoff-slow-ms", "0"], "--handoff-slow-ms"),
         # what a command reads, writes or connects to (stop 41)
         (["up", "--tls-cert", "/nonexistent/cert.pem"], "--tls-cert"),
         (["up", "--nats", "localhost:4222"], "--nats"),
