@@ -135,8 +135,10 @@ class Router:
 
     async def handle(self, req: GenerateRequest, reply: str) -> None:
         """Route ``req`` and hand it on; every answer (tokens, final reply or error) goes to
-        ``reply``. Returns once the adapter or the scheduler has acknowledged it. The request
-        subscription calls this; so does a process that embeds the router (``Call(route=)``)."""
+        ``reply``. Returns once the adapter or the scheduler has acknowledged it, or at once with
+        ``overloaded`` when the hand-offs waiting for an ack are at their bound (``handoffs``).
+        The request subscription calls this; so does a process that embeds the router
+        (``Call(route=)``)."""
         # Let what this connection has already read be applied first: a run's end is published
         # before its answer, but an embedded caller that found the answer already in its inbox
         # comes straight back with the next turn, ahead of the end's handler (its worker would
