@@ -32,7 +32,6 @@ import asyncio
 import json
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from thunderagent.bench.baseline_routers import (
 )
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
+from thunderagent.bench.loadgen import error_codes
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.engine.profiles import PRESETS
@@ -122,8 +122,7 @@ class SystemResult:
             "completed": len(ok),
             "errors": len(self.outcomes) - len(ok),
             "first_errors": sorted({o.error for o in self.outcomes if o.error})[:3],
-            # the error class before its message: overloaded (shed, with a retry hint) vs the rest
-            "error_codes": dict(Counter(o.error.split(":")[0] for o in self.outcomes if o.error)),
+            "error_codes": error_codes(o.error for o in self.outcomes),
             "achieved_rate": round(len(self.outcomes) / self.wall_s, 1) if self.wall_s else 0,
             "ttft_ms": dist([o.ttft_ms for o in ok]),
             "e2e_ms": dist([o.e2e_ms for o in ok]),

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -71,12 +72,19 @@ class LoadResult:
             "completed": len(ok),
             "errors": len(self.samples) - len(ok),
             "first_errors": errors[:3],
+            "error_codes": error_codes(s.error for s in self.samples),
             "achieved_rate": round(len(self.samples) / self.wall_s, 1) if self.wall_s else 0.0,
             "ttft_p50_ms": _q(ttft, 50),
             "ttft_p99_ms": _q(ttft, 99),
             "e2e_p50_ms": _q([s.e2e_ms for s in ok], 50),
             "start_lag_p99_ms": _q(lag, 99),
         }
+
+
+def error_codes(errors: Iterable[str]) -> dict[str, int]:
+    """How many requests ended with each error class (the text before the first colon):
+    ``overloaded`` refusals, which carry a retry hint, apart from failures."""
+    return dict(Counter(e.split(":")[0] for e in errors if e))
 
 
 def _q(values: list[float], q: float) -> float:

@@ -90,9 +90,12 @@ def test_summary_separates_the_engines_time_and_counts_token_messages() -> None:
         live.Outcome(ttft_ms=30.0, e2e_ms=40.0, engine_ttft_ms=20.0, prompt_tokens=100,
                 cached_tokens=0, token_messages=5),
         live.Outcome(error="HTTP 503: busy"),
+        live.Outcome(error="overloaded: router overloaded: 64 requests already wait"),
+        live.Outcome(error="overloaded: router overloaded: 65 requests already wait"),
     ]  # fmt: skip
     summary = live.SystemResult("s", outcomes, wall_s=1.0).summary()
-    assert summary["requests"] == summary["completed"] + summary["errors"] == 3
+    assert summary["requests"] == summary["completed"] + summary["errors"] == 5
+    assert summary["error_codes"] == {"HTTP 503": 1, "overloaded": 2}
     assert summary["engine_ttft_ms"]["mean"] == 12.0
     assert summary["added_latency_ms"]["mean"] == 8.0  # (6 + 10) / 2
     assert summary["token_messages_per_request"] == 4.0
