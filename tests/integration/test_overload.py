@@ -1,10 +1,13 @@
 """A router in front of a scheduler that acks late: past its bound on hand-offs in flight it
 answers ``overloaded`` at once, unrouted, with a retry hint; a client's resend is never refused;
-what it took runs to the end; and once acks are fast again it takes everything."""
+what it took runs to the end; and once acks are fast again it takes everything. Each router's
+bound and the hand-offs it waits on are on its /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -91,3 +94,33 @@ async def test_a_router_past_its_hand_off_bound_refuses_at_once_and_serves_the_r
             assert router.handoffs.limit > 1.0
         finally:
             await client.close()
+
+
+PROBE = """
+import urllib.request
+from thunderagent.telemetry.setup import setup_telemetry
+tel = setup_telemetry("thunderagent-probe", metrics_port=0)
+from thunderagent.router.service import Router, RouterConfig
+from thunderagent.scheduling.handoff_limit import HandoffLimit
+for rid in ("r1", "r2"):
+    router = Router(RouterConfig(router_id=rid, handoffs=HandoffLimit(initial=8)), bus=None)
+    assert router.handoffs.acquire() and router.handoffs.acquire()
+print(urllib.request.urlopen(f"http://127.0.0.1:{tel.metrics_port}/metrics").read().decode())
+tel.shutdown()
+"""
+
+
+def test_each_router_exports_its_hand_offs_in_flight_and_their_bound() -> None:
+    text = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    rows = {
+        (line.split("{", 1)[0], line.split('router_id="', 1)[1].split('"', 1)[0]): float(
+            line.rsplit(" ", 1)[1]
+        )
+        for line in text.splitlines()
+        if line.startswith("thunderagent_router_handoff")
+    }
+    for rid in ("r1", "r2"):  # two routers in one process: both read, not only the first
+        assert rows[("thunderagent_router_handoffs_in_flight", rid)] == 2.0
+        assert rows[("thunderagent_router_handoff_bound", rid)] == 8.0

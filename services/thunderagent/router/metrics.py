@@ -6,7 +6,16 @@ queries; rates are computed there from the counters.
 
 from __future__ import annotations
 
+import functools
+import weakref
+from typing import TYPE_CHECKING
+
+from opentelemetry.metrics import Observation
+
 from thunderagent.telemetry.setup import meter
+
+if TYPE_CHECKING:
+    from thunderagent.router.service import Router
 
 DECISION_BUCKETS_S = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
@@ -46,3 +55,34 @@ class RouterMetrics:
             description="Requests answered overloaded unrouted: the hand-offs this router "
             "waits on were at their limit (HandoffLimit)",
         )
+
+
+_ROUTERS: weakref.WeakSet[Router] = weakref.WeakSet()
+
+
+def watch_handoffs(router: Router) -> None:
+    """Report ``router``'s bound on hand-offs and how many wait for an ack, at each scrape."""
+    _handoff_gauges()
+    _ROUTERS.add(router)
+
+
+@functools.cache
+def _handoff_gauges() -> None:
+    """Made once per process: OpenTelemetry answers a second instrument of a name with the
+    first, so a second router's callback would never be called; this one reads them all."""
+    m = meter("thunderagent.router")
+
+    def read(field: str) -> list[Observation]:
+        return [Observation(getattr(r.handoffs, field), {"router_id": r.config.router_id})
+                for r in list(_ROUTERS)]  # fmt: skip
+
+    m.create_observable_gauge(
+        "thunderagent_router_handoffs_in_flight",
+        [lambda _: read("in_flight")],
+        description="Requests this router has handed on and waits for the ack of",
+    )
+    m.create_observable_gauge(
+        "thunderagent_router_handoff_bound",
+        [lambda _: read("limit")],
+        description="The bound on them (HandoffLimit): past it requests are answered overloaded",
+    )

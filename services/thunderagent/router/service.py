@@ -26,7 +26,7 @@ from thunderagent.bus.batches import BatchSender
 from thunderagent.fleet import WorkerState, check_limits, progress_refusal
 from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
-from thunderagent.router.metrics import RouterMetrics
+from thunderagent.router.metrics import RouterMetrics, watch_handoffs
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
 from thunderagent.scheduling.credits import CreditWallet, Grant
 from thunderagent.scheduling.handoff_limit import HandoffLimit
@@ -107,6 +107,7 @@ class Router:
         """Room the scheduler lent this replica (the fast path)."""
         self.pulls = PullPlanner(config.pull)
         self.handoffs = replace(config.handoffs)  # its own count and limit
+        watch_handoffs(self)
         self._shed_logged = (0.0, 0)
         """When refusals were last logged, and the count then."""
         self.last_grant_at = 0.0
