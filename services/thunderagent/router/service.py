@@ -61,6 +61,7 @@ FLEET_WAIT_S = 5.0
 """Longest a request waits for a starting replica to load the fleet's registrations."""
 
 TICK_S = 0.25
+"""How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
 HELLO_S = 1.0
 """The replica tells the scheduler it is alive this often (its credit share depends on it)."""
 DECISION_WINDOW_S = 0.05
@@ -73,9 +74,6 @@ is gone, requests queue for it instead of going out on stale room."""
 
 def submit_deadline(req: GenerateRequest) -> float | None:
     return req.deadline_ms / 1e3 if req.deadline_ms is not None else None
-
-
-"""How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
 
 
 @dataclass(kw_only=True)
@@ -163,17 +161,21 @@ class Router:
         if refused is not None:
             await self._fail(reply, req, *refused)
             return
-        # a resend is never refused: its first send may be running, and "overloaded" would
-        # have its client give up on it
+        await self._within_bound(req, reply, workers[0].registration.block_size)
+
+    async def _within_bound(self, req: GenerateRequest, reply: str, block_size: int) -> None:
+        """Route and hand on while the hand-offs waiting for an ack are under their bound, else
+        answer ``overloaded``. A resend is never refused: its first send may be running, and
+        "overloaded" would have its client give up on it."""
         if req.retry:
-            await self._route_and_hand_on(req, reply, workers[0].registration.block_size)
+            await self._route_and_hand_on(req, reply, block_size)
             return
         if not self.handoffs.acquire():
             await self._shed(req, reply)
             return
         started = time.monotonic()
         try:
-            await self._route_and_hand_on(req, reply, workers[0].registration.block_size)
+            await self._route_and_hand_on(req, reply, block_size)
         finally:
             now = time.monotonic()
             self.handoffs.release(now - started, now)
@@ -203,15 +205,10 @@ class Router:
             log.warning("router overloaded: %d requests refused, %d hand-offs in flight",
                         refused, self.handoffs.in_flight)  # fmt: skip
             self._shed_logged = (now, self.handoffs.shed)
-        error = ErrorReply(
-            code=ErrorCode.OVERLOADED,
-            message=f"router overloaded: {self.handoffs.in_flight} requests already wait for "
-            "the scheduler or a worker to take them; retry later",
-            request_id=req.request_id,
-            service="router",
-            retry_after_s=self.handoffs.retry_after_s(),
-        )
-        await self.bus.publish(reply, error)
+        message = (f"router overloaded: {self.handoffs.in_flight} requests already wait for "
+                   "the scheduler or a worker to take them; retry later")  # fmt: skip
+        await self._fail(reply, req, ErrorCode.OVERLOADED, message,
+                         self.handoffs.retry_after_s(), logged=False)  # fmt: skip
 
     async def _dispatch_directly(self, submit: ScheduleRequest, routed: Routed) -> bool:
         """The fast path: with credit for the first candidate, hand the request to its adapter
@@ -400,8 +397,11 @@ class Router:
         code: ErrorCode,
         message: str,
         retry_after_s: float | None = None,
+        *,
+        logged: bool = True,
     ) -> None:
-        log.info("request %s: %s: %s", req.request_id, code.value, message)
+        if logged:
+            log.info("request %s: %s: %s", req.request_id, code.value, message)
         error = ErrorReply(
             code=code,
             message=message,
