@@ -15,7 +15,7 @@ from opentelemetry.metrics import Observation
 from thunderagent.telemetry.setup import meter
 
 if TYPE_CHECKING:
-    from thunderagent.router.service import Router
+    from thunderagent.router.request_path import Router
 
 DECISION_BUCKETS_S = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,

@@ -1,10 +1,10 @@
-"""Router shell: decode -> resolve the prompt -> ``RouterCore.route`` -> decision -> submit.
+"""Router shell: one replica on NATS around ``Router`` (``request_path``).
 
-Everything the router decides or learns lives in the pure ``RouterCore`` (the virtual-time replay
-runs the same object); this shell only feeds it NATS: registrations and load reports (the fleet
-watcher), KV-event batches (the index follower: Redis snapshot, then the stream), where the
-scheduler sent each request (``Dispatched``), and how runs ended (``ProgressBatch``). Any number
-of replicas share the ``router`` queue group; each keeps its own index replica.
+This shell feeds the router's pure ``RouterCore`` what NATS brings: registrations and load
+reports (the fleet watcher), KV-event batches (the index follower: Redis snapshot, then the
+stream), where the scheduler sent each request (``Dispatched``), how runs ended
+(``ProgressBatch``), and the requests themselves. Any number of replicas share the ``router``
+queue group; each keeps its own index replica.
 """
 
 from __future__ import annotations
@@ -13,403 +13,32 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
-from msgspec import structs
-from opentelemetry import trace
 
-from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
-from thunderagent.bus.batches import BatchSender
-from thunderagent.fleet import WorkerState, check_limits, progress_refusal
-from thunderagent.migration import MigrationParams
-from thunderagent.migration.pull import PullPlanner
-from thunderagent.router.metrics import RouterMetrics, watch_handoffs
-from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
-from thunderagent.scheduling.credits import CreditWallet, Grant
-from thunderagent.scheduling.handoff_limit import HandoffLimit
+from thunderagent.bus import BusError
+from thunderagent.router.request_path import Router, RouterConfig
 from thunderagent.schemas import (
-    RUN_END_PHASES,
-    Ack,
     CreditGrant,
-    DirectDispatch,
     Dispatched,
-    ErrorCode,
-    ErrorReply,
     GenerateRequest,
-    HeldReply,
     ProgressBatch,
-    RequestProgress,
-    RouteDecision,
-    RouteDecisionBatch,
     RouterHello,
-    ScheduleRequest,
-    WorkerGenerate,
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext
 from thunderagent.shell.index_follower import IndexFollower
-from thunderagent.telemetry.propagation import child_span
-from thunderagent.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-_tracer = trace.get_tracer("thunderagent.router")
-
-FLEET_WAIT_S = 5.0
-"""Longest a request waits for a starting replica to load the fleet's registrations."""
 
 TICK_S = 0.25
 """How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
 HELLO_S = 1.0
 """The replica tells the scheduler it is alive this often (its credit share depends on it)."""
-DECISION_WINDOW_S = 0.05
-"""Route decisions go to observers in batches, the first of each waiting at most this long (the
-migration planner counts demand over seconds)."""
 GRANT_TTL_S = 3.0
 """Credit older than this (the scheduler re-grants every second) is dropped: if the scheduler
 is gone, requests queue for it instead of going out on stale room."""
-
-
-def submit_deadline(req: GenerateRequest) -> float | None:
-    return req.deadline_ms / 1e3 if req.deadline_ms is not None else None
-
-
-@dataclass(kw_only=True)
-class RouterConfig:
-    params: RouterParams = field(default_factory=RouterParams)
-    """The core's configuration: policy, its parameters, TTLs, feedback window."""
-    submit_timeout_s: float = 2.0
-    redis_url: str | None = None
-    """Where the index service keeps its snapshot; None starts from a full stream replay."""
-    router_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    """This replica's name on the bus (the scheduler tells it where its requests went)."""
-    pull: MigrationParams = field(default_factory=MigrationParams)
-    """What a pull at dispatch is decided on, for the runs this replica hands to a worker
-    itself (the fast path; ``SchedulerConfig.pull``)."""
-    handoffs: HandoffLimit = field(default_factory=HandoffLimit)
-    """How many requests may wait for their hand-off's ack at once; more are answered
-    ``overloaded`` unrouted (a client's resend never is)."""
-
-
-class Router:
-    """The request path: everything between a client's message and the scheduler's ack."""
-
-    def __init__(self, config: RouterConfig, bus: Bus) -> None:
-        self.config = config
-        self.bus = bus
-        self.core = RouterCore(config.params, timer=time.perf_counter)
-        self.metrics = RouterMetrics()
-        self.wallet = CreditWallet()
-        """Room the scheduler lent this replica (the fast path)."""
-        self.pulls = PullPlanner(config.pull)
-        self.handoffs = replace(config.handoffs)  # its own count and limit
-        watch_handoffs(self)
-        self._shed_logged = (0.0, 0)
-        """When refusals were last logged, and the count then."""
-        self.last_grant_at = 0.0
-        self.served_models: set[str] = set()
-        """Models some worker registered since start (the fleet watcher adds them): asked for
-        one with no worker now is ``unavailable`` (its workers left), not ``unknown_model``."""
-        self.fleet_ready = asyncio.Event()
-        """Set once the fleet's registrations are loaded; requests wait for it (a replica that
-        just started would otherwise answer "no worker serves this model")."""
-        self.decisions = BatchSender[RouteDecision](
-            self._send_decisions, DECISION_WINDOW_S, what="route decisions"
-        )
-        """Every decision, for observers (``RouteDecisionBatch``)."""
-
-    async def _send_decisions(self, decisions: list[RouteDecision]) -> None:
-        batch = RouteDecisionBatch(router_id=self.config.router_id, decisions=decisions)
-        await self.bus.publish(subjects.ROUTE_DECISIONS, batch)
-
-    async def on_request(self, req: GenerateRequest, delivery: Delivery) -> None:
-        if not delivery.reply:
-            await self.bus.reject(
-                delivery, "request has no reply subject: nowhere to stream tokens"
-            )
-            return
-        await self.handle(req, delivery.reply)
-
-    async def handle(self, req: GenerateRequest, reply: str) -> None:
-        """Route ``req`` and hand it on; every answer (tokens, final reply or error) goes to
-        ``reply``. Returns once the adapter or the scheduler has acknowledged it, or at once with
-        ``overloaded`` when the hand-offs waiting for an ack are at their bound (``handoffs``).
-        The request subscription calls this; so does a process that embeds the router
-        (``Call(route=)``)."""
-        # Let what this connection has already read be applied first: a run's end is published
-        # before its answer, but an embedded caller that found the answer already in its inbox
-        # comes straight back with the next turn, ahead of the end's handler (its worker would
-        # still look busy with the finished run).
-        await asyncio.sleep(0)
-        if not req.request_id:
-            req = structs.replace(req, request_id=uuid.uuid4().hex)
-        if not self.fleet_ready.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.fleet_ready.wait(), FLEET_WAIT_S)
-        workers = self.core.fleet.for_model(req.model, req.lora_name)
-        if not workers:
-            await self._no_worker(reply, req)
-            return
-        try:
-            req = self._resolve_prompt(req, workers[0])
-        except (OSError, RuntimeError, ValueError) as err:
-            await self._fail(reply, req, ErrorCode.BAD_REQUEST, f"cannot tokenize: {err}")
-            return
-        refused = check_limits(req.token_ids or [], req.max_tokens, workers)
-        if refused is not None:
-            await self._fail(reply, req, *refused)
-            return
-        await self._within_bound(req, reply, workers[0].registration.block_size)
-
-    async def _within_bound(self, req: GenerateRequest, reply: str, block_size: int) -> None:
-        """Route and hand on while the hand-offs waiting for an ack are under their bound, else
-        answer ``overloaded``. A resend is never refused: its first send may be running, and
-        "overloaded" would have its client give up on it."""
-        if req.retry:
-            await self._route_and_hand_on(req, reply, block_size)
-            return
-        if not self.handoffs.acquire():
-            await self._shed(req, reply)
-            return
-        started = time.monotonic()
-        try:
-            await self._route_and_hand_on(req, reply, block_size)
-        finally:
-            now = time.monotonic()
-            self.handoffs.release(now - started, now)
-
-    async def _route_and_hand_on(self, req: GenerateRequest, reply: str, block_size: int) -> None:
-        with child_span(_tracer, "router route") as span:
-            routed = self.route(req, reply, block_size)
-            if routed is None:  # the last worker left while we tokenized
-                await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
-                return
-            submit, decision = routed[0], routed[0].decision
-            span.set_attribute("thunderagent.request_id", req.request_id)
-            span.set_attribute("thunderagent.worker_id", decision.worker_id)
-            span.set_attribute("thunderagent.overlap_blocks", decision.overlap_blocks)
-            self.decisions.add(decision)
-            if not await self._dispatch_directly(*routed):
-                await self._submit(submit)
-
-    async def _shed(self, req: GenerateRequest, reply: str) -> None:
-        """``overloaded``, unrouted: the stack behind this replica is not answering its
-        hand-offs in time (``HandoffLimit``). Logged once a second with the count: a line per
-        request would add to the load being shed."""
-        self.metrics.shed.add(1)
-        now = time.monotonic()
-        if now - self._shed_logged[0] >= 1.0:
-            refused = self.handoffs.shed - self._shed_logged[1]
-            log.warning("router overloaded: %d requests refused, %d hand-offs in flight",
-                        refused, self.handoffs.in_flight)  # fmt: skip
-            self._shed_logged = (now, self.handoffs.shed)
-        message = (f"router overloaded: {self.handoffs.in_flight} requests already wait for "
-                   "the scheduler or a worker to take them; retry later")  # fmt: skip
-        await self._fail(reply, req, ErrorCode.OVERLOADED, message,
-                         self.handoffs.retry_after_s(), logged=False)  # fmt: skip
-
-    async def _dispatch_directly(self, submit: ScheduleRequest, routed: Routed) -> bool:
-        """The fast path: with credit for the first candidate, hand the request to its adapter
-        ourselves and tell the scheduler after; False when it must go through the scheduler
-        (no credit, or the request needs the queue: deadline, program, prefix follower)."""
-        req = submit.request
-        first = submit.decision.worker_id
-        if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
-            return False
-        if not self.wallet.take(first):
-            return False
-        overlap = submit.decision.overlap_blocks
-        pull = self.pulls.hint(
-            submit.decision.candidates, first, submit.block_hashes,
-            routed.query.prompt_tokens, submit.block_size, time.monotonic(),
-        )  # fmt: skip
-        work = WorkerGenerate(
-            request=req,
-            reply_subject=submit.reply_subject,
-            predicted_cached_tokens=overlap * submit.block_size,
-            pull=pull,
-        )
-        ack = Ack(accepted=False)
-        for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
-            try:
-                ack = await self.bus.request(
-                    subjects.worker_generate(first), work, Ack, timeout=self.config.submit_timeout_s
-                )
-                break
-            except BusError:
-                continue
-        if not ack.accepted:  # the scheduler will find it another worker
-            self.wallet.give_back(first)
-            return False
-        if pull is not None:
-            self.pulls.book(pull, first, time.monotonic())
-        self.core.on_dispatched(req.request_id, first, time.time())
-        notice = DirectDispatch(submit=submit, worker_id=first, pull=pull)
-        await self.bus.publish(subjects.sched_direct(req.model), notice)
-        return True
-
-    async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
-        self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id)
-        self.last_grant_at = time.monotonic()
-
-    def route(
-        self, req: GenerateRequest, reply: str, block_size: int
-    ) -> tuple[ScheduleRequest, Routed] | None:
-        """The core's decision wrapped for the scheduler (no I/O)."""
-        token_ids = req.token_ids or []
-        hashes = self.core.hash_tokens(token_ids, block_size, req.cache_salt, req.lora_name)
-        # ignore_eos: the engine generates exactly max_tokens, so that is the output length
-        hint = req.expected_output_tokens or (req.max_tokens if req.sampling.ignore_eos else None)
-        expected = self.core.expected_output(req.max_tokens, hint)
-        routed = self.core.route(
-            request_id=req.request_id,
-            model=req.model,
-            hashes=hashes,
-            prompt_tokens=len(token_ids),
-            block_size=block_size,
-            expected_output_tokens=expected,
-            now=time.time(),
-            priority=req.priority,
-            lora_name=req.lora_name,
-        )
-        if routed is None:
-            return None
-        decision = routed.decision
-        latency_s = decision.decision_us / 1e6
-        self.metrics.decision_latency.record(latency_s, {"policy": decision.policy})
-        submit = ScheduleRequest(
-            request=req,
-            reply_subject=reply,
-            decision=decision,
-            block_size=block_size,
-            block_hashes=hashes.primary,
-            expected_output_tokens=expected,
-            router_id=self.config.router_id,
-        )
-        return submit, routed
-
-    async def on_dispatched(self, dispatched: Dispatched, _: Delivery) -> None:
-        self.core.on_dispatched(dispatched.request_id, dispatched.worker_id, time.time())
-
-    async def on_progress(self, batch: ProgressBatch, delivery: Delivery) -> None:
-        refusal = progress_refusal(batch, delivery.subject)
-        if refusal:
-            await self.bus.reject(delivery, refusal)
-            return
-        now = time.time()
-        for progress in batch.events:
-            if progress.phase in RUN_END_PHASES:
-                self._on_run_end(progress, now)
-            elif progress.phase == "started":  # PD hand-offs book nothing here
-                self.core.on_started(progress.request_id, progress.worker_id, now)
-
-    def _on_run_end(self, progress: RequestProgress, now: float) -> None:
-        usage = progress.usage
-        if progress.phase == "finished" and usage is not None:
-            verdict = self.core.on_finished(
-                progress.request_id,
-                progress.worker_id,
-                now,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-            )
-            if verdict is not None:
-                self._count(verdict)
-        else:
-            self.core.on_finished(progress.request_id, progress.worker_id, now)
-
-    def _count(self, verdict: Verdict) -> None:
-        m = self.metrics
-        attrs = {"worker_id": verdict.worker_id, "model": verdict.model}
-        m.recomputed_tokens.add(verdict.recomputed_tokens, attrs)
-        if verdict.predicted_tokens:
-            m.predicted_hits.add(1, attrs)
-        if verdict.false_hit:
-            m.false_hits.add(1, attrs)
-        elif verdict.missed_hit:
-            m.missed_hits.add(1, attrs)
-
-    async def _submit(self, submit: ScheduleRequest) -> None:
-        try:
-            ack = await self.bus.request(
-                subjects.sched_submit(submit.request.model),
-                submit,
-                Ack,
-                timeout=self.config.submit_timeout_s,
-            )
-        except PayloadTooLarge as err:
-            await self._reject(submit, ErrorCode.PAYLOAD_TOO_LARGE, str(err))
-            return
-        except BusError as err:
-            message = f"scheduler unavailable: {err}"
-            await self._reject(submit, ErrorCode.UNAVAILABLE, message)
-            return
-        if not ack.accepted:
-            code = ack.code or ErrorCode.UNAVAILABLE
-            message = f"scheduler refused: {ack.reason}"
-            await self._reject(submit, code, message, retry_after_s=ack.retry_after_s)
-        elif submit.request.retry:  # a resend: tell the sender it is held, so it stops resending
-            held = HeldReply(request_id=submit.request.request_id)
-            await self.bus.publish(submit.reply_subject, held)
-
-    async def _reject(
-        self,
-        submit: ScheduleRequest,
-        code: ErrorCode,
-        message: str,
-        retry_after_s: float | None = None,
-    ) -> None:
-        self.core.forget(submit.request.request_id)
-        await self._fail(submit.reply_subject, submit.request, code, message, retry_after_s)
-
-    def _resolve_prompt(self, req: GenerateRequest, worker: WorkerState) -> GenerateRequest:
-        if req.token_ids is not None:
-            return req
-        tokenizer = load_tokenizer(worker.registration.tokenizer)
-        text = req.text if req.text is not None else tokenizer.render_chat(req.messages or [])
-        ids = tokenizer.encode(text)
-        if not ids:
-            raise ValueError("the prompt tokenizes to nothing")
-        return structs.replace(req, token_ids=ids, text=None, messages=None)
-
-    async def _no_worker(self, reply: str, req: GenerateRequest) -> None:
-        """No live worker serves ``req.model``: unknown if none ever did and others are served;
-        unavailable while no worker is live at all, or once its workers have left."""
-        live = self.core.fleet.models()
-        if req.lora_name and req.model in live:
-            message = f"no worker of model {req.model!r} has LoRA adapter {req.lora_name!r} loaded"
-            await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
-            return
-        if req.model in self.served_models or not live:
-            message = f"no live worker serves model {req.model!r} now (served: "
-            message += f"{', '.join(sorted(live)) or 'none'}); retry"
-            await self._fail(reply, req, ErrorCode.UNAVAILABLE, message)
-            return
-        message = f"no worker serves model {req.model!r} (served: {', '.join(sorted(live))})"
-        await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, message)
-
-    async def _fail(
-        self,
-        reply: str,
-        req: GenerateRequest,
-        code: ErrorCode,
-        message: str,
-        retry_after_s: float | None = None,
-        *,
-        logged: bool = True,
-    ) -> None:
-        if logged:
-            log.info("request %s: %s: %s", req.request_id, code.value, message)
-        error = ErrorReply(
-            code=code,
-            message=message,
-            request_id=req.request_id,
-            service="router",
-            retry_after_s=retry_after_s,
-        )
-        await self.bus.publish(reply, error)
 
 
 class RouterService:
