@@ -6,13 +6,12 @@ bound and the hand-offs it waits on are on its /metrics."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
+from tests.integration.metrics_probe import scrape_after
 from tests.integration.test_kv_routing import wait_for
 from thunderagent.client import RequestFailed, ThunderClient
 from thunderagent.scheduler.service import SchedulerConfig, SchedulerService
@@ -96,24 +95,14 @@ async def test_a_router_past_its_hand_off_bound_refuses_at_once_and_serves_the_r
             await client.close()
 
 
-PROBE = """
-import urllib.request
-from thunderagent.telemetry.setup import setup_telemetry
-tel = setup_telemetry("thunderagent-probe", metrics_port=0)
-from thunderagent.router.service import Router, RouterConfig
-from thunderagent.scheduling.handoff_limit import HandoffLimit
-for rid in ("r1", "r2"):
-    router = Router(RouterConfig(router_id=rid, handoffs=HandoffLimit(initial=8)), bus=None)
-    assert router.handoffs.acquire() and router.handoffs.acquire()
-print(urllib.request.urlopen(f"http://127.0.0.1:{tel.metrics_port}/metrics").read().decode())
-tel.shutdown()
-"""
-
-
 def test_each_router_exports_its_hand_offs_in_flight_and_their_bound() -> None:
-    text = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
+    text = scrape_after("""
+        from thunderagent.router.request_path import Router, RouterConfig
+        from thunderagent.scheduling.handoff_limit import HandoffLimit
+        for rid in ("r1", "r2"):
+            router = Router(RouterConfig(router_id=rid, handoffs=HandoffLimit(initial=8)), None)
+            assert router.handoffs.acquire() and router.handoffs.acquire()
+    """)
     rows = {
         (line.split("{", 1)[0], line.split('router_id="', 1)[1].split('"', 1)[0]): float(
             line.rsplit(" ", 1)[1]

@@ -5,23 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.integration.metrics_probe import scrape_after
 from thunderagent.embedded.ports import free_port
-
-PROBE = """
-import gc, urllib.request
-from thunderagent.telemetry.setup import setup_telemetry
-tel = setup_telemetry("thunderagent-probe", metrics_port=0)
-junk = [[i] for i in range(200_000)]  # a full collection walks these
-gc.collect()
-print(urllib.request.urlopen(f"http://127.0.0.1:{tel.metrics_port}/metrics").read().decode())
-tel.shutdown()
-"""
 
 
 def test_a_service_with_metrics_exports_its_gc_pauses() -> None:
-    text = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
+    text = scrape_after("""
+        import gc
+        junk = [[i] for i in range(200_000)]  # a full collection walks these
+        gc.collect()
+    """)
     rows = {}
     for line in text.splitlines():
         if line.startswith("thunderagent_gc_pause") and 'generation="2"' in line:
