@@ -65,6 +65,7 @@ from thunderagent.schemas.routing import (
     RouterHello,
     RunFailed,
     ScheduleRequest,
+    UnansweredOffer,
     WorkerGenerate,
 )
 from thunderagent.schemas.workers import LoadReport, WorkerRegistration, WorkerRole
@@ -124,6 +125,7 @@ __all__ = [
     "SamplingParams",
     "ScheduleRequest",
     "TokenChunk",
+    "UnansweredOffer",
     "Usage",
     "WorkerGenerate",
     "WorkerRegistration",

@@ -30,6 +30,10 @@ RouterIdOrNone = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")]
 ReplySubject = Annotated[str, Meta(pattern=r"^[^\s*>]{1,512}$")]
 """A concrete subject to publish answers on: no wildcards, no white space, not empty."""
 PositiveInt = Annotated[int, Meta(gt=0)]
+OfferName = Annotated[str, Meta(max_length=64)]
+"""One hand-off of a run to a worker (``fleet.offers``); empty: not named."""
+OfferNames = Annotated[list[OfferName], Meta(max_length=64)]
+"""Offers of one run to one worker: a handful (the router's, then the scheduler's tries)."""
 
 
 def is_valid_worker_id(worker_id: str) -> bool:

@@ -7,7 +7,14 @@ from typing import Annotated, Final, Literal
 from msgspec import Meta, Struct, field
 
 from thunderagent.schemas.generate import ErrorCode, GenerateRequest, TokenId, Usage
-from thunderagent.schemas.ids import PositiveInt, ReplySubject, RouterId, RouterIdOrNone
+from thunderagent.schemas.ids import (
+    OfferName,
+    OfferNames,
+    PositiveInt,
+    ReplySubject,
+    RouterId,
+    RouterIdOrNone,
+)
 from thunderagent.schemas.kv import check_block_hashes
 
 
@@ -68,6 +75,15 @@ class RouteDecisionBatch(Struct, frozen=True, kw_only=True):
     """Oldest first."""
 
 
+class UnansweredOffer(Struct, frozen=True, kw_only=True):
+    """A hand-off that got no answer in time: the worker may still take it late."""
+
+    worker_id: str
+    """Where it went."""
+    offer: OfferName
+    """Its name (``WorkerGenerate.offer``)."""
+
+
 class ScheduleRequest(Struct, frozen=True, kw_only=True):
     """Router -> scheduler. The request is tokenized: ``request.token_ids`` is always set."""
 
@@ -85,6 +101,9 @@ class ScheduleRequest(Struct, frozen=True, kw_only=True):
     """The router's estimate of the output length (0: use ``max_tokens``)."""
     router_id: RouterIdOrNone = ""
     """The router replica that routed it: the scheduler tells it where the request went."""
+    unanswered: list[UnansweredOffer] = field(default_factory=list)
+    """The router's own hand-offs of this request that got no answer (its fast path): the
+    worker may still take one late, so the scheduler voids them where it does not run it."""
 
     def __post_init__(self) -> None:
         # a run of text could never be resumed: continuations extend the prompt's token ids
@@ -198,6 +217,12 @@ class WorkerGenerate(Struct, frozen=True, kw_only=True):
     bootstrap: PdBootstrap | None = None
     """SGLang's PD: this decode engine runs the whole request, its KV coming from the paired
     prefill engine, which gets the same request with the same pairing (None: not paired)."""
+    offer: OfferName = ""
+    """This hand-off's name, the same when its sender asks again: the worker runs an offer
+    once and refuses one it has handled (``fleet.offers``). Empty: not named, not tracked."""
+    supersedes: OfferNames = field(default_factory=list)
+    """Earlier offers of this run to this worker that got no answer: taking this one, the
+    worker refuses them should they arrive later."""
 
 
 class Ack(Struct, frozen=True, kw_only=True):
@@ -223,6 +248,10 @@ class AbortRequest(Struct, frozen=True, kw_only=True):
     """Request to abort."""
     reason: str = ""
     """Why."""
+    offers: OfferNames = field(default_factory=list)
+    """Offers of the request to this worker that got no answer: whether or not a run is found,
+    the worker refuses any of them that arrives after this abort (it may be queued there
+    still, behind the abort)."""
 
 
 class Preempted(Struct, frozen=True, kw_only=True):

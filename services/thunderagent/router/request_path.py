@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
 from thunderagent.bus.batches import BatchSender
-from thunderagent.fleet import WorkerState, check_limits, progress_refusal
+from thunderagent.fleet import OfferIds, WorkerState, check_limits, progress_refusal
 from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.router.metrics import RouterMetrics, watch_handoffs
@@ -44,6 +44,7 @@ from thunderagent.schemas import (
     RouteDecision,
     RouteDecisionBatch,
     ScheduleRequest,
+    UnansweredOffer,
     WorkerGenerate,
     subjects,
 )
@@ -92,6 +93,8 @@ class Router:
         self.wallet = CreditWallet()
         """Room the scheduler lent this replica (the fast path)."""
         self.pulls = PullPlanner(config.pull)
+        self.offer_ids = OfferIds()
+        """Names of this replica's own hand-offs (the fast path)."""
         self.handoffs = replace(config.handoffs)  # its own count and limit
         watch_handoffs(self)
         self._shed_logged = (0.0, 0)
@@ -174,13 +177,14 @@ class Router:
             if routed is None:  # the last worker left while we tokenized
                 await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
                 return
-            submit, decision = routed[0], routed[0].decision
+            decision = routed[0].decision
             span.set_attribute("thunderagent.request_id", req.request_id)
             span.set_attribute("thunderagent.worker_id", decision.worker_id)
             span.set_attribute("thunderagent.overlap_blocks", decision.overlap_blocks)
             self.decisions.add(decision)
-            if not await self._dispatch_directly(*routed):
-                await self._submit(submit)
+            rest = await self._dispatch_directly(*routed)
+            if rest is not None:
+                await self._submit(rest)
 
     async def _shed(self, req: GenerateRequest, reply: str) -> None:
         """``overloaded``, unrouted: the stack behind this replica is not answering its
@@ -198,16 +202,20 @@ class Router:
         await self._fail(reply, req, ErrorCode.OVERLOADED, message,
                          self.handoffs.retry_after_s(), logged=False)  # fmt: skip
 
-    async def _dispatch_directly(self, submit: ScheduleRequest, routed: Routed) -> bool:
+    async def _dispatch_directly(
+        self, submit: ScheduleRequest, routed: Routed
+    ) -> ScheduleRequest | None:
         """The fast path: with credit for the first candidate, hand the request to its adapter
-        ourselves and tell the scheduler after; False when it must go through the scheduler
-        (no credit, or the request needs the queue: deadline, program, prefix follower)."""
+        ourselves and tell the scheduler after (None). Otherwise what to submit to the
+        scheduler: no credit, the request needs the queue (deadline, program, prefix
+        follower), or the worker refused; after no answer at all, the submit names the offer,
+        which the worker may still take late."""
         req = submit.request
         first = submit.decision.worker_id
         if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
-            return False
+            return submit
         if not self.wallet.take(first):
-            return False
+            return submit
         overlap = submit.decision.overlap_blocks
         pull = self.pulls.hint(
             submit.decision.candidates, first, submit.block_hashes,
@@ -218,8 +226,9 @@ class Router:
             reply_subject=submit.reply_subject,
             predicted_cached_tokens=overlap * submit.block_size,
             pull=pull,
+            offer=self.offer_ids.next(),
         )
-        ack = Ack(accepted=False)
+        ack = None
         for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
             try:
                 ack = await self.bus.request(
@@ -228,15 +237,18 @@ class Router:
                 break
             except BusError:
                 continue
-        if not ack.accepted:  # the scheduler will find it another worker
+        if ack is None or not ack.accepted:  # the scheduler will find it another worker
             self.wallet.give_back(first)
-            return False
+            if ack is None:
+                late = UnansweredOffer(worker_id=first, offer=work.offer)
+                return structs.replace(submit, unanswered=[late])
+            return submit
         if pull is not None:
             self.pulls.book(pull, first, time.monotonic())
         self.core.on_dispatched(req.request_id, first, time.time())
         notice = DirectDispatch(submit=submit, worker_id=first, pull=pull)
         await self.bus.publish(subjects.sched_direct(req.model), notice)
-        return True
+        return None
 
     async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
         self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id)

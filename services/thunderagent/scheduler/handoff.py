@@ -5,13 +5,14 @@ the service applies what comes back to its books and the scheduling core."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from opentelemetry import trace
 
 from thunderagent.bus import Bus, BusError
-from thunderagent.fleet import continuation
+from thunderagent.fleet import OfferIds, continuation
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.scheduler.pending import Pending
 from thunderagent.schemas import (
@@ -47,6 +48,8 @@ class Handoff:
         self.timeout_s = timeout_s
         self.pulls = pulls
         """Copies of a prompt's prefix ordered with its first run (None: none)."""
+        self.offer_ids = OfferIds()
+        self._voiding: set[asyncio.Task] = set()
 
     async def dispatch(
         self, pending: Pending, worker_id: str, decode_worker: str = ""
@@ -63,15 +66,32 @@ class Handoff:
         reasons: list[str] = []
         with child_span(_tracer, "scheduler dispatch") as span:
             span.set_attribute("thunderagent.request_id", submit.request.request_id)
+            took = None
             for attempt, wid in enumerate(order):
                 pending.worker_id = wid
                 await self._tell_router(submit, wid)
                 why = await self._offer(pending, wid, attempt, decode_worker, worker_id)
                 if why is None:
                     span.set_attribute("thunderagent.worker_id", wid)
-                    return wid, reasons
+                    took = wid
+                    break
                 reasons.append(why)
-        return None, reasons
+        self._void_unanswered(pending, took)
+        return took, reasons
+
+    def _void_unanswered(self, pending: Pending, took: str | None) -> None:
+        """Abort, in the background, the offers left unanswered at workers that did not take
+        the run: a late one would start a second run there. One that did start is stopped
+        (the client drops what it streams at positions it already has)."""
+        rid = pending.request_id
+        why = "a hand-off that got no answer: " + (
+            f"the request runs on {took}" if took else "no worker took the request"
+        )
+        for wid, offers in pending.unanswered.items():
+            task = asyncio.create_task(self.abort(wid, rid, why, offers))
+            self._voiding.add(task)
+            task.add_done_callback(self._voiding.discard)
+        pending.unanswered = {}
 
     async def _offer(
         self, pending: Pending, wid: str, attempt: int, decode_worker: str, chosen: str
@@ -83,6 +103,7 @@ class Handoff:
         overlap = next((c.overlap_blocks for c in submit.decision.candidates
                         if c.worker_id == wid), 0)  # fmt: skip
         decode = decode_worker if wid == chosen else ""
+        earlier = pending.unanswered.get(wid, [])
         work = WorkerGenerate(
             request=continuation(submit.request, pending.output),
             reply_subject=submit.reply_subject,
@@ -91,6 +112,8 @@ class Handoff:
             output_offset=len(pending.output),
             decode_worker=decode,
             pull=self._pull(submit, wid) if not pending.output and not decode else None,
+            offer=self.offer_ids.next(),
+            supersedes=list(earlier),
         )
         try:
             ack = await self.bus.request(
@@ -99,10 +122,14 @@ class Handoff:
         except BusError as err:
             # no ack is not "no": the worker may be running it. Stop it there before the next
             # worker starts it; what it streamed already, the next continues.
-            stray = await self.abort(wid, rid, "hand-off timed out: another worker")
-            if stray is not None and stray.found and stray.output_token_ids:
-                pending.output = list(stray.output_token_ids)
+            offers = pending.unanswered[wid] = [*earlier, work.offer]
+            stray = await self.abort(wid, rid, "hand-off timed out: another worker", offers)
+            if stray is not None:  # answered: none of those offers can start a run there now
+                del pending.unanswered[wid]
+                if stray.found and stray.output_token_ids:
+                    pending.output = list(stray.output_token_ids)
             return f"{wid}: {err}"
+        pending.unanswered.pop(wid, None)  # answered: it refuses the earlier ones from now on
         if not ack.accepted:
             return f"{wid}: refused ({ack.reason})"
         self.book_pull(work.pull, wid)  # only now: a refused offer copies nothing
@@ -126,12 +153,15 @@ class Handoff:
             notice = Dispatched(request_id=submit.request.request_id, worker_id=worker_id)
             await self.bus.publish(subjects.router_dispatched(submit.router_id), notice)
 
-    async def abort(self, worker_id: str, rid: str, reason: str) -> Preempted | None:
-        """Stop ``rid`` on ``worker_id``; None when the adapter did not answer (it runs on)."""
+    async def abort(
+        self, worker_id: str, rid: str, reason: str, offers: list[str] | None = None
+    ) -> Preempted | None:
+        """Stop ``rid`` on ``worker_id`` and void ``offers`` there; None when the adapter did
+        not answer (it runs on)."""
         try:
             return await self.bus.request(
                 subjects.worker_abort(worker_id),
-                AbortRequest(request_id=rid, reason=reason),
+                AbortRequest(request_id=rid, reason=reason, offers=offers or []),
                 Preempted,
                 timeout=self.timeout_s,
             )

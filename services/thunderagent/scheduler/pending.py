@@ -39,6 +39,14 @@ class Pending:
     replaced: set[str] = field(default_factory=set)
     """Workers whose run of it was ended here and replaced by a continuation (the one that
     failed, and a PD run's other side): a failure one of them reports later is old news."""
+    unanswered: dict[str, list[str]] = field(init=False)
+    """worker id -> offers of it there that got no answer and no abort was answered since (the
+    router's fast path's, then this scheduler's): the worker may still take one late."""
+
+    def __post_init__(self) -> None:
+        self.unanswered = {}
+        for offer in self.submit.unanswered:
+            self.unanswered.setdefault(offer.worker_id, []).append(offer.offer)
 
     @property
     def request_id(self) -> str:

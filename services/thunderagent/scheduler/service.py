@@ -419,6 +419,11 @@ class SchedulerService:
     async def _dispatch(self, pending: Pending, worker_id: str, decode_worker: str = "") -> None:
         pending.decode_worker = decode_worker
         took, reasons = await self.handoff.dispatch(pending, worker_id, decode_worker)
+        late = {offer.worker_id for offer in pending.submit.unanswered}
+        if late:  # the router's own offer, with no answer in time, may have run it there
+            for progress in self._early.take(pending.request_id):
+                if progress.worker_id in late:  # not an earlier request's under the same id
+                    self._on_run_event(progress)
         if took == worker_id:
             return
         # the policy's choice failed: account where it went

@@ -19,7 +19,7 @@ import msgspec
 from opentelemetry.metrics import Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, load_report
+from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, HandledOffers, load_report
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -100,6 +100,8 @@ class WorkerAdapter:
         self.bus = bus
         self.engine = engine
         self.runs = AcceptedRuns()
+        self.offers = HandledOffers()
+        """Hand-offs run here or voided by an abort: one arriving again is refused."""
         self.engine_healthy = asyncio.Event()
         self.engine_healthy.set()  # it answered /server_info before we registered
         self.lease: IdLease | None = None
@@ -407,16 +409,26 @@ class WorkerAdapter:
 
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
+        now = time.monotonic()
         refusal = ""
         running = self.running.get(rid)
-        if running is not None and running.work.reply_subject == work.reply_subject:
+        outcome = self.offers.outcome(work.offer, now)
+        # this offer, or one it supersedes (the same run, offered again), ran here already
+        ran = outcome is True or any(self.offers.outcome(o, now) for o in work.supersedes)
+        self.offers.void(now, *work.supersedes)  # whatever the answer: the sender moved on
+        same = running is not None and running.work.reply_subject == work.reply_subject
+        if same or ran:
             # the same hand-off again (its first ack was late, so the sender tried once more):
-            # idempotent, the run here is the one the client is reading
+            # idempotent, the run here is (or was) the one the client is reading
+            self.offers.ran(now, work.offer)
             if delivery.reply:
-                await self.bus.publish(delivery.reply, Ack(accepted=True, reason="running here"))
+                reason = "running here" if same else "it ran here already"
+                await self.bus.publish(delivery.reply, Ack(accepted=True, reason=reason))
             return
         if running is not None:
             refusal = f"{rid} is already running here, for another client"
+        elif outcome is False:
+            refusal = f"this hand-off of {rid} was aborted here before it arrived"
         elif not self.engine_healthy.is_set():
             refusal = "its engine is not answering"
         else:
@@ -425,20 +437,22 @@ class WorkerAdapter:
             if delivery.reply:
                 await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
             return
-        if delivery.reply:
-            await self.bus.publish(delivery.reply, Ack(accepted=True))
         generation = Generation(
             work, self.config.worker_id, self.bus, self.engine, self.runs,
             max_request_s=self.config.max_request_s,
             prepare=self.migration.before_run if self.migration is not None else None,
         )  # fmt: skip
+        # booked before the ack's await: an abort handled meanwhile finds the run and stops it
         self.running[rid] = generation
+        self.offers.ran(now, work.offer)
         context = len(work.request.token_ids or [])
         prefill = context - max(0, work.predicted_cached_tokens)
         if work.bootstrap is not None and self.pd_mode == "decode":
             prefill = 0  # SGLang's PD: the prefill engine computes it; the KV comes here
         self.runs.accept(generation.engine_rid, prefill)
         try:
+            if delivery.reply:
+                await self.bus.publish(delivery.reply, Ack(accepted=True))
             final = await generation.run()
         finally:
             self.runs.finished(generation.engine_rid)
@@ -462,7 +476,9 @@ class WorkerAdapter:
 
     async def on_abort(self, abort: AbortRequest, delivery: Delivery) -> None:
         """Preemption or cancellation: stop the run without telling the client, hand back what
-        it produced (a preempted request resumes from there)."""
+        it produced (a preempted request resumes from there). The offers it names are refused
+        from now on, found or not."""
+        self.offers.void(time.monotonic(), *abort.offers)
         generation = self.running.get(abort.request_id)
         if generation is None:
             answer = Preempted(request_id=abort.request_id, found=False)

@@ -139,6 +139,9 @@ class Generation:
 
     async def run(self) -> FinalReply | None:
         self.task = asyncio.current_task()
+        if self.stopped:  # aborted between its hand-off and here: the engine never saw it
+            await self._progress("aborted")
+            return None
         limit = self.time_limit_s()
         try:
             async with asyncio.timeout(max(limit, 0.0)):
