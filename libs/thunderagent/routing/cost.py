@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -185,6 +185,18 @@ class OnlineTuner:
 
 
 # ---- pieces every cost-based policy computes the same way ---------------------------------
+def leading_blocks(held: Container[int] | None, block_hashes: Sequence[int]) -> int:
+    """How many of ``block_hashes``, from the first on, ``held`` contains (a policy's own
+    approximate tree of what it routed where)."""
+    n = 0
+    if held:
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+    return n
+
+
 def cached_blocks(query: RouteQuery, worker_id: str) -> tuple[int, int]:
     """(blocks on the worker's GPU, further blocks only in its host tier) of the prompt."""
     gpu = min(query.overlaps.get(worker_id, 0), query.prompt_blocks)

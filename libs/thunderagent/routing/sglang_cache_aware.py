@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from thunderagent.routing.cost import finite_at_least, finite_positive, in_unit_interval, require
+from thunderagent.routing.cost import (
+    finite_at_least,
+    finite_positive,
+    in_unit_interval,
+    leading_blocks,
+    require,
+)
 from thunderagent.routing.policy import POLICIES, PolicyHooks, RouteQuery, WorkerView
 from thunderagent.schemas import Candidate
 
@@ -80,14 +86,7 @@ class SglangCacheAware(PolicyHooks):
 
     def matched_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """Leading prompt blocks this policy has routed to ``worker_id`` (and not evicted)."""
-        tree = self._trees.get(worker_id)
-        n = 0
-        if tree:
-            for h in block_hashes:
-                if h not in tree:
-                    break
-                n += 1
-        return n
+        return leading_blocks(self._trees.get(worker_id), block_hashes)
 
     def tree_blocks(self, worker_id: str) -> int:
         return len(self._trees.get(worker_id, ()))

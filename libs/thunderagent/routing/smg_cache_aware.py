@@ -35,6 +35,7 @@ from thunderagent.routing.cost import (
     finite_at_least,
     finite_positive,
     in_unit_interval,
+    leading_blocks,
     require,
     softmax_index,
 )
@@ -198,14 +199,7 @@ class SmgCacheAware(PolicyHooks):
         return load > mean * self.balance_rel_threshold and load > mean + self.margin(mean)
 
     def tree_match(self, worker_id: str, block_hashes: Sequence[int]) -> int:
-        tree = self._trees.get(worker_id)
-        n = 0
-        if tree:
-            for h in block_hashes:
-                if h not in tree:
-                    break
-                n += 1
-        return n
+        return leading_blocks(self._trees.get(worker_id), block_hashes)
 
     # ---- the decision -----------------------------------------------------------------------
     def rank(
