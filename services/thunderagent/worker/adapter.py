@@ -410,32 +410,11 @@ class WorkerAdapter:
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
         now = time.monotonic()
-        refusal = ""
-        running = self.running.get(rid)
-        outcome = self.offers.outcome(work.offer, now)
-        # this offer, or one it supersedes (the same run, offered again), ran here already
-        ran = outcome is True or any(self.offers.outcome(o, now) for o in work.supersedes)
-        self.offers.void(now, *work.supersedes)  # whatever the answer: the sender moved on
-        same = running is not None and running.work.reply_subject == work.reply_subject
-        if same or ran:
-            # the same hand-off again (its first ack was late, so the sender tried once more):
-            # idempotent, the run here is (or was) the one the client is reading
-            self.offers.ran(now, work.offer)
+        taken, refusal = self._screen(work, now)
+        if taken or refusal:
             if delivery.reply:
-                reason = "running here" if same else "it ran here already"
-                await self.bus.publish(delivery.reply, Ack(accepted=True, reason=reason))
-            return
-        if running is not None:
-            refusal = f"{rid} is already running here, for another client"
-        elif outcome is False:
-            refusal = f"this hand-off of {rid} was aborted here before it arrived"
-        elif not self.engine_healthy.is_set():
-            refusal = "its engine is not answering"
-        else:
-            refusal = pd_refusal(self.pd_mode, work)
-        if refusal:
-            if delivery.reply:
-                await self.bus.publish(delivery.reply, Ack(accepted=False, reason=refusal))
+                ack = Ack(accepted=bool(taken), reason=taken or refusal)
+                await self.bus.publish(delivery.reply, ack)
             return
         generation = Generation(
             work, self.config.worker_id, self.bus, self.engine, self.runs,
@@ -459,6 +438,33 @@ class WorkerAdapter:
             self.running.pop(rid, None)
         if final is not None:
             self._count(final, work.request.model)
+
+    def _screen(self, work: WorkerGenerate, now: float) -> tuple[str, str]:
+        """(why the offer is taken already, why it is refused): both empty when it is to run
+        here now. The offers it supersedes are voided whatever the answer: their sender moved
+        on."""
+        rid = work.request.request_id
+        offers = self.offers
+        outcome = offers.outcome(work.offer, now)
+        # this offer, or one it supersedes (the same run, offered again), ran here already
+        ran = outcome is True or any(offers.outcome(o, now) for o in work.supersedes)
+        offers.void(now, *work.supersedes)
+        running = self.running.get(rid)
+        # the same hand-off again (its first ack was late, so the sender tried once more):
+        # idempotent, the run here is (or was) the one the client is reading
+        if running is not None and running.work.reply_subject == work.reply_subject:
+            offers.ran(now, work.offer)
+            return "running here", ""
+        if ran:
+            offers.ran(now, work.offer)
+            return "it ran here already", ""
+        if running is not None:
+            return "", f"{rid} is already running here, for another client"
+        if outcome is False:
+            return "", f"this hand-off of {rid} was aborted here before it arrived"
+        if not self.engine_healthy.is_set():
+            return "", "its engine is not answering"
+        return "", pd_refusal(self.pd_mode, work)
 
     async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
         """PD: the decode side takes over a prefilled prompt's KV before its continuation."""
