@@ -37,6 +37,7 @@ from thunderagent.schemas import (
     WorkerGenerate,
     subjects,
 )
+from thunderagent.worker.metrics import adapter_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -60,22 +61,40 @@ async def _until_final(got: asyncio.Queue) -> list[TokenChunk | FinalReply]:
     return out
 
 
+class _Counted:
+    """Stands in for a counter: the outcome attribute of every ``add``."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def add(self, amount: int, attributes: dict) -> None:
+        self.outcomes += [attributes["outcome"]] * amount
+
+
 @contextlib.asynccontextmanager
-async def _one_adapter(url: str, rid: str):
-    """A real adapter (w0, no scheduler), a sender with its inbox, and an 8-token request."""
-    async with inproc_stack(url) as stack:
-        await start_full_stack(stack, workers=1, profile="tiny", block_size=16, speedup=5.0,
-                               with_scheduler=False)  # fmt: skip
-        nc, bus, inbox, got = await _sender_with_inbox(url, f"{rid}-test")
-        request = GenerateRequest(model=MODEL, request_id=rid, token_ids=[5] * 16, max_tokens=8)
-        try:
-            yield bus, inbox, got, request
-        finally:
-            await nc.close()
+async def _one_adapter(url: str, rid: str, late: _Counted):
+    """A real adapter (w0, no scheduler) counting late offers into ``late``, a sender with
+    its inbox, and an 8-token request."""
+    metrics = adapter_metrics()
+    counter, metrics.late_offers = metrics.late_offers, late
+    try:
+        async with inproc_stack(url) as stack:
+            await start_full_stack(stack, workers=1, profile="tiny", block_size=16,
+                                   speedup=5.0, with_scheduler=False)  # fmt: skip
+            nc, bus, inbox, got = await _sender_with_inbox(url, f"{rid}-test")
+            request = GenerateRequest(model=MODEL, request_id=rid, token_ids=[5] * 16,
+                                      max_tokens=8)  # fmt: skip
+            try:
+                yield bus, inbox, got, request
+            finally:
+                await nc.close()
+    finally:
+        metrics.late_offers = counter
 
 
 async def test_an_offer_an_abort_voided_before_it_arrived_never_runs(nats_server):
-    async with _one_adapter(nats_server.url, "late1") as (bus, inbox, got, request):
+    counted = _Counted()
+    async with _one_adapter(nats_server.url, "late1", counted) as (bus, inbox, got, request):
         # the abort overtook its offer: nothing to stop yet, but the offer is voided
         abort = AbortRequest(request_id="late1", reason="test", offers=["s-1"])
         stopped = await bus.request(subjects.worker_abort("w0"), abort, Preempted, timeout=5)
@@ -89,10 +108,12 @@ async def test_an_offer_an_abort_voided_before_it_arrived_never_runs(nats_server
         assert (await bus.request(subjects.worker_generate("w0"), fresh, Ack, timeout=5)).accepted
         answers = await _until_final(got)
         assert sum(len(a.token_ids) for a in answers if isinstance(a, TokenChunk)) == 8
+    assert counted.outcomes == ["refused"]
 
 
 async def test_an_offer_that_ran_is_answered_as_taken_and_not_run_again(nats_server):
-    async with _one_adapter(nats_server.url, "ran1") as (bus, inbox, got, request):
+    counted = _Counted()
+    async with _one_adapter(nats_server.url, "ran1", counted) as (bus, inbox, got, request):
         work = WorkerGenerate(request=request, reply_subject=inbox, offer="r-1")
         assert (await bus.request(subjects.worker_generate("w0"), work, Ack, timeout=5)).accepted
         await _until_final(got)
@@ -109,6 +130,7 @@ async def test_an_offer_that_ran_is_answered_as_taken_and_not_run_again(nats_ser
         refused = await bus.request(subjects.worker_generate("w0"), earlier, Ack, timeout=5)
         assert not refused.accepted and "aborted" in refused.reason
         assert await _answers(got) == []
+    assert counted.outcomes == ["ran", "refused"]
 
 
 def _submit(rid: str, workers: list[str], unanswered: list[UnansweredOffer]) -> ScheduleRequest:

@@ -454,17 +454,24 @@ class WorkerAdapter:
         # idempotent, the run here is (or was) the one the client is reading
         if running is not None and running.work.reply_subject == work.reply_subject:
             offers.ran(now, work.offer)
+            self._late("running")
             return "running here", ""
         if ran:
             offers.ran(now, work.offer)
+            self._late("ran")
             return "it ran here already", ""
         if running is not None:
             return "", f"{rid} is already running here, for another client"
         if outcome is False:
+            self._late("refused")
             return "", f"this hand-off of {rid} was aborted here before it arrived"
         if not self.engine_healthy.is_set():
             return "", "its engine is not answering"
         return "", pd_refusal(self.pd_mode, work)
+
+    def _late(self, outcome: str) -> None:
+        attrs = {"worker_id": self.config.worker_id, "outcome": outcome}
+        self.metrics.late_offers.add(1, attrs)
 
     async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
         """PD: the decode side takes over a prefilled prompt's KV before its continuation."""

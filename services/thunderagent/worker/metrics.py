@@ -35,6 +35,11 @@ class AdapterMetrics:
             unit="{token}",
             description="Prompt tokens served from the engine's KV cache",
         )
+        self.late_offers = m.create_counter(
+            "thunderagent_late_offers",
+            description="Hand-offs that came again or after their sender gave up on them, by "
+            "outcome: refused (voided first), running or ran (the run here answers for them)",
+        )
         m.create_observable_counter(
             "thunderagent_kv_mirror_blocks",
             callbacks=[lambda _: [o for a in self.adapters for o in a.mirror_observations()]],
