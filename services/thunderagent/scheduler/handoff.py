@@ -5,9 +5,9 @@ the service applies what comes back to its books and the scheduling core."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
@@ -28,6 +28,7 @@ from thunderagent.schemas import (
     WorkerGenerate,
     subjects,
 )
+from thunderagent.shell.tasks import TaskSet
 from thunderagent.telemetry.propagation import child_span
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,20 @@ def in_use(rid: str) -> str:
 class Handoff:
     """Bound to one bus; the ack timeout applies to every hand-off and abort."""
 
-    def __init__(self, bus: Bus, timeout_s: float, pulls: PullPlanner | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        timeout_s: float,
+        pulls: PullPlanner | None = None,
+        spawn: Callable[[Awaitable[None]], object] | None = None,
+    ) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
         self.pulls = pulls
         """Copies of a prompt's prefix ordered with its first run (None: none)."""
         self.offer_ids = OfferIds()
-        self._voiding: set[asyncio.Task] = set()
+        self._spawn = spawn or TaskSet("scheduler hand-offs").spawn
+        """Runs what no caller waits for (the aborts that void late offers)."""
 
     async def dispatch(
         self, pending: Pending, worker_id: str, decode_worker: str = ""
@@ -88,9 +96,7 @@ class Handoff:
             f"the request runs on {took}" if took else "no worker took the request"
         )
         for wid, offers in pending.unanswered.items():
-            task = asyncio.create_task(self.abort(wid, rid, why, offers))
-            self._voiding.add(task)
-            task.add_done_callback(self._voiding.discard)
+            self._spawn(self.abort(wid, rid, why, offers))
         pending.unanswered = {}
 
     async def _offer(

@@ -99,10 +99,12 @@ class SchedulerService:
         """Recent dispatch times: the drain rate behind a retry hint."""
         self.registry = WorkerRegistry()
         self.issuer = CreditIssuer()
-        self.handoff = Handoff(bus, config.handoff_timeout_s, PullPlanner(config.pull))
+        self._tasks = TaskSet("scheduler")
+        self.handoff = Handoff(
+            bus, config.handoff_timeout_s, PullPlanner(config.pull), spawn=self._tasks.spawn
+        )
         self._early = EarlyProgress()
         self.wake = asyncio.Event()
-        self._tasks = TaskSet("scheduler")
         register_metrics(self)
 
     # ---- inputs ----------------------------------------------------------------------------
