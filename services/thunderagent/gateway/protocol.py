@@ -28,10 +28,10 @@ import re
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from thunderagent.gateway.errors import bad_request
 from thunderagent.schemas import ChatMessage, GenerateRequest, SamplingParams
@@ -110,8 +110,16 @@ class CompletionBody(_Common, kw_only=True):
     logprobs: int | None = None
 
 
+class _FlatCompletionBody(CompletionBody, kw_only=True):
+    """The usual prompt, a string or one list of token ids, checked by msgspec as it decodes
+    (a Python pass over a prompt's ids cost ~90 ns per token: 0.37 ms for 4,000 tokens)."""
+
+    prompt: str | list[Annotated[int, Meta(ge=0, lt=TOKEN_ID_LIMIT)]]
+
+
 _chat_decoder = msgspec.json.Decoder(ChatBody)
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
+_flat_completion_decoder = msgspec.json.Decoder(_FlatCompletionBody)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +180,12 @@ def parse_completion(
     raw: bytes, headers: Mapping[str, str], *, request_id: str, now_ms: float,
     defaults: Defaults = Defaults(), served: Collection[str] = (),
 ) -> Parsed:  # fmt: skip
-    body = _decode(_completion_decoder, raw)
+    try:
+        body = _flat_completion_decoder.decode(raw)
+        checked = _nonempty
+    except msgspec.DecodeError:  # a batch of one prompt, or not valid: the general path
+        body = _decode(_completion_decoder, raw)
+        checked = _prompt
     if body.echo:
         raise bad_request("echo is not supported", "echo")
     if body.best_of not in (None, 1):
@@ -181,7 +194,7 @@ def parse_completion(
         raise bad_request("suffix is not supported", "suffix")
     if body.logprobs is not None:
         raise bad_request("logprobs are not supported", "logprobs")
-    prompt = _prompt(body.prompt)
+    prompt = checked(body.prompt)
     max_tokens = _first(body.max_tokens, defaults.completion_max_tokens)
     if isinstance(prompt, str):
         req = _build(body, headers, request_id, now_ms, defaults, max_tokens, served, text=prompt)
@@ -267,6 +280,12 @@ def _message(i: int, m: _Message) -> ChatMessage:
             texts.append(part.text)
         content = "\n".join(texts)
     return ChatMessage(role=role, content=content)
+
+
+def _nonempty(prompt: str | list[int]) -> str | list[int]:
+    if not prompt:
+        raise bad_request("prompt is empty", "prompt")
+    return prompt
 
 
 def _prompt(prompt: str | list[Any]) -> str | list[int]:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from thunderagent.gateway.errors import HttpError
 from thunderagent.gateway.protocol import (
     Defaults,
+    _prompt,
     parse_chat,
     parse_completion,
     request_id_from,
@@ -165,6 +168,8 @@ def test_completion_prompt_forms():
         ({"model": "m", "prompt": [1, -2]}, "token ids"),
         ({"model": "m", "prompt": [1, 2**32]}, "token ids"),
         ({"model": "m", "prompt": [1, "a"]}, "string or a list of token ids"),
+        ({"model": "m", "prompt": [1, True]}, "string or a list of token ids"),
+        ({"model": "m", "prompt": [[1, -2]]}, "token ids"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
         ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
         ({"model": "m", "prompt": "x", "logprobs": 1}, "logprobs"),
@@ -173,6 +178,34 @@ def test_completion_prompt_forms():
 )
 def test_completion_refusals(body, words):
     assert words in refused(completion, body).message
+
+
+_IDS = st.one_of(  # the two bounds of a token id, and anything between
+    st.integers(-3, 3), st.integers(2**32 - 3, 2**32 + 3), st.integers(0, 2**32 - 1)
+)
+_PROMPTS = st.one_of(
+    st.lists(_IDS, max_size=6),  # token ids, some out of range
+    st.lists(
+        st.one_of(_IDS, st.booleans(), st.text(max_size=2),
+                  st.floats(allow_nan=False, allow_infinity=False)),
+        max_size=6,
+    ),
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(_PROMPTS, st.booleans())
+def test_a_token_prompt_is_taken_or_refused_as_the_general_check_says(items, batched) -> None:
+    """msgspec checks the usual prompt (one list of token ids) as it decodes; the answer is
+    the one the general check (``_prompt``) gives, for a valid prompt and every refusal."""
+    prompt = [items] if batched else items
+    try:
+        expected = _prompt(json.loads(json.dumps(prompt)))
+    except HttpError as err:
+        assert refused(completion, {"model": "m", "prompt": prompt}).message == err.message
+    else:
+        req = completion({"model": "m", "prompt": prompt}).request
+        assert (req.text if isinstance(expected, str) else req.token_ids) == expected
 
 
 @pytest.mark.parametrize(
