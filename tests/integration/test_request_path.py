@@ -180,6 +180,42 @@ async def test_route_decisions_reach_observers_in_batches(nats_server):
     assert {b.router_id for b in batches} == {router_id}
 
 
+async def test_decisions_over_the_payload_limit_go_in_halves_in_order(nats_server):
+    """A fleet of 600 workers: 256 decisions, each naming every worker, are ~9 MB, over the
+    server's 8 MB payload limit. The router's batch goes as two messages, every decision
+    once, in order, none dropped."""
+    from thunderagent.bus import Bus
+    from thunderagent.router.service import Router, RouterConfig
+    from thunderagent.schemas import Candidate, RouteDecision
+
+    decoder = msgspec.json.Decoder(RouteDecisionBatch)
+    nc = await connect(nats_server.url, name="big-decisions")
+    watcher = await connect(nats_server.url, name="decision-watcher")
+    batches: list[RouteDecisionBatch] = []
+
+    async def on_batch(msg) -> None:
+        batches.append(decoder.decode(msg.data))
+
+    await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
+    await watcher.flush()
+    router = Router(RouterConfig(router_id="r-big"), Bus(nc, service="router"))
+    fleet = [Candidate(worker_id=f"worker-{i:03d}", score=-1.0 / (i + 1)) for i in range(600)]
+    for n in range(256):
+        router.decisions.add(RouteDecision(
+            request_id=f"big-{n}", model=MODEL, worker_id="worker-000", overlap_blocks=0,
+            prompt_blocks=1, candidates=fleet, policy="thunder", decided_at=0.0,
+        ))  # fmt: skip
+    await router.decisions.close()
+    for _ in range(200):
+        if sum(len(b.decisions) for b in batches) >= 256:
+            break
+        await asyncio.sleep(0.02)
+    await nc.close()
+    await watcher.close()
+    assert [d.request_id for b in batches for d in b.decisions] == [f"big-{n}" for n in range(256)]
+    assert len(batches) == 2 and router.decisions.sent == 2 and router.decisions.dropped == 0
+
+
 async def test_a_model_whose_workers_left_is_unavailable_not_unknown(nats_server):
     """With its only worker gone, a served model was answered `unknown_model` (HTTP 404) as
     if it had never existed; a client should retry, not give up."""

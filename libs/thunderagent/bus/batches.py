@@ -6,7 +6,8 @@ publish, a fan-out at the server and a wake-up in every subscriber. ``BatchWindo
 a batch goes: its first item waits at most ``window_s``, a full batch goes at once; an item after
 a quiet spell therefore waits one window, never more. ``BatchSender`` runs it on the event loop
 and hands each batch to ``send(items)`` (one message); a failed send is logged with its count,
-like any fire-and-forget publish.
+like any fire-and-forget publish. A batch over the bus's payload limit (a large fleet's route
+decisions each name every worker) goes in halves, in order, as often as it takes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from thunderagent.bus.errors import PayloadTooLarge
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +69,8 @@ class BatchSender(Generic[T]):
         self.window = BatchWindow[T](window_s, max_items)
         self.sent = 0
         """Batches published."""
+        self.dropped = 0
+        """Items over the bus's payload limit on their own (logged)."""
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -92,6 +97,14 @@ class BatchSender(Generic[T]):
         try:
             await self.send(items)
             self.sent += 1
+        except PayloadTooLarge as err:  # a large fleet's decisions: halves go, in order
+            if len(items) == 1:
+                self.dropped += 1
+                log.warning("a %s item not sent: %s", self.what, err)
+                return
+            half = len(items) // 2
+            await self._publish(items[:half])
+            await self._publish(items[half:])
         except Exception:  # a closed connection: these are observations, not requests
             log.warning("%d %s not sent", len(items), self.what, exc_info=True)
 

@@ -63,3 +63,24 @@ def test_nothing_lost_or_reordered_and_no_item_waits_past_the_window(window, max
         assert all(at[i] <= t <= at[i] + window + 1e-12 for i in items)
         if len(items) < max_items:  # not full: it waited its first item's whole window
             assert t == pytest.approx(at[items[0]] + window, abs=1e-12)
+
+
+async def test_a_batch_over_the_payload_limit_goes_in_halves_and_a_lone_oversize_item_is_dropped():
+    from thunderagent.bus.batches import BatchSender
+    from thunderagent.bus.errors import PayloadTooLarge
+
+    sent: list[list[str]] = []
+
+    async def send(items: list[str]) -> None:
+        size = sum(len(i) for i in items)
+        if size > 3:  # the bus's check: the encoded batch over the server's max_payload
+            raise PayloadTooLarge("subject", size, 3)
+        sent.append(items)
+
+    sender = BatchSender[str](send, window_s=10.0, max_items=100, what="items")
+    for item in ["a", "b", "c", "d", "e", "fghij", "k"]:
+        sender.add(item)
+    await sender.close()
+    assert [i for batch in sent for i in batch] == ["a", "b", "c", "d", "e", "k"]
+    assert all(sum(len(i) for i in batch) <= 3 for batch in sent)
+    assert sender.dropped == 1 and sender.sent == len(sent)
