@@ -146,21 +146,27 @@ async def test_no_router_is_an_immediate_error_not_a_timeout(nats_server):
     assert loop.time() - started < 5
 
 
+async def _decision_watcher(url: str):
+    """A connection watching ``ROUTE_DECISIONS``, and the batches it has seen so far."""
+    decoder = msgspec.json.Decoder(RouteDecisionBatch)
+    watcher = await connect(url, name="decision-watcher")
+    batches: list[RouteDecisionBatch] = []
+
+    async def on_batch(msg) -> None:
+        batches.append(decoder.decode(msg.data))
+
+    await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
+    await watcher.flush()
+    return watcher, batches
+
+
 async def test_route_decisions_reach_observers_in_batches(nats_server):
     """Every routed request's decision reaches a watcher of ``ROUTE_DECISIONS``, once, in
     batches of one router replica's decisions (not one message per request)."""
-    decoder = msgspec.json.Decoder(RouteDecisionBatch)
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=2)
         client = await _routable_client(stack, nats_server.url)
-        watcher = await connect(nats_server.url, name="decision-watcher")
-        batches: list[RouteDecisionBatch] = []
-
-        async def on_batch(msg) -> None:
-            batches.append(decoder.decode(msg.data))
-
-        await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
-        await watcher.flush()
+        watcher, batches = await _decision_watcher(nats_server.url)
         requests = [
             GenerateRequest(model=MODEL, token_ids=[7, i], max_tokens=2, request_id=f"d{i}")
             for i in range(20)
@@ -188,16 +194,8 @@ async def test_decisions_over_the_payload_limit_go_in_halves_in_order(nats_serve
     from thunderagent.router.service import Router, RouterConfig
     from thunderagent.schemas import Candidate, RouteDecision
 
-    decoder = msgspec.json.Decoder(RouteDecisionBatch)
     nc = await connect(nats_server.url, name="big-decisions")
-    watcher = await connect(nats_server.url, name="decision-watcher")
-    batches: list[RouteDecisionBatch] = []
-
-    async def on_batch(msg) -> None:
-        batches.append(decoder.decode(msg.data))
-
-    await watcher.subscribe(subjects.ROUTE_DECISIONS, cb=on_batch)
-    await watcher.flush()
+    watcher, batches = await _decision_watcher(nats_server.url)
     router = Router(RouterConfig(router_id="r-big"), Bus(nc, service="router"))
     fleet = [Candidate(worker_id=f"worker-{i:03d}", score=-1.0 / (i + 1)) for i in range(600)]
     for n in range(256):
