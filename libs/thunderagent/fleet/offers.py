@@ -8,8 +8,8 @@ handled first, find nothing, and the late offer would start a second run of the 
 client gets two streams; a GPU computes it twice). So the abort names the offers it voids, and
 an offer the worker has already handled is not run again when it comes again: one voided (by
 an abort, or superseded by a later offer of the same run) is refused, one that ran here is
-answered as taken (its sender asked twice; the run happened). Names are kept ``keep_s`` (far longer
-than any delay a message survives in NATS) and at most ``limit`` of them.
+answered as taken (its sender asked twice; the run happened). Names are kept ``keep_s`` (far
+longer than any delay a message survives in NATS) and at most ``limit`` of them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ OFFER_MEMORY_S: Final = 120.0
 (the sender's ack timeout, then its abort's), so a copy of one arriving minutes later is not
 a case to cover."""
 MAX_OFFERS: Final = 65_536
-"""Offer names a worker keeps at most (oldest dropped first): ~6 MB, minutes of offers at
-hundreds per second."""
+"""Offer names a worker keeps at most (oldest dropped first): ~11 MB when full, minutes of
+offers at hundreds per second."""
 
 
 class OfferIds:
