@@ -274,3 +274,30 @@ async def test_a_fast_path_offer_with_no_answer_runs_once_when_the_worker_takes_
         assert len(offers) == 3 and offers[2].supersedes == [router_offer]  # the scheduler's
         assert starts == ["w0"]
         await wait_for(lambda: not scheduler.pending, what="the scheduler to forget the run")
+
+
+async def test_a_run_aborted_before_it_started_never_reaches_its_engine(nats_server):
+    """The adapter books a run before it acks it; an abort handled in between (the ack's
+    write had to wait) stops it: the run ends ``aborted`` at once and the engine, here an
+    address nobody listens on, is never asked for it."""
+    from thunderagent.fleet import AcceptedRuns
+    from thunderagent.worker.engine_client import EngineClient
+    from thunderagent.worker.generation import Generation
+
+    nc = await connect(nats_server.url, name="early-abort")
+    phases: list[str] = []
+
+    async def on_progress(msg) -> None:
+        phases.extend(e.phase for e in msgspec.json.decode(msg.data, type=ProgressBatch).events)
+
+    await nc.subscribe(subjects.progress("w9", ended=True), cb=on_progress)
+    await nc.subscribe(subjects.progress("w9", ended=False), cb=on_progress)
+    await nc.flush()
+    request = GenerateRequest(model=MODEL, request_id="early1", token_ids=[5] * 16, max_tokens=8)
+    work = WorkerGenerate(request=request, reply_subject="_INBOX.early1", offer="e-1")
+    engine = EngineClient("http://127.0.0.1:9")  # the discard port: nothing answers there
+    generation = Generation(work, "w9", Bus(nc, service="worker"), engine, AcceptedRuns())
+    await generation.stop()
+    assert await asyncio.wait_for(generation.run(), 2) is None
+    await wait_for(lambda: phases == ["aborted"], what="the run's end")
+    await nc.close()

@@ -117,8 +117,9 @@ class Generation:
         if self.final is not None:
             return  # answered: its stream is only draining, the engine has finished it
         self.stopped = True
-        if self.task is not None:
-            self.task.cancel()
+        if self.task is None:  # not started: ``run`` ends at once, the engine never sees it
+            return
+        self.task.cancel()
         await self.engine.abort(self.engine_rid)
 
     def time_limit_s(self) -> float:
