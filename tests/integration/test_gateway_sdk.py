@@ -488,3 +488,26 @@ async def test_a_stop_string_ends_the_answer_before_it(nats_server):
     assert done.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Simulated "
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+async def test_past_its_request_bound_the_gateway_answers_429_with_retry_after(nats_server):
+    """One permit, no queue: while a streamed answer holds it, a second request is answered
+    429 with ``retry-after`` at once (the SDK's ``RateLimitError``); once the stream ends, the
+    next request is served."""
+    config = GatewayConfig(port=0, max_concurrent_requests=1, queue_size=0)
+    async with gateway_stack(nats_server.url, speedup=5.0, config=config) as run:
+        client = run.client()
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=64, stream=True
+        )
+        first = await stream.__anext__()  # the permit is held while the answer streams
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "limit" in refused.value.message
+        rest = [chunk async for chunk in stream]
+        assert first.choices and rest[-1].choices[0].finish_reason is not None
+        served = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert served.choices[0].message.content is not None
+        assert run.gateway.admission.held == 0
+        await client.close()

@@ -182,6 +182,9 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
         reuse_port=args.reuse_port,
         idle_timeout_s=args.idle_timeout_s,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        max_concurrent_requests=args.max_concurrent_requests,
+        queue_size=args.queue_size,
+        queue_timeout_s=args.queue_timeout_s,
         defaults=Defaults(chat_max_tokens=args.default_max_tokens),
     )
     if not args.embed_router:
@@ -345,6 +348,19 @@ def _gateway_command(add) -> None:
         help="no reply for this long: cancel the request and answer 504",
     )  # fmt: skip
     p.add_argument("--max-body-mb", type=positive, default=8.0, help="larger bodies get a 413")
+    p.add_argument(
+        "--max-concurrent-requests", type=at_least(-1), default=-1,
+        help="generate requests held at once (-1: 1,024 per core, at least 4,096, SMG's "
+        "default; 0: no bound)",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-size", type=at_least(0), default=100,
+        help="requests that may wait past that bound (0: 429 at once)",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-timeout-s", type=positive, default=60.0,
+        help="how long one may wait before it is answered 429",
+    )  # fmt: skip
     p.add_argument(
         "--default-max-tokens", type=at_least(1), default=256,
         help="max_tokens of a chat request that gives none",

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from thunderagent.bus import Bus
 from thunderagent.client import Call, ReplyMux, Route
 from thunderagent.fleet import WorkerRegistry
+from thunderagent.gateway.admission import Admission, default_limit
 from thunderagent.gateway.errors import CLIENT_CLOSED, HttpError, from_code, from_reply
 from thunderagent.gateway.metrics import GatewayMetrics
 from thunderagent.gateway.protocol import (
@@ -93,6 +94,13 @@ class GatewayConfig:
     """Larger bodies are answered 413 (NATS's own limit is the server's ``max_payload``)."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, requests in flight get this long to finish."""
+    max_concurrent_requests: int = -1
+    """Generate requests held at once (``gateway.admission``; -1: SMG 1.13's default, 1,024
+    per core and at least 4,096; 0: no bound)."""
+    queue_size: int = 100
+    """Requests that may wait for one of them to end (0: past the bound, 429 at once)."""
+    queue_timeout_s: float = 60.0
+    """How long one may wait before it is answered 429."""
     defaults: Defaults = field(default_factory=Defaults)
 
 
@@ -110,6 +118,10 @@ class Gateway:
         self.fleet = FleetWatcher(bus, self.registry)
         self.mux = ReplyMux.on(bus)
         self.metrics = GatewayMetrics.get()
+        limit = config.max_concurrent_requests
+        self.admission = Admission(
+            default_limit() if limit < 0 else limit, config.queue_size, config.queue_timeout_s
+        )
         self.url = ""
         self.started = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -210,6 +222,15 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _generate(self, request: web.Request, parse: Parser) -> web.StreamResponse:
+        refused = await self.admission.enter()
+        if refused is not None:
+            raise from_code(ErrorCode.OVERLOADED, refused, retry_after_s=1.0)
+        try:
+            return await self._admitted(request, parse)
+        finally:
+            self.admission.leave()
+
+    async def _admitted(self, request: web.Request, parse: Parser) -> web.StreamResponse:
         headers = request.headers
         request_id = request[REQUEST_ID] = request_id_from(headers)
         try:
