@@ -99,9 +99,11 @@ def test_each_router_exports_its_hand_offs_in_flight_and_their_bound() -> None:
     text = scrape_after("""
         from thunderagent.router.request_path import Router, RouterConfig
         from thunderagent.scheduling.handoff_limit import HandoffLimit
+        routers = []  # kept: the gauges read live routers only (a weak set)
         for rid in ("r1", "r2"):
             router = Router(RouterConfig(router_id=rid, handoffs=HandoffLimit(initial=8)), None)
             assert router.handoffs.acquire() and router.handoffs.acquire()
+            routers.append(router)
     """)
     rows = {
         (line.split("{", 1)[0], line.split('router_id="', 1)[1].split('"', 1)[0]): float(
