@@ -228,15 +228,7 @@ class Router:
             pull=pull,
             offer=self.offer_ids.next(),
         )
-        ack = None
-        for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
-            try:
-                ack = await self.bus.request(
-                    subjects.worker_generate(first), work, Ack, timeout=self.config.submit_timeout_s
-                )
-                break
-            except BusError:
-                continue
+        ack = await self._offer(first, work)
         if ack is None or not ack.accepted:  # the scheduler will find it another worker
             self.wallet.give_back(first)
             if ack is None:
@@ -248,6 +240,18 @@ class Router:
         self.core.on_dispatched(req.request_id, first, time.time())
         notice = DirectDispatch(submit=submit, worker_id=first, pull=pull)
         await self.bus.publish(subjects.sched_direct(req.model), notice)
+        return None
+
+    async def _offer(self, worker_id: str, work: WorkerGenerate) -> Ack | None:
+        """``worker_id``'s answer to the hand-off, or None when it gave none in time."""
+        for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
+            try:
+                return await self.bus.request(
+                    subjects.worker_generate(worker_id), work, Ack,
+                    timeout=self.config.submit_timeout_s,
+                )  # fmt: skip
+            except BusError:
+                continue
         return None
 
     async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:

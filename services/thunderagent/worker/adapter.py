@@ -19,7 +19,7 @@ import msgspec
 from opentelemetry.metrics import Observation
 
 from thunderagent.bus import Bus, BusError, Delivery
-from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, HandledOffers, load_report
+from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, AcceptedRuns, load_report
 from thunderagent.schemas import (
     AbortRequest,
     Ack,
@@ -52,6 +52,7 @@ from thunderagent.worker.id_lease import IdLease
 from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.metrics import adapter_metrics
 from thunderagent.worker.migration import WorkerMigration
+from thunderagent.worker.offer_screen import OfferScreen
 from thunderagent.worker.pd_mode import pd_mode, pd_refusal
 from thunderagent.worker.waits import once_ready, sleep_or_stop, wait_any
 
@@ -100,8 +101,7 @@ class WorkerAdapter:
         self.bus = bus
         self.engine = engine
         self.runs = AcceptedRuns()
-        self.offers = HandledOffers()
-        """Hand-offs run here or voided by an abort: one arriving again is refused."""
+        self.offer_screen = OfferScreen(config.worker_id)
         self.engine_healthy = asyncio.Event()
         self.engine_healthy.set()  # it answered /server_info before we registered
         self.lease: IdLease | None = None
@@ -410,7 +410,10 @@ class WorkerAdapter:
     async def on_generate(self, work: WorkerGenerate, delivery: Delivery) -> None:
         rid = work.request.request_id
         now = time.monotonic()
-        taken, refusal = self._screen(work, now)
+        taken, refusal = self.offer_screen.screen(work, self.running.get(rid), now)
+        if not (taken or refusal):
+            healthy = self.engine_healthy.is_set()
+            refusal = pd_refusal(self.pd_mode, work) if healthy else "its engine is not answering"
         if taken or refusal:
             if delivery.reply:
                 ack = Ack(accepted=bool(taken), reason=taken or refusal)
@@ -423,7 +426,7 @@ class WorkerAdapter:
         )  # fmt: skip
         # booked before the ack's await: an abort handled meanwhile finds the run and stops it
         self.running[rid] = generation
-        self.offers.ran(now, work.offer)
+        self.offer_screen.offers.ran(now, work.offer)
         context = len(work.request.token_ids or [])
         prefill = context - max(0, work.predicted_cached_tokens)
         if work.bootstrap is not None and self.pd_mode == "decode":
@@ -438,40 +441,6 @@ class WorkerAdapter:
             self.running.pop(rid, None)
         if final is not None:
             self._count(final, work.request.model)
-
-    def _screen(self, work: WorkerGenerate, now: float) -> tuple[str, str]:
-        """(why the offer is taken already, why it is refused): both empty when it is to run
-        here now. The offers it supersedes are voided whatever the answer: their sender moved
-        on."""
-        rid = work.request.request_id
-        offers = self.offers
-        outcome = offers.outcome(work.offer, now)
-        # this offer, or one it supersedes (the same run, offered again), ran here already
-        ran = outcome is True or any(offers.outcome(o, now) for o in work.supersedes)
-        offers.void(now, *work.supersedes)
-        running = self.running.get(rid)
-        # the same hand-off again (its first ack was late, so the sender tried once more):
-        # idempotent, the run here is (or was) the one the client is reading
-        if running is not None and running.work.reply_subject == work.reply_subject:
-            offers.ran(now, work.offer)
-            self._late("running")
-            return "running here", ""
-        if ran:
-            offers.ran(now, work.offer)
-            self._late("ran")
-            return "it ran here already", ""
-        if running is not None:
-            return "", f"{rid} is already running here, for another client"
-        if outcome is False:
-            self._late("refused")
-            return "", f"this hand-off of {rid} was aborted here before it arrived"
-        if not self.engine_healthy.is_set():
-            return "", "its engine is not answering"
-        return "", pd_refusal(self.pd_mode, work)
-
-    def _late(self, outcome: str) -> None:
-        attrs = {"worker_id": self.config.worker_id, "outcome": outcome}
-        self.metrics.late_offers.add(1, attrs)
 
     async def on_kv_import(self, transfer: KvTransfer, delivery: Delivery) -> None:
         """PD: the decode side takes over a prefilled prompt's KV before its continuation."""
@@ -491,7 +460,7 @@ class WorkerAdapter:
         """Preemption or cancellation: stop the run without telling the client, hand back what
         it produced (a preempted request resumes from there). The offers it names are refused
         from now on, found or not."""
-        self.offers.void(time.monotonic(), *abort.offers)
+        self.offer_screen.offers.void(time.monotonic(), *abort.offers)
         generation = self.running.get(abort.request_id)
         if generation is None:
             answer = Preempted(request_id=abort.request_id, found=False)
