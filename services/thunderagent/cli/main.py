@@ -365,6 +365,11 @@ def _gateway_command(add) -> None:
         "--default-max-tokens", type=at_least(1), default=256,
         help="max_tokens of a chat request that gives none",
     )  # fmt: skip
+    _embedded_router_args(p)
+
+
+def _embedded_router_args(p) -> None:
+    """The gateway's router replica in its own process (``--embed-router``)."""
     p.add_argument(
         "--embed-router", action="store_true",
         help="route in this process (a router replica with its own index; one NATS hop less "
