@@ -189,8 +189,49 @@ def test_worker_log_stays_bounded_under_churn() -> None:
         seq += 2
     ix.apply_stored("a", seq, h, None, 0.0)
     assert ix.block_counts() == {"a": 50}
-    assert len(ix._workers["a"].log) <= 2 * 50 + 1024 + 50
+    assert len(list(ix._workers["a"].logged())) <= 2 * 50 + 1024 + 50
     assert ix.dump_worker("a") == h
+
+
+def test_a_compaction_reads_a_few_log_items_per_event_and_loses_no_block() -> None:
+    """A log past its threshold is compacted over the events that follow, at most
+    ``max(4 x blocks, 64)`` of its items per event (in one go it held the event loop ~1 µs an
+    item); meanwhile dumps, counts and a worker's removal see every block it holds."""
+    ix = PrefixIndex(ttl_s=None)
+    h = chain(*range(600))
+    seq = 0
+    for _ in range(4):  # 2,400 log items for 600 blocks: past 2 x 600 + 1,024
+        ix.apply_stored("a", seq, h, None, 0.0)
+        ix.apply_removed("a", seq + 1, h.primary[300:], 0.0)
+        seq += 2
+    w = ix._workers["a"]
+    assert w.sweep is not None and len(w.sweep.old) == 2400 and len(w.log) == 0
+    held = set(h.primary[:300])
+    extra = [chain(*range(600), 10_000 + i) for i in range(60)]
+    events = 0
+    for longer in extra:
+        events += 1
+        before = w.sweep.pos if w.sweep is not None else None
+        ix.apply_stored("a", seq, BlockHashes(longer.primary[-1:], longer.check[-1:]),
+                        h.primary[-1], 0.0)  # fmt: skip
+        seq += 1
+        held.add(longer.primary[-1])
+        if before is not None and w.sweep is not None:
+            assert w.sweep.pos - before == 64  # one block stored: the minimum
+        assert set(ix.dump_worker("a").primary) == held
+        assert ix.block_counts() == {"a": len(held)}
+        if w.sweep is None:
+            break
+    assert w.sweep is None and events == 2400 // 64 + 1  # the 38th event read the last items
+    assert list(w.log) == [*h.primary[:300], *(e.primary[-1] for e in extra[:events])]
+    ix.apply_stored("a", seq, h, None, 0.0)  # and once more past the threshold, then removed
+    for _ in range(3):
+        ix.apply_removed("a", seq + 1, h.primary, 0.0)
+        ix.apply_stored("a", seq + 2, h, None, 0.0)
+        seq += 2
+    assert w.sweep is not None
+    assert ix.remove_worker("a")
+    assert all(e.held == 0 for e in ix._entries.values()) and len(ix) == 0
 
 
 def test_more_than_64_workers() -> None:

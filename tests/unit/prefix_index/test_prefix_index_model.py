@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from thunderagent.hashing import BlockHasher, BlockHashes
 from thunderagent.prefix_index import APPLIED, Gap, PrefixIndex, Stale, decode, encode
+from thunderagent.prefix_index import index as index_module
 
 TTL_S = 10.0
 BUCKETS = 4
@@ -195,6 +196,34 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.ix.stats.orphan_stores == self.model.orphans
         assert self.ix.stats.query_collisions == 0 and self.ix.stats.store_collisions == 0
 
+    @invariant()
+    def every_held_block_is_logged(self) -> None:
+        for w in self.ix._workers.values():
+            assert self.model.blocks[w.name] <= set(w.logged())
+
 
 IndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestIndexAgainstModel = IndexMachine.TestCase
+
+
+EAGER_SWEEPS = dict(_LOG_GROWTH=0, _LOG_SLACK=0, _SWEEP_MIN_ITEMS=1, _SWEEP_ITEMS_PER_BLOCK=1)
+
+
+class SweepingIndexMachine(IndexMachine):
+    """The same streams with a worker's log compacted whenever it holds anything, one item per
+    stored block: a compaction is under way at about a third of the steps (stores, removals,
+    expiry, dumps, snapshots and a worker's removal in the middle of one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved = {name: getattr(index_module, name) for name in EAGER_SWEEPS}
+        for name, value in EAGER_SWEEPS.items():
+            setattr(index_module, name, value)
+
+    def teardown(self) -> None:
+        for name, value in self._saved.items():
+            setattr(index_module, name, value)
+
+
+SweepingIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
+TestSweepingIndexAgainstModel = SweepingIndexMachine.TestCase
