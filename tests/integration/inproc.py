@@ -26,6 +26,18 @@ from thunderagent.telemetry import Telemetry
 MODEL = "sim/test-model.v1"
 
 
+async def serve_engine(
+    engine: EngineDriver | list[EngineDriver], info: EngineInfo, port: int = 0
+) -> tuple[web.AppRunner, int]:
+    """A simulated engine (one driver, or one per data-parallel rank) serving HTTP on
+    loopback, on ``port`` or a free one; ``runner.cleanup()`` stops it."""
+    port = port or free_port()
+    runner = http_runner(SimEngineApp(engine, info).app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
 @dataclass
 class RunningService:
     name: str
@@ -128,10 +140,7 @@ class InprocStack:
         port = port or free_port()
         if disaggregation_mode == "prefill":  # its bootstrap registry is on its API port
             info.bootstrap_port = port
-        app = SimEngineApp(ranks, info).app
-        runner = http_runner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_engine(ranks, info, port)
         self._runners.append(runner)
         self.engines[worker_id] = engine
         self.dp_ranks[worker_id] = ranks

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from tests.integration.inproc import MODEL, InprocStack, inproc_stack
+from tests.integration.inproc import MODEL, InprocStack, inproc_stack, serve_engine
 from thunderagent.embedded import ChildProcess, free_port, spawn
 from thunderagent.engine import get_profile
 from thunderagent.hashing import BlockHasher, kv_namespace
@@ -25,7 +24,7 @@ from thunderagent.schemas import subjects
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.kv_pool import NixlUnavailable, load_nixl, pool_for
-from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.simengine.server import EngineInfo
 
 BLOCK = 16
 KV_BLOCKS = 64
@@ -76,10 +75,7 @@ async def start_pooled_engine(
     info = EngineInfo(model=MODEL, block_size=BLOCK, kv_events_config=config,
                       lora_adapters=list(lora_adapters))  # fmt: skip
     info.kv_pull_gbps = pull_gbps
-    runner = web.AppRunner(SimEngineApp(driver, info).app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await serve_engine(driver, info)
     runners.append((runner, driver))
     url = f"http://127.0.0.1:{port}"
     stack.engine_urls[worker_id] = url

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from tests.integration.inproc import serve_engine
 from tests.integration.migration_stack import skip_without_nixl
-from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine.driver import EngineDriver
 from thunderagent.simengine.kv_pool import KvPool, pool_for
 from thunderagent.simengine.salts import cache_namespace
-from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.simengine.server import EngineInfo
 
 skip_without_nixl()
 
@@ -50,10 +50,7 @@ async def engines(n: int = 2) -> AsyncIterator[list[Engine]]:
     try:
         for _ in range(n):
             driver = EngineDriver(PROFILE, kv_pool=pool_for(PROFILE))
-            runner = web.AppRunner(SimEngineApp(driver, EngineInfo("m", BLOCK)).app)
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runner, port = await serve_engine(driver, EngineInfo("m", BLOCK))
             out.append(Engine(driver, f"http://127.0.0.1:{port}", runner))
         yield out
     finally:

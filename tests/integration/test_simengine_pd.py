@@ -16,13 +16,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.integration.inproc import serve_engine
 from thunderagent.embedded import free_port
 from thunderagent.engine import get_profile
 from thunderagent.simengine import pd_bootstrap, server
 from thunderagent.simengine.driver import EngineDriver, GenerateInput
 from thunderagent.simengine.pd_bootstrap import reserved_decode_tokens
 from thunderagent.simengine.pd_pages import KvNotReserved, release_kv, reserve_kv
-from thunderagent.simengine.server import EngineInfo, SimEngineApp
+from thunderagent.simengine.server import EngineInfo
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -50,9 +51,7 @@ async def pd_pair(
             info.disaggregation_mode, info.reserved_decode_tokens = mode, reserved
             port = free_port()
             info.bootstrap_port = port if mode == "prefill" else 0
-            runner = web.AppRunner(SimEngineApp(driver, info).app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runner, port = await serve_engine(driver, info, port)
             out.append(Engine(driver, f"http://127.0.0.1:{port}", port, runner))
         yield out[0], out[1]
     finally:
