@@ -64,8 +64,8 @@ class WorkerSeen:
 
 
 @dataclass(frozen=True, slots=True)
-class Replicate:
-    """Copy ``blocks`` blocks of ``prefix_hash`` from ``source`` to ``target``; both keep it."""
+class _Copy:
+    """``blocks`` blocks of ``prefix_hash`` copied from ``source`` to ``target``."""
 
     action_id: str
     prefix_hash: int
@@ -81,18 +81,13 @@ class Replicate:
 
 
 @dataclass(frozen=True, slots=True)
-class Migrate:
-    """Move the prefix: copy it to ``target``, then free it at ``source``."""
+class Replicate(_Copy):
+    """Copy the prefix to ``target``; both keep it."""
 
-    action_id: str
-    prefix_hash: int
-    blocks: int
-    source: str
-    target: str
-    bytes: int = 0
-    transfer_s: float = 0.0
-    benefit_s: float = 0.0
-    reason: str = ""
+
+@dataclass(frozen=True, slots=True)
+class Migrate(_Copy):
+    """Move the prefix: copy it to ``target``, then free it at ``source``."""
 
 
 @dataclass(frozen=True, slots=True)
