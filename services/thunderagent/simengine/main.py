@@ -59,47 +59,14 @@ class SimEngineConfig:
 
 
 async def _serve(config: SimEngineConfig) -> None:
-    profile = get_profile(config.profile).with_engine(
-        block_size=config.block_size, host_blocks=config.host_blocks
-    )
-    if config.kv_blocks is not None:
-        profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
-    kv_pool = _kv_pool(config, profile) if config.kv_pool else None
     publishers: list[ZmqKvEventPublisher] = []
     if config.kv_events_config:
         publishers = start_rank_publishers(config.kv_events_config, config.dp_size)
-    ranks = [
-        EngineDriver(
-            profile,
-            publisher=publishers[rank] if publishers else None,
-            speedup=config.speedup,
-            link_bytes_per_s=config.link_gbps * 1e9,
-            kv_pool=kv_pool,
-        )
-        for rank in range(config.dp_size)
-    ]
-    info = EngineInfo(
-        model=config.model,
-        block_size=config.block_size,
-        kv_events_config=bound_events_config(
-            config.kv_events_config, publishers[0] if publishers else None
-        ),
-    )
-    info.kv_pull_gbps = config.kv_pull_gbps
-    info.instant = config.instant
-    info.lora_adapters = list(config.lora_adapters)
-    info.disaggregation_mode = config.disaggregation_mode
-    if config.instant and config.disaggregation_mode != "null":
-        raise SystemExit("simengine: --engine instant answers at once; it has no PD mode")
-    try:  # read from the environment, as SGLang's decode engine reads it
-        info.reserved_decode_tokens = reserved_decode_tokens(os.environ)
-    except ValueError as err:
-        raise SystemExit(f"simengine: {err}") from None
-    app = SimEngineApp(ranks, info).app
-    runner = http_runner(app)
+    ranks = _ranks(config, publishers)
+    info = _engine_info(config, publishers[0] if publishers else None)
+    runner = http_runner(SimEngineApp(ranks, info).app)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    await web.TCPSite(runner, config.host, config.port).start()
     if config.disaggregation_mode == "prefill":  # the registry is served on the API port
         info.bootstrap_port = runner.addresses[0][1]
     log.info("simulated engine %s on http://%s:%d (%d DP rank%s)", config.model, config.host,
@@ -112,6 +79,46 @@ async def _serve(config: SimEngineConfig) -> None:
     await runner.cleanup()
     for engine in ranks:
         await engine.close()
+
+
+def _ranks(config: SimEngineConfig, publishers: list[ZmqKvEventPublisher]) -> list[EngineDriver]:
+    """One engine per data-parallel rank, each with its own KV cache and event publisher."""
+    profile = get_profile(config.profile).with_engine(
+        block_size=config.block_size, host_blocks=config.host_blocks
+    )
+    if config.kv_blocks is not None:
+        profile = profile.with_engine(kv_blocks_override=config.kv_blocks)
+    kv_pool = _kv_pool(config, profile) if config.kv_pool else None
+    return [
+        EngineDriver(
+            profile,
+            publisher=publishers[rank] if publishers else None,
+            speedup=config.speedup,
+            link_bytes_per_s=config.link_gbps * 1e9,
+            kv_pool=kv_pool,
+        )
+        for rank in range(config.dp_size)
+    ]
+
+
+def _engine_info(config: SimEngineConfig, publisher: ZmqKvEventPublisher | None) -> EngineInfo:
+    """What the engine tells its clients about itself (``/server_info``, its PD role)."""
+    if config.instant and config.disaggregation_mode != "null":
+        raise SystemExit("simengine: --engine instant answers at once; it has no PD mode")
+    info = EngineInfo(
+        model=config.model,
+        block_size=config.block_size,
+        kv_events_config=bound_events_config(config.kv_events_config, publisher),
+    )
+    info.kv_pull_gbps = config.kv_pull_gbps
+    info.instant = config.instant
+    info.lora_adapters = list(config.lora_adapters)
+    info.disaggregation_mode = config.disaggregation_mode
+    try:  # read from the environment, as SGLang's decode engine reads it
+        info.reserved_decode_tokens = reserved_decode_tokens(os.environ)
+    except ValueError as err:
+        raise SystemExit(f"simengine: {err}") from None
+    return info
 
 
 def _kv_pool(config: SimEngineConfig, profile: Profile) -> KvPool:
