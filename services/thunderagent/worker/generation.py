@@ -251,6 +251,21 @@ class Generation:
             await self._fail(err)
             return None
         rest = self._continuation()
+        if await self._hand_to_decode(decode, rest):
+            return None  # the decode worker answers the client from here
+        here = Generation(
+            rest, self.worker_id, self.bus, self.engine, self.runs,
+            max_request_s=self.max_request_s,
+        )  # fmt: skip
+        self.runs.accept(here.engine_rid, 0)  # its KV was just computed here: ~nothing to prefill
+        try:
+            return await here.run()
+        finally:
+            self.runs.finished(here.engine_rid)
+
+    async def _hand_to_decode(self, decode: str, rest: WorkerGenerate) -> bool:
+        """The prompt's KV to ``decode``, then its continuation ``rest``; False when either was
+        refused or got no answer (the run then goes on here)."""
         transfer = KvTransfer(
             request_id=self.request_id,
             token_ids=rest.request.token_ids or [],
@@ -266,19 +281,11 @@ class Generation:
                 ack = await self.bus.request(subjects.worker_generate(decode), rest, Ack, timeout=5)
             if ack.accepted:
                 await self._progress("transferred", worker_id=decode, from_worker=self.worker_id)
-                return None  # the decode worker answers the client from here
+                return True
             log.warning("PD hand-off of %s to %s refused: %s", self.request_id, decode, ack.reason)
         except BusError as err:
             log.warning("PD hand-off of %s to %s failed: %s", self.request_id, decode, err)
-        here = Generation(
-            rest, self.worker_id, self.bus, self.engine, self.runs,
-            max_request_s=self.max_request_s,
-        )  # fmt: skip
-        self.runs.accept(here.engine_rid, 0)  # its KV was just computed here: ~nothing to prefill
-        try:
-            return await here.run()
-        finally:
-            self.runs.finished(here.engine_rid)
+        return False
 
     async def _pair_with_decode(self) -> FinalReply | None:
         """SGLang's PD: the decode worker runs the whole request, its engine taking the KV from
