@@ -34,7 +34,7 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   compaction is a ``_Sweep``, a few items per block stored over the events that follow (its
   set of items seen lives only as long as it does): done at once, it held the event loop of a
   process with an index for the whole log, 57k items for a worker's 28k blocks in the router's
-  in-flight overlay under the conversation trace at 200 req/s (12 ms alone, more on a busy
+  in-flight overlay under the conversation trace at 200 req/s (~6 ms alone, more on a busy
   machine), and set the latency p99 of a gateway routing in its own process.
 * Worker ids are strings outside and bit slots inside; a freed slot is reused (lowest first, so
   masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
