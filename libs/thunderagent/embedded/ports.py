@@ -5,10 +5,16 @@ from __future__ import annotations
 import random
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 _LOWEST = 10_000
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+_handed_out: deque[int] = deque(maxlen=1024)
+"""Ports this process handed out lately: a caller often takes several before it binds any (an
+engine's two KV-event sockets, a stack's servers), and a port not bound yet still looks free,
+so the same port could be handed out twice (one bind then failed "address already in use")."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,7 +26,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     pick = random.SystemRandom()
     for _ in range(100 if top > _LOWEST + 1000 else 0):
         port = pick.randrange(_LOWEST, top)
-        if port_is_free(port, host):
+        if port not in _handed_out and port_is_free(port, host):
+            _handed_out.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
+from thunderagent.embedded import ports
 from thunderagent.embedded.ports import _ephemeral_start, free_port, port_is_free
 
 
@@ -20,3 +23,23 @@ def test_a_port_taken_is_not_free() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert not port_is_free(sock.getsockname()[1])
+
+
+def test_ports_handed_out_before_any_is_bound_differ(monkeypatch) -> None:
+    """Two picks in a row, neither bound yet (an engine's KV-event and replay sockets), never
+    name the same port: forced here by a draw that repeats itself."""
+    if _ephemeral_start() <= 11_000:
+        pytest.skip("no room below the ephemeral range: the kernel picks the ports")
+    draws = iter([20_000, 20_000, 20_001])
+    monkeypatch.setattr(ports.random, "SystemRandom", lambda: _Draw(draws))
+    monkeypatch.setattr(ports, "port_is_free", lambda port, host="127.0.0.1": True)
+    monkeypatch.setattr(ports, "_handed_out", ports.deque(maxlen=8))
+    assert [free_port(), free_port()] == [20_000, 20_001]
+
+
+class _Draw:
+    def __init__(self, draws) -> None:
+        self.draws = draws
+
+    def randrange(self, low: int, high: int) -> int:
+        return next(self.draws)
