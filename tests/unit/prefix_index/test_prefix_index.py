@@ -195,8 +195,8 @@ def test_worker_log_stays_bounded_under_churn() -> None:
 
 def test_a_compaction_reads_a_few_log_items_per_event_and_loses_no_block() -> None:
     """A log past its threshold is compacted over the events that follow, at most
-    ``max(4 x blocks, 64)`` of its items per event (in one go it held the event loop ~1 µs an
-    item); meanwhile dumps, counts and a worker's removal see every block it holds."""
+    ``max(4 x blocks, 64)`` of its items per event (in one go it held the event loop for the
+    whole log); meanwhile dumps, counts and a worker's removal see every block it holds."""
     ix = PrefixIndex(ttl_s=None)
     h = chain(*range(600))
     seq = 0
