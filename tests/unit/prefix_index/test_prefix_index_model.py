@@ -211,7 +211,7 @@ EAGER_SWEEPS = dict(_LOG_GROWTH=0, _LOG_SLACK=0, _SWEEP_MIN_ITEMS=1, _SWEEP_ITEM
 
 class SweepingIndexMachine(IndexMachine):
     """The same streams with a worker's log compacted whenever it holds anything, one item per
-    stored block: a compaction is under way at about a third of the steps (stores, removals,
+    stored block: a compaction is under way at a quarter to a third of the steps (stores, removals,
     expiry, dumps, snapshots and a worker's removal in the middle of one)."""
 
     def __init__(self) -> None:
