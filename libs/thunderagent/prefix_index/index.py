@@ -31,11 +31,11 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   costs its blocks, not a scan of the index. Each event's hashes are appended with one
   ``extend`` (re-stored ones too); stale items are filtered on the mask, the log compacted past
   twice the count. A log, not a set: a set insert is one more random access per block. The
-  compaction is a ``_Sweep``, a few items per block stored over the events that follow (its
-  set of items seen lives only as long as it does): done at once, it held the event loop of a
-  process with an index for the whole log, 57k items for a worker's 28k blocks in the router's
-  in-flight overlay under the conversation trace at 200 req/s (~6 ms alone, more on a busy
-  machine), and set the latency p99 of a gateway routing in its own process.
+  compaction is a ``_Sweep``, a few items per block stored over the events that follow (what
+  it has read is kept in an untracked dict while it runs): done at once, it held the event
+  loop of a process with an index for the whole log, 57k items for a worker's 28k blocks in
+  the router's in-flight overlay under the conversation trace at 200 req/s (~6 ms alone,
+  more on a busy machine), and set the latency p99 of a gateway routing in its own process.
 * Worker ids are strings outside and bit slots inside; a freed slot is reused (lowest first, so
   masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
   only after its bit is gone from every entry.
@@ -123,12 +123,13 @@ class _Worker:
 @dataclass(slots=True)
 class _Sweep:
     """A compaction in steps: ``old[pos:]`` still to read; its items held by the worker and
-    not read before go to ``kept``, in order."""
+    not read before go to ``kept``, in order. ``seen`` is a dict, not a set: a dict of ints
+    is not tracked by the cyclic GC, a set always is (a full collection would walk it)."""
 
     old: array
     pos: int = 0
     kept: array = field(default_factory=lambda: array("Q"))
-    seen: set[int] = field(default_factory=set)
+    seen: dict[int, None] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -376,7 +377,7 @@ class PrefixIndex:
         kept = s.kept
         for p in s.old[s.pos : end]:
             if p not in seen and (e := get(p)) is not None and e.held & bit:
-                seen.add(p)
+                seen[p] = None
                 kept.append(p)
         s.pos = end
         if end == len(s.old):

@@ -206,6 +206,9 @@ def test_a_compaction_reads_a_few_log_items_per_event_and_loses_no_block() -> No
         seq += 2
     w = ix._workers["a"]
     assert w.sweep is not None and len(w.sweep.old) == 2400 and len(w.log) == 0
+    ix.apply_stored("a", seq, BlockHashes([], []), None, 0.0)  # a step: 64 items read
+    seq += 1
+    assert len(w.sweep.seen) == 64 and not gc.is_tracked(w.sweep.seen)  # nothing for the GC
     held = set(h.primary[:300])
     extra = [chain(*range(600), 10_000 + i) for i in range(60)]
     events = 0
@@ -222,7 +225,7 @@ def test_a_compaction_reads_a_few_log_items_per_event_and_loses_no_block() -> No
         assert ix.block_counts() == {"a": len(held)}
         if w.sweep is None:
             break
-    assert w.sweep is None and events == 2400 // 64 + 1  # the 38th event read the last items
+    assert w.sweep is None and events == 2400 // 64  # with the empty one, 38 events read it all
     assert list(w.log) == [*h.primary[:300], *(e.primary[-1] for e in extra[:events])]
     ix.apply_stored("a", seq, h, None, 0.0)  # and once more past the threshold, then removed
     for _ in range(3):
