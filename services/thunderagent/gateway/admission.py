@@ -47,7 +47,11 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return sum(not w.done() for w in self._waiting)
+        """Requests waiting for a permit. The turns of those that gave up (timed out, went
+        away) are dropped here too: with no permit coming back, nothing else would."""
+        if any(w.done() for w in self._waiting):
+            self._waiting = deque(w for w in self._waiting if not w.done())
+        return len(self._waiting)
 
     async def enter(self) -> str | None:
         """Take a permit (waiting for one if need be); None once taken, else why not."""
