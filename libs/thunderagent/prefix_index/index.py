@@ -27,15 +27,9 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   takes ~40 ns more to build than a tuple (80 against 39 ns); an allocation the GC tracks per
   block costs more (GC was 60 % of ingest when entries were lists). A new block is one
   ``setdefault``; an existing one is changed in place.
-* ``_Worker.log: array[primary]`` with an exact ``count``: clearing, removing or dumping a worker
-  costs its blocks, not a scan of the index. Each event's hashes are appended with one
-  ``extend`` (re-stored ones too); stale items are filtered on the mask, the log compacted past
-  twice the count. A log, not a set: a set insert is one more random access per block. The
-  compaction is a ``_Sweep``, a few items per block stored over the events that follow (what
-  it has read is kept in an untracked dict while it runs): done at once, it held the event
-  loop of a process with an index for the whole log, 57k items for a worker's 28k blocks in
-  the router's in-flight overlay under the conversation trace at 200 req/s (~6 ms alone,
-  more on a busy machine), and set the latency p99 of a gateway routing in its own process.
+* Each worker's log of the blocks its bit was set on (``worker_log``), with an exact count:
+  clearing, removing or dumping a worker costs its blocks, not a scan of the index. A log, not
+  a set: a set insert is one more random access per block. It is compacted a little at a time.
 * Worker ids are strings outside and bit slots inside; a freed slot is reused (lowest first, so
   masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
   only after its bit is gone from every entry.
@@ -54,8 +48,7 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import chain, zip_longest
+from itertools import zip_longest
 from typing import Final
 
 from thunderagent.hashing import BlockHashes
@@ -69,6 +62,7 @@ from thunderagent.prefix_index.snapshot import (
     from_snapshot,
     to_snapshot,
 )
+from thunderagent.prefix_index.worker_log import IndexedWorker
 
 DEFAULT_TTL_S: Final = 600.0
 """Ten minutes. TTL is the coarse invalidation layer only: engines report evictions precisely
@@ -88,49 +82,6 @@ _LOG_GROWTH: Final = 2
 _LOG_SLACK: Final = 1024
 """Stale log items tolerated beyond ``_LOG_GROWTH`` x a worker's count before compaction."""
 
-_SWEEP_ITEMS_PER_BLOCK: Final = 4
-"""Old log items a compaction reads per block stored meanwhile: it reads ~2x the count while
-~count/2 new items arrive, so the log it leaves stays under its threshold."""
-
-_SWEEP_MIN_ITEMS: Final = 64
-"""Old log items a compaction reads per stored event at least (an event of one block)."""
-
-
-@dataclass(slots=True)
-class _Worker:
-    """Per-worker state; ``bit`` is ``1 << slot``, cached because every store ORs it in."""
-
-    name: str
-    slot: int
-    bit: int
-    last_seq: int | None = None
-    last_event_at: float | None = None
-    count: int = 0
-    """Entries whose mask has this worker's bit (exact)."""
-    log: array = field(default_factory=lambda: array("Q"))
-    """Primary hashes this worker's bit was set on, possibly stale or repeated."""
-    sweep: _Sweep | None = None
-    """A compaction under way: the earlier log it reads; ``log`` takes what arrives meanwhile."""
-
-    def logged(self) -> Iterable[int]:
-        """Every item of the log, in stored order: a hash this worker holds is among them."""
-        s = self.sweep
-        if s is None:
-            return self.log
-        return chain(s.kept, s.old[s.pos :], self.log)
-
-
-@dataclass(slots=True)
-class _Sweep:
-    """A compaction in steps: ``old[pos:]`` still to read; its items held by the worker and
-    not read before go to ``kept``, in order. ``seen`` is a dict, not a set: a dict of ints
-    is not tracked by the cyclic GC, a set always is (a full collection would walk it)."""
-
-    old: array
-    pos: int = 0
-    kept: array = field(default_factory=lambda: array("Q"))
-    seen: dict[int, None] = field(default_factory=dict)
-
 
 class PrefixIndex:
     """Which workers hold how many leading blocks of a prompt (see the module docstring)."""
@@ -147,8 +98,8 @@ class PrefixIndex:
         self.bucket_s = 0.0 if ttl_s is None else ttl_s / ttl_buckets
         self.stats = IndexStats()
         self._entries: dict[int, Entry] = {}
-        self._workers: dict[str, _Worker] = {}
-        self._by_slot: list[_Worker | None] = []
+        self._workers: dict[str, IndexedWorker] = {}
+        self._by_slot: list[IndexedWorker | None] = []
         self._free_slots: list[int] = []
         self._pending: deque[tuple[int, array]] = deque()
         self._tail_bucket = 0
@@ -166,13 +117,13 @@ class PrefixIndex:
         w = self._workers.get(worker) or self._register(worker)
         w.last_seq = last_seq
 
-    def _register(self, worker: str) -> _Worker:
+    def _register(self, worker: str) -> IndexedWorker:
         if self._free_slots:
             slot = heapq.heappop(self._free_slots)
         else:
             slot = len(self._by_slot)
             self._by_slot.append(None)
-        w = _Worker(worker, slot, 1 << slot)
+        w = IndexedWorker(worker, slot, 1 << slot)
         self._by_slot[slot] = w
         self._workers[worker] = w
         return w
@@ -219,13 +170,8 @@ class PrefixIndex:
         if w is None:
             return BlockHashes([], [])
         entries = self._entries
-        primary = self._live_log(w)
+        primary = w.live(entries.get)
         return BlockHashes(primary, [entries[p].check for p in primary])
-
-    def _live_log(self, w: _Worker) -> list[int]:
-        get = self._entries.get
-        bit = w.bit
-        return [p for p in dict.fromkeys(w.logged()) if (e := get(p)) is not None and e.held & bit]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -235,7 +181,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ events
 
-    def _out_of_sequence(self, w: _Worker, seq: int) -> EventResult:
+    def _out_of_sequence(self, w: IndexedWorker, seq: int) -> EventResult:
         """``seq`` is not ``last + 1`` (and ``last`` is known): a stale event or a gap."""
         last: int = w.last_seq  # type: ignore[assignment]
         if seq <= last:
@@ -245,7 +191,7 @@ class PrefixIndex:
         w.last_seq = seq
         return Gap(w.name, last + 1, seq)
 
-    def _sequence(self, w: _Worker, seq: int) -> EventResult:
+    def _sequence(self, w: IndexedWorker, seq: int) -> EventResult:
         last = w.last_seq
         if last is None or seq == last + 1:
             w.last_seq = seq
@@ -358,32 +304,9 @@ class PrefixIndex:
                 e.held |= bit
                 added += 1
         w.count += added + len(entries) - size
-        if w.sweep is not None:
-            self._sweep(w, max(_SWEEP_ITEMS_PER_BLOCK * len(primary), _SWEEP_MIN_ITEMS))
-        elif len(log) > _LOG_GROWTH * w.count + _LOG_SLACK:
-            w.sweep = _Sweep(log)
-            w.log = array("Q")
+        if w.sweep is not None or len(log) > _LOG_GROWTH * w.count + _LOG_SLACK:
+            w.compact(entries.get, len(primary))
         return result
-
-    def _sweep(self, w: _Worker, items: int) -> None:
-        """Read up to ``items`` more of the compaction's old log; at its end the kept items,
-        then what arrived meanwhile, become the log."""
-        s = w.sweep
-        assert s is not None
-        end = min(s.pos + items, len(s.old))
-        get = self._entries.get
-        bit = w.bit
-        seen = s.seen
-        kept = s.kept
-        for p in s.old[s.pos : end]:
-            if p not in seen and (e := get(p)) is not None and e.held & bit:
-                seen[p] = None
-                kept.append(p)
-        s.pos = end
-        if end == len(s.old):
-            kept.extend(w.log)
-            w.log = kept
-            w.sweep = None
 
     def apply_removed(
         self, worker: str, seq: int, primary: Iterable[int], now: float
@@ -431,11 +354,9 @@ class PrefixIndex:
         self._drop_blocks(w)
         return result
 
-    def _drop_blocks(self, w: _Worker) -> None:
+    def _drop_blocks(self, w: IndexedWorker) -> None:
         self._unset(w.bit, w.logged(), False)
-        w.log = array("Q")
-        w.sweep = None
-        w.count = 0
+        w.forget_log()
 
     def expire(self, now: float) -> int:
         """Drop entries nobody re-confirmed within the TTL; returns how many were dropped."""
@@ -533,7 +454,7 @@ class PrefixIndex:
         self._workers = {}
         self._by_slot = [None] * max((w.slot + 1 for w in snap.workers), default=0)
         for img in snap.workers:
-            w = _Worker(img.name, img.slot, 1 << img.slot, img.last_seq, img.last_event_at)
+            w = IndexedWorker(img.name, img.slot, 1 << img.slot, img.last_seq, img.last_event_at)
             w.log = array("Q", img.blocks)
             w.count = len(img.blocks) if img.count < 0 else img.count
             self._workers[img.name] = w

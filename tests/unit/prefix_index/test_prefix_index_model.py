@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from thunderagent.hashing import BlockHasher, BlockHashes
-from thunderagent.prefix_index import APPLIED, Gap, PrefixIndex, Stale, decode, encode
+from thunderagent.prefix_index import APPLIED, Gap, PrefixIndex, Stale, decode, encode, worker_log
 from thunderagent.prefix_index import index as index_module
 
 TTL_S = 10.0
@@ -206,24 +206,41 @@ IndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=
 TestIndexAgainstModel = IndexMachine.TestCase
 
 
-EAGER_SWEEPS = dict(_LOG_GROWTH=0, _LOG_SLACK=0, _SWEEP_MIN_ITEMS=1, _SWEEP_ITEMS_PER_BLOCK=1)
+EAGER_SWEEPS = {
+    (index_module, "_LOG_GROWTH"): 0,
+    (index_module, "_LOG_SLACK"): 0,
+    (worker_log, "SWEEP_MIN_ITEMS"): 1,
+    (worker_log, "SWEEP_ITEMS_PER_BLOCK"): 1,
+}
 
 
 class SweepingIndexMachine(IndexMachine):
     """The same streams with a worker's log compacted whenever it holds anything, one item per
-    stored block: a compaction is under way at a quarter to a third of the steps (stores, removals,
-    expiry, dumps, snapshots and a worker's removal in the middle of one)."""
+    stored block: a compaction is under way at 14-33 % of the steps (five counts; through
+    stores, removals, expiry, dumps, snapshots and a worker's removal in the middle of one)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._saved = {name: getattr(index_module, name) for name in EAGER_SWEEPS}
-        for name, value in EAGER_SWEEPS.items():
-            setattr(index_module, name, value)
+        self._saved = {where: getattr(*where) for where in EAGER_SWEEPS}
+        for (module, name), value in EAGER_SWEEPS.items():
+            setattr(module, name, value)
 
     def teardown(self) -> None:
-        for name, value in self._saved.items():
-            setattr(index_module, name, value)
+        for (module, name), value in self._saved.items():
+            setattr(module, name, value)
 
 
 SweepingIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
 TestSweepingIndexAgainstModel = SweepingIndexMachine.TestCase
+
+
+def test_the_eager_settings_reach_the_index() -> None:
+    """The sweeping machine's settings take hold where the index reads them: a worker's first
+    store starts a compaction (were they bound elsewhere, no sweep would ever run and the
+    machine above would test nothing more than the plain one)."""
+    machine = SweepingIndexMachine()
+    try:
+        machine.ix.apply_stored("w0", 0, hashes((0, 1)), None, 0.0)
+        assert machine.ix._workers["w0"].sweep is not None
+    finally:
+        machine.teardown()
