@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
@@ -52,6 +54,11 @@ MAX_SUBJECT_BYTES = 1024
 message field (a reply subject, a router or worker id) must never get that far."""
 
 
+_WHITE_SPACE = re.compile(r"\s")
+"""What ``str.isspace`` calls white space (the same characters), found in C: a Python loop over
+the subject's characters cost ~1 µs of every publish."""
+
+
 class BadSubject(BusError):
     """A subject NATS would refuse (empty, white space, too long): refused before sending."""
 
@@ -65,6 +72,6 @@ def check_subject(subject: str) -> None:
     if (
         not subject
         or (len(subject) * 4 > MAX_SUBJECT_BYTES and len(subject.encode()) > MAX_SUBJECT_BYTES)
-        or any(ch.isspace() for ch in subject)
+        or _WHITE_SPACE.search(subject)
     ):
         raise BadSubject(subject)
