@@ -8,7 +8,10 @@ trip instead of one each: every consumer (index, routers, scheduler) pays per
 message. ZMQ gaps are repaired by replay while the engine still
 buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
 mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
-them). A resync request is answered by republishing the whole mirror as one batch, in sequence.
+them). A resync request is answered by republishing the whole mirror, in sequence. What would
+pass NATS's payload limit in one message (a large cache's dump) goes as several batches in a
+row, each under the limit, a long chain cut where needed (its second part names the first's
+last block as parent): consumers apply them one after the other as they would one.
 Other readers of the engine's events (the migration side's token tap) are fed from this one
 subscription: a second one would wake the adapter again for every engine batch.
 """
@@ -23,9 +26,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final
 
+import msgspec
+
 from thunderagent.bus import Bus, Delivery
 from thunderagent.bus.bus import encode
-from thunderagent.schemas import Ack, AllCleared, KvEvent, KvEventBatch, ResyncRequest, subjects
+from thunderagent.schemas import (
+    Ack,
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    ResyncRequest,
+    subjects,
+)
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import (
     Gap,
@@ -40,9 +54,36 @@ from thunderagent.telemetry import inject_headers
 log = logging.getLogger(__name__)
 
 MAX_MERGED_EVENTS: Final = 4096
-"""Engine batches are merged into one message up to this many events (~0.5 MB of JSON at the
-most hashes a stored event carries, under NATS's 1 MB payload); a single larger one, a resync's
-whole mirror, still goes as one."""
+"""Engine batches are merged into one message up to this many events; a single larger one (a
+resync's whole mirror) is not cut by count, only where it would pass the payload limit."""
+
+
+PAYLOAD_HEADROOM: Final = 4096
+"""Bytes of NATS's payload limit left to a batch's headers (trace context) and sequence."""
+
+
+def _halves(events: list[KvEvent]) -> list[list[KvEvent]] | None:
+    """``events`` in two parts, in order; one event of several blocks is cut in two (the second
+    part continuing the chain from the first's last block). None when it cannot be cut."""
+    if len(events) > 1:
+        mid = len(events) // 2
+        return [events[:mid], events[mid:]]
+    (event,) = events
+    if isinstance(event, BlocksStored) and len(event.hashes) > 1:
+        mid = len(event.hashes) // 2
+        first = msgspec.structs.replace(
+            event, hashes=event.hashes[:mid], check_hashes=event.check_hashes[:mid]
+        )
+        rest = msgspec.structs.replace(
+            event, hashes=event.hashes[mid:], check_hashes=event.check_hashes[mid:],
+            parent_hash=event.hashes[mid - 1],
+        )  # fmt: skip
+        return [[first], [rest]]
+    if isinstance(event, BlocksRemoved) and len(event.hashes) > 1:
+        mid = len(event.hashes) // 2
+        return [[msgspec.structs.replace(event, hashes=event.hashes[:mid])],
+                [msgspec.structs.replace(event, hashes=event.hashes[mid:])]]  # fmt: skip
+    return None
 
 
 class KvRelay:
@@ -130,9 +171,13 @@ class KvRelay:
                 return
             except TimeoutError:
                 pass
-            blocks = self.mirror.dump()
-            if blocks:
-                await self._publish(list(blocks))
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Re-announce every mirrored block now."""
+        blocks = self.mirror.dump()
+        if blocks:
+            await self._publish(list(blocks))
 
     async def engine_restarted(self, reason: str) -> None:
         """The engine's cache is empty now: so are the mirror and this worker's index entries."""
@@ -176,16 +221,26 @@ class KvRelay:
                 done.cancel()
 
     async def _send(self, events: list[KvEvent]) -> None:
-        self.seq += 1
-        batch = KvEventBatch(
-            worker_id=self.worker_id, seq=self.seq, ts=time.time(), events=events,
-            epoch=self.epoch,
-        )  # fmt: skip
-        try:
-            await self.bus.stream_publish(self._subject, encode(batch), inject_headers())
-            self.published += 1
-        except Exception as err:  # NATS away: consumers see the gap and ask for a resync
-            log.warning("%s: KV batch %d not published (%r)", self.worker_id, self.seq, err)
+        """Publish ``events`` as the next batch, or as several in order (one sequence number
+        each) where one would pass NATS's payload limit: a large cache's dump, a resync."""
+        limit = (self.bus.nc.max_payload or 0) - PAYLOAD_HEADROOM
+        todo = [events]
+        while todo:
+            part = todo.pop()
+            batch = KvEventBatch(
+                worker_id=self.worker_id, seq=self.seq + 1, ts=time.time(), events=part,
+                epoch=self.epoch,
+            )  # fmt: skip
+            payload = encode(batch)
+            if limit > 0 and len(payload) > limit and (halves := _halves(part)) is not None:
+                todo += reversed(halves)
+                continue
+            self.seq += 1
+            try:
+                await self.bus.stream_publish(self._subject, payload, inject_headers())
+                self.published += 1
+            except Exception as err:  # NATS away: consumers see the gap and ask for a resync
+                log.warning("%s: KV batch %d not published (%r)", self.worker_id, self.seq, err)
 
     async def close(self) -> None:
         """Publish what is queued (the adapter is stopping)."""

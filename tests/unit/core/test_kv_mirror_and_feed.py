@@ -101,9 +101,8 @@ def test_mirror_translates_removals_and_tiers_and_dumps_parents_first():
     ours = BlockHasher(PAGE).hash_tokens(tokens)
     out = mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine_hashes[2]], medium="GPU")])
     assert out == [BlocksRemoved(hashes=[ours.primary[2]], medium=Medium.GPU)]
-    dump = mirror.dump()
-    assert [d.hashes[0] for d in dump] == ours.primary[:2]
-    assert dump[1].parent_hash == ours.primary[0]
+    dump = mirror.dump()  # the chain left, in one event
+    assert dump == [BlocksStored(hashes=ours.primary[:2], check_hashes=ours.check[:2])]
     assert mirror.apply([kv_wire.AllBlocksCleared()]) == [AllCleared()]
     assert mirror.dump() == []
 
@@ -210,10 +209,7 @@ def test_dump_leaves_out_blocks_whose_parent_is_gone_and_keeps_a_zero_hash_paren
     child = kv_wire.BlockStored(block_hashes=[7], parent_block_hash=0, token_ids=tokens[4:8],
                                 block_size=PAGE, lora_id=None, medium="GPU")  # fmt: skip
     zero.apply([root, child])
-    assert [(d.hashes[0], d.parent_hash) for d in zero.dump()] == [
-        (ours.primary[0], None),
-        (ours.primary[1], ours.primary[0]),
-    ]
+    assert [(d.hashes, d.parent_hash) for d in zero.dump()] == [(ours.primary[:2], None)]
 
 
 def _scan_run(mirror: KvMirror, chain: list[int]) -> list[int]:
@@ -375,3 +371,62 @@ def test_a_reloaded_adapters_old_blocks_leave_without_taking_the_new_ones():
     assert out[0] == BlocksRemoved(hashes=[stored_new.hashes[0]])
     assert [(e.hashes, e.medium) for e in out[1:]] == [([stored_new.hashes[0]], Medium.CPU_PINNED)]
     assert mirror.stats.unknown_removals == 0
+
+
+@given(back=st.lists(st.integers(-1, 3), min_size=1, max_size=40), data=st.data())
+def test_a_dump_of_a_forked_cache_rebuilds_every_prefix_in_chain_events(back, data):
+    """A cache of prompts that share prefixes (a tree: node ``i`` is a block whose parent is an
+    earlier node, or a root) is dumped as chain events, parents first: applied to an empty index
+    it holds every prefix the block-by-block events built, and answers alike after evictions;
+    each block is announced once, and a chain without forks is a single event."""
+    # node i continues node i - 1 - k (deep chains with forks), or starts a prompt (k = -1)
+    parent_of = [i - 1 - k if 0 <= k < i else None for i, k in enumerate(back)]
+    path: list[list[int]] = []
+    for i, p in enumerate(parent_of):
+        path.append(
+            (path[p] if p is not None else []) + [10_000 + PAGE * i + k for k in range(PAGE)]
+        )
+    engine = [kv_wire.sglang_block_hashes(t, PAGE)[-1] for t in path]
+    order = data.draw(st.permutations(range(len(path))))
+    order = sorted(order, key=lambda i: len(path[i]))  # parents before children
+    mirror, live = KvMirror(PAGE), IndexFeeder(PrefixIndex(ttl_s=None))
+    for seq, i in enumerate(order):
+        p = parent_of[i]
+        ev = kv_wire.BlockStored(
+            block_hashes=[engine[i]], parent_block_hash=None if p is None else engine[p],
+            token_ids=path[i][-PAGE:], block_size=PAGE, lora_id=None, medium="GPU",
+        )  # fmt: skip
+        live.apply(batch("w", seq, mirror.apply([ev])), 0)
+    dump = mirror.dump()
+    rebuilt = IndexFeeder(PrefixIndex(ttl_s=None))
+    rebuilt.apply(batch("w", 0, [AllCleared(), *dump]), 0)
+    announced = [h for ev in dump for h in ev.hashes]
+    assert sorted(announced) == sorted(b.primary for b in mirror.blocks.values())
+    parent_hash = {  # each block's own parent, in our hashes
+        b.primary: None
+        if b.parent_engine_hash is None
+        else mirror.blocks[b.parent_engine_hash].primary
+        for b in mirror.blocks.values()
+    }
+    for ev in dump:  # every event a chain: each block the child of the one before it
+        assert [parent_hash[h] for h in ev.hashes] == [ev.parent_hash, *ev.hashes[:-1]]
+    for t in path:
+        ours = BlockHasher(PAGE).hash_tokens(t)
+        want = live.index.overlap(ours.primary, ours.check)
+        assert want == {"w": len(ours.primary)}
+        assert rebuilt.index.overlap(ours.primary, ours.check) == want
+    # evictions afterwards (children left behind, as after a lost removal): both indexes stop
+    # every prefix at the same block, which only holds if the dump linked each block to its
+    # own parent
+    for seq, i in enumerate(data.draw(st.lists(st.sampled_from(range(len(path))), max_size=8))):
+        removed = mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine[i]], medium="GPU")])
+        live.apply(batch("w", len(order) + seq, removed), 0)
+        rebuilt.apply(batch("w", 1 + seq, removed), 0)
+    for t in path:
+        ours = BlockHasher(PAGE).hash_tokens(t)
+        want = live.index.overlap(ours.primary, ours.check)
+        assert rebuilt.index.overlap(ours.primary, ours.check) == want
+    forks = sum(1 for i in range(len(path)) if sum(p == i for p in parent_of) > 1)
+    roots = parent_of.count(None)
+    if forks == 0 and roots == 1:
+        assert len(dump) == 1
