@@ -1,13 +1,17 @@
 """CPU time of the adapter's mirror of its engine's cache (``KvMirror``, pure code): folding
 SGLang's ``BlockStored`` / ``BlockRemoved`` events in (re-hashing their tokens into our chain),
-and the lookup an export makes, a copy's chain of our hashes resolved to the engine's.
+the lookup an export makes, a copy's chain of our hashes resolved to the engine's, and the
+periodic re-announcement of the whole cache (its dump, and what each consumer pays for it).
 
     thunderagent bench mirror [--blocks 50000,500000] [--chain 64]
 
 The mirror holds ``--blocks`` blocks in chains of 64, stored one block per event and again 16
 per event; half of them are then removed one per event. The export resolves a ``--chain``-block
 chain held in the middle of the cache (``leading_run``, then ``chain_to`` from its deepest
-block). Prints the best of five rounds of each.
+block). The re-announcement: ``dump`` of the full mirror, its size as one ``KvEventBatch``, the
+batch decoded as a consumer decodes it, and applied by an ``IndexFeeder`` whose index already
+holds those blocks (the steady case: a refresh re-confirms them). Prints the best of five
+rounds of each.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from collections.abc import Callable
 
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
+from thunderagent.bus.bus import decoder_for, encode
 from thunderagent.hashing import BlockHasher
+from thunderagent.prefix_index import PrefixIndex
+from thunderagent.prefix_index.feed import IndexFeeder
+from thunderagent.schemas import KvEventBatch
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.shell.argtypes import at_least, output_file, positive_list
@@ -83,11 +91,42 @@ def measure(blocks: int, chain_blocks: int) -> dict:
         raise SystemExit(f"the export found {len(found)} of {length} blocks: a bug, not a figure")
     run_s = best_of(5, lambda: [mirror.leading_run(chain) for _ in range(100)]) / 100
     chain_s = best_of(5, lambda: [mirror.chain_to(chain[-1]) for _ in range(100)]) / 100
+    return {**figures(blocks, store_1, store_16, remove, len(removals), length, run_s, chain_s),
+            **announce(mirror)}  # fmt: skip
+
+
+def announce(mirror: KvMirror) -> dict:
+    """The whole cache re-announced: the dump, and one consumer's decode and apply of it."""
+    dump_s = best_of(5, mirror.dump)
+    events = mirror.dump()
+    if sum(len(e.hashes) for e in events) != len(mirror.blocks):
+        raise SystemExit("the dump left blocks out: a bug, not a figure")
+    payload = encode(KvEventBatch(worker_id="w0", seq=1, ts=0.0, events=events, epoch=1))
+    decode = decoder_for(KvEventBatch).decode
+    decode_s = best_of(5, lambda: decode(payload))
+    box: dict[str, IndexFeeder] = {}
+
+    def holding() -> None:  # an index that already holds the blocks (seq 0 stored them)
+        feeder = box["f"] = IndexFeeder(PrefixIndex())
+        feeder.apply(KvEventBatch(worker_id="w0", seq=0, ts=0.0, events=events, epoch=1), 0.0)
+
+    apply_s = best_of(5, lambda: box["f"].apply(decode(payload), 1.0), holding) - decode_s
+    return {
+        "dump_events": len(events),
+        "dump_bytes": len(payload),
+        "dump_ms": round(dump_s * 1e3, 2),
+        "dump_decode_ms": round(decode_s * 1e3, 2),
+        "dump_apply_ms": round(max(apply_s, 0.0) * 1e3, 2),
+    }
+
+
+def figures(blocks: int, store_1: float, store_16: float, remove: float, removals: int,
+            length: int, run_s: float, chain_s: float) -> dict:  # fmt: skip
     return {
         "blocks": blocks,
         "store_us_per_block_1_per_event": round(store_1 / blocks * 1e6, 3),
         "store_us_per_block_16_per_event": round(store_16 / blocks * 1e6, 3),
-        "remove_us_per_block": round(remove / len(removals) * 1e6, 3),
+        "remove_us_per_block": round(remove / removals * 1e6, 3),
         "export_chain_blocks": length,
         "export_leading_run_us": round(run_s * 1e6, 2),
         "export_chain_to_us": round(chain_s * 1e6, 2),
