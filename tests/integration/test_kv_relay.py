@@ -15,7 +15,7 @@ from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.schemas import AllCleared, BlocksStored, KvEventBatch, subjects
 from thunderagent.sglang import kv_wire
 from thunderagent.sglang.zmq_subscriber import Received
-from thunderagent.worker.kv_relay import KvRelay
+from thunderagent.worker.kv_relay import MAX_BATCH_BYTES, KvRelay
 
 pytestmark = pytest.mark.integration
 
@@ -100,8 +100,8 @@ def stored_chain(first: int, n: int) -> kv_wire.BlockStored:
 
 async def test_a_cache_dump_over_the_payload_limit_arrives_whole(nats_server):
     """The periodic re-announcement (and a resync) of a large cache goes out as several
-    messages under NATS's payload limit, in sequence: none is refused, no block is lost, and a
-    consumer applying them in order holds the engine's whole cache."""
+    messages under NATS's payload limit (and 1 MiB), in sequence: none is refused, no block is
+    lost, and a consumer applying them in order holds the engine's whole cache."""
     nc = await connect(nats_server.url, name="adapter")
     bus = Bus(nc, service="worker-w0")
     relay = KvRelay(bus, "w0", BLOCK)
@@ -131,6 +131,7 @@ async def test_a_cache_dump_over_the_payload_limit_arrives_whole(nats_server):
     assert sorted(got) == sorted(b.primary for b in relay.mirror.blocks.values())
     assert [b.seq for b in seen] == list(range(len(seen))), "one sequence, no gaps"
     assert len(seen) > 2, "the dump went as several messages"
+    assert all(len(encode(b)) <= MAX_BATCH_BYTES for b in seen), "each a consumer's short bite"
     feeder = IndexFeeder(PrefixIndex(ttl_s=None))  # as the index, routers and scheduler do
     outcomes = [feeder.apply(batch, 0.0) for batch in seen]
     assert outcomes == [FeedOutcome.NEW_EPOCH] + [FeedOutcome.APPLIED] * (len(seen) - 1)
