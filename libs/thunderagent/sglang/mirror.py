@@ -295,40 +295,50 @@ class KvMirror:
         re-announced to every consumer every few minutes: an event per block cost each of them
         three times the bytes and a call per block). A block whose parent the mirror lost is
         left out: announced as a root it would claim a prefix it does not start."""
+        blocks = self.blocks
         runs: list[_Run] = []
         last: dict[Medium, _Run] = {}  # each tier's newest run, which a child may extend
-        rooted: dict[int, bool] = {}
+        done: dict[int, int | None] = {}
+        """Engine hash -> our hash once announced; None: left out (its chain is broken)."""
 
-        def emit(engine_hash: int) -> None:
-            chain: list[int] = []
-            h: int | None = engine_hash
-            while h is not None and h not in rooted:
-                if h not in self.blocks:
-                    break
+        def announce(block: MirrorBlock, parent_hash: int | None) -> None:
+            for medium, bit in _TIER_BIT.items():
+                if not block.tiers & bit:
+                    continue
+                run = last.get(medium)
+                if run is None or parent_hash is None or run.hashes[-1] != parent_hash:
+                    run = last[medium] = _Run(medium, parent_hash)
+                    runs.append(run)
+                run.hashes.append(block.primary)
+                run.checks.append(block.check)
+
+        for engine_hash, block in blocks.items():
+            if engine_hash in done:
+                continue
+            parent = block.parent_engine_hash
+            if parent is None or parent in done:  # the usual case: a root, or a parent seen
+                parent_hash = None if parent is None else done[parent]
+                if parent is None or parent_hash is not None:
+                    done[engine_hash] = block.primary
+                    announce(block, parent_hash)
+                else:
+                    done[engine_hash] = None
+                continue
+            chain = [engine_hash]  # a parent later in the dict: walk up to one decided
+            h: int | None = parent
+            while h is not None and h not in done and h in blocks:
                 chain.append(h)
-                h = self.blocks[h].parent_engine_hash
-            ok = h is None or rooted.get(h, False)  # reached a root, or a parent already out
+                h = blocks[h].parent_engine_hash
+            ok = h is None or done.get(h) is not None  # a root, or under an announced block
+            parent_hash = None if h is None else done.get(h)
             for eh in reversed(chain):
-                rooted[eh] = ok
                 if not ok:
+                    done[eh] = None
                     continue
-                block = self.blocks[eh]
-                parent = block.parent_engine_hash
-                if parent is not None and parent not in self.blocks:
-                    continue
-                parent_hash = None if parent is None else self.blocks[parent].primary
-                for medium, bit in _TIER_BIT.items():
-                    if not block.tiers & bit:
-                        continue
-                    run = last.get(medium)
-                    if run is None or parent_hash is None or run.hashes[-1] != parent_hash:
-                        run = last[medium] = _Run(medium, parent_hash)
-                        runs.append(run)
-                    run.hashes.append(block.primary)
-                    run.checks.append(block.check)
-
-        for engine_hash in list(self.blocks):
-            emit(engine_hash)
+                b = blocks[eh]
+                done[eh] = b.primary
+                announce(b, parent_hash)
+                parent_hash = b.primary
         return [
             BlocksStored(
                 hashes=r.hashes, check_hashes=r.checks, parent_hash=r.parent, medium=r.medium
