@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -390,13 +392,23 @@ def test_a_dump_of_a_forked_cache_rebuilds_every_prefix_in_chain_events(back, da
     order = data.draw(st.permutations(range(len(path))))
     order = sorted(order, key=lambda i: len(path[i]))  # parents before children
     mirror, live = KvMirror(PAGE), IndexFeeder(PrefixIndex(ttl_s=None))
-    for seq, i in enumerate(order):
+
+    def store(i: int) -> list:
         p = parent_of[i]
-        ev = kv_wire.BlockStored(
+        return mirror.apply([kv_wire.BlockStored(
             block_hashes=[engine[i]], parent_block_hash=None if p is None else engine[p],
             token_ids=path[i][-PAGE:], block_size=PAGE, lora_id=None, medium="GPU",
-        )  # fmt: skip
-        live.apply(batch("w", seq, mirror.apply([ev])), 0)
+        )])  # fmt: skip
+
+    live_seq = itertools.count()
+    for i in order:
+        live.apply(batch("w", next(live_seq), store(i)), 0)
+    # evicted and stored again (its children's removals lost): now after them in the cache's
+    # order, so the dump meets children before their parent
+    for i in data.draw(st.lists(st.sampled_from(range(len(path))), max_size=4)):
+        removed = mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine[i]], medium="GPU")])
+        live.apply(batch("w", next(live_seq), removed), 0)
+        live.apply(batch("w", next(live_seq), store(i)), 0)
     dump = mirror.dump()
     rebuilt = IndexFeeder(PrefixIndex(ttl_s=None))
     rebuilt.apply(batch("w", 0, [AllCleared(), *dump]), 0)
@@ -420,7 +432,7 @@ def test_a_dump_of_a_forked_cache_rebuilds_every_prefix_in_chain_events(back, da
     # own parent
     for seq, i in enumerate(data.draw(st.lists(st.sampled_from(range(len(path))), max_size=8))):
         removed = mirror.apply([kv_wire.BlockRemoved(block_hashes=[engine[i]], medium="GPU")])
-        live.apply(batch("w", len(order) + seq, removed), 0)
+        live.apply(batch("w", next(live_seq), removed), 0)
         rebuilt.apply(batch("w", 1 + seq, removed), 0)
     for t in path:
         ours = BlockHasher(PAGE).hash_tokens(t)
