@@ -20,7 +20,7 @@ BENCHES = {
     "route": ("thunderagent.bench.route", "CPU µs of one routing decision in the router core"),
     "mirror": (
         "thunderagent.bench.mirror",
-        "CPU µs of the adapter's KV mirror: engine events folded in, a copy's chain looked up",
+        "CPU µs of the adapter's KV mirror: events folded in, a chain looked up, a dump",
     ),
     "tune": ("thunderagent.bench.tune", "choose a thunder default on generated workloads"),
     "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
