@@ -22,6 +22,10 @@ BENCHES = {
         "thunderagent.bench.mirror",
         "CPU µs of the adapter's KV mirror: events folded in, a chain looked up, a dump",
     ),
+    "expiry": (
+        "thunderagent.bench.expiry",
+        "the prefix index's TTL expiry under periodic re-announcements: its longest call",
+    ),
     "tune": ("thunderagent.bench.tune", "choose a thunder default on generated workloads"),
     "sched": ("thunderagent.bench.sched", "scheduler variants on seeded workloads, virtual time"),
     "pd": (

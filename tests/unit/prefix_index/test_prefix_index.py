@@ -19,6 +19,7 @@ from thunderagent.prefix_index import (
     decode,
     encode,
 )
+from thunderagent.prefix_index import index as index_module
 
 H = BlockHasher(block_size=1)
 
@@ -601,3 +602,34 @@ def test_restore_refuses_an_older_snapshot_layout() -> None:
     snap = PrefixIndex().snapshot()
     with pytest.raises(ValueError, match="version"):
         PrefixIndex().restore(msgspec.structs.replace(snap, version=1))
+
+
+def test_a_long_due_list_is_read_in_steps_doubling_per_bucket_of_lag(monkeypatch) -> None:
+    """A refresh puts a whole cache in one TTL list: its expiry reads ``EXPIRE_STEP`` items per
+    call, twice as many per bucket's width the list has waited since it was due, and skips
+    what was confirmed again since."""
+    monkeypatch.setattr(index_module, "EXPIRE_STEP", 8)
+    ix = PrefixIndex(ttl_s=64.0, ttl_buckets=64)  # buckets of 1 s
+    for i in range(40):
+        store(ix, "a", i, (1000 + i,), now=0.5)  # 40 blocks in bucket 0: due at 65
+    store(ix, "a", 40, (1000,), now=30.0)  # confirmed again: due at 95
+    assert ix.expire(64.9) == 0
+    assert [ix.expire(t) for t in (65.0, 65.5)] == [7, 8]  # one of the first 8 is block 1000
+    assert ix.expire(66.0) == 16  # a bucket late: 16 items
+    assert ix.expire(66.5) == 8  # the list's rest
+    assert ix.expire(67.0) == 0 and len(ix) == 1 and query(ix, 1000) == {"a": 1}
+    snap = ix.snapshot()
+    assert [len(h) for _, h in snap.ttl_queue] == [1]  # what was read is not kept
+    assert ix.expire(95.0) == 1 and len(ix) == 0
+
+
+def test_a_snapshot_taken_mid_list_restores_what_is_left_to_read(monkeypatch) -> None:
+    monkeypatch.setattr(index_module, "EXPIRE_STEP", 4)
+    ix = PrefixIndex(ttl_s=64.0, ttl_buckets=64)
+    for i in range(10):
+        store(ix, "a", i, (2000 + i,), now=0.5)
+    assert ix.expire(65.0) == 4
+    fresh = PrefixIndex(ttl_s=64.0, ttl_buckets=64)
+    fresh.restore(decode(encode(ix.snapshot())), 65.0)
+    assert [fresh.expire(65.0) for _ in range(3)] == [4, 2, 0]
+    assert len(fresh) == 0
