@@ -34,11 +34,12 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   masks stay small ints: below 256 they are CPython's cached ints, no allocation, no cache miss)
   only after its bit is gone from every entry.
 * TTL: a deque of ``(bucket, array of primary hashes)`` in time order; each event's hashes go to
-  the current bucket's list with one ``extend``; ``expire`` pops whole lists whose time is up
-  and drops an entry only if it was not re-confirmed since (amortised O(1) per stored block). A
-  block confirmed at ``t`` expires at the first ``expire(now)`` with ``now >= (t // bucket_s +
-  1) * bucket_s + ttl_s``: between ``ttl_s`` and ``ttl_s + bucket_s`` after its last
-  confirmation (any worker's store confirms).
+  the current bucket's list with one ``extend``; ``expire`` reads the lists whose time is up, a
+  bounded number of items per call (``EXPIRE_STEP``), and drops an entry only if it was not
+  re-confirmed since (amortised O(1) per stored block). A block confirmed at ``t`` is due at
+  ``(t // bucket_s + 1) * bucket_s + ttl_s`` (between ``ttl_s`` and ``ttl_s + bucket_s`` after
+  its last confirmation; any worker's store confirms) and goes at the first ``expire`` that
+  reaches it, never earlier; with calls every second, within a few seconds of being due.
 """
 
 from __future__ import annotations
