@@ -100,7 +100,7 @@ def stored_chain(first: int, n: int) -> kv_wire.BlockStored:
 
 async def test_a_cache_dump_over_the_payload_limit_arrives_whole(nats_server):
     """The periodic re-announcement (and a resync) of a large cache goes out as several
-    messages under NATS's payload limit (and 1 MiB), in sequence: none is refused, no block is
+    messages under NATS's payload limit (and 256 KiB), in sequence: none is refused, no block is
     lost, and a consumer applying them in order holds the engine's whole cache."""
     nc = await connect(nats_server.url, name="adapter")
     bus = Bus(nc, service="worker-w0")

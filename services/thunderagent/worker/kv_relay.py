@@ -9,7 +9,7 @@ message. ZMQ gaps are repaired by replay while the engine still
 buffers the missing batches. A gap that cannot be repaired, or an engine restart, clears the
 mirror and publishes ``AllCleared`` (the index drops the worker's entries; new stores rebuild
 them). A resync request is answered by republishing the whole mirror, in sequence. What would
-pass 1 MiB or NATS's payload limit in one message (a large cache's dump) goes as several
+pass 256 KiB or NATS's payload limit in one message (a large cache's dump) goes as several
 batches in a row, each under both, a long chain cut where needed (its second part names the
 first's last block as parent): consumers apply them one after the other as they would one.
 Other readers of the engine's events (the migration side's token tap) are fed from this one
@@ -58,11 +58,12 @@ MAX_MERGED_EVENTS: Final = 4096
 resync's whole mirror) is not cut by count, only where it would pass the payload limit."""
 
 
-MAX_BATCH_BYTES: Final = 1 << 20
+MAX_BATCH_BYTES: Final = 256 << 10
 """A batch larger than this (a large cache's dump) is cut, even under NATS's payload limit: each
-consumer decodes and applies a message in one go, ~12 ms per MiB of chain events here (`bench
-mirror`), and a refresh of 500k blocks in one 21 MB message would hold every consumer's event
-loop for ~0.3 s."""
+consumer decodes and applies a message in one go, ~12 ms per MB of chain events here, so a
+piece of 256 KiB holds a consumer's event loop ~3 ms (a 50k-block cache's dump: 9 messages of
+2.6-2.8 ms each, against 3 of ~8 ms at 1 MiB; a refresh of 500k blocks in one 21 MB message
+would hold it ~0.3 s). An engine's own batches are far smaller and go whole."""
 
 PAYLOAD_HEADROOM: Final = 4096
 """Bytes of NATS's payload limit left to a batch's headers (trace context) and sequence."""
