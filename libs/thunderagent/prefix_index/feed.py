@@ -3,10 +3,10 @@
 The batch sequence is checked here, once per batch, per worker and adapter epoch: a batch from a
 newer epoch means the adapter restarted and starts the worker over (its first batch clears it);
 a batch from an older epoch is a leftover and ignored; a jump in ``seq`` is a gap, reported so
-the index service can ask the adapter to resync (it republishes its whole cache in sequence,
-in several batches where one would pass NATS's payload limit, which every consumer applies the
-same way). Inside a batch the events are fed to the
-index with a private per-worker counter, so the index's own sequence check always passes.
+the index service can ask the adapter to resync (it republishes its whole cache in sequence, in
+batches of at most 256 KiB, which every consumer applies the same way). Inside a batch the
+events are fed to the index with a private per-worker counter, so the index's own sequence
+check always passes.
 """
 
 from __future__ import annotations

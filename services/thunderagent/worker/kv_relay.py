@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 MAX_MERGED_EVENTS: Final = 4096
 """Engine batches are merged into one message up to this many events; a single larger one (a
-resync's whole mirror) is not cut by count, only where it would pass the payload limit."""
+resync's whole mirror) is not cut by count, only by size (``MAX_BATCH_BYTES``)."""
 
 
 MAX_BATCH_BYTES: Final = 256 << 10
