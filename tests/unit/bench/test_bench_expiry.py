@@ -14,7 +14,7 @@ def test_the_expiry_benchmark_times_every_call(tmp_path: Path, capsys) -> None:
     expiry.main(["--workers", "2", "--blocks", "640", "--duration", "900", "--json", str(out)])
     r = json.loads(out.read_text())
     assert r["expire_calls"] == 900
-    assert 0 < r["expire_p99_ms"] <= r["expire_max_ms"]
+    assert 0 <= r["expire_p99_ms"] <= r["expire_max_ms"] and r["expire_max_ms"] > 0
     assert r["expired_blocks"] == 0  # re-announced every 120 s: nothing outlives its TTL
     assert r["announce_apply_max_ms"] > 0
     assert len(capsys.readouterr().out.splitlines()) == 1
