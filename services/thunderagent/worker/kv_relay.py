@@ -198,9 +198,20 @@ class KvRelay:
 
     async def refresh(self) -> None:
         """Re-announce every mirrored block now."""
-        blocks = self.mirror.dump()
-        if blocks:
-            await self._publish(list(blocks))
+        await self._republish([])
+
+    async def _republish(self, first: list[KvEvent]) -> None:
+        """``first``, then every mirrored block, a piece of the dump at a time: between pieces
+        the engine's events are read (they go out among the pieces, in the order they came)
+        and the adapter's runs stream on. Returns once all of it is published."""
+        sent: list[asyncio.Future | None] = []
+        for piece in self.mirror.dump_pieces():
+            sent.append(self._enqueue(first + piece, wait=True))
+            first = []
+            await asyncio.sleep(0)
+        if first:
+            sent.append(self._enqueue(first, wait=True))
+        await asyncio.shield(asyncio.gather(*(done for done in sent if done is not None)))
 
     async def engine_restarted(self, reason: str) -> None:
         """The engine's cache is empty now: so are the mirror and this worker's index entries."""
@@ -277,6 +288,6 @@ class KvRelay:
 
     async def on_resync(self, request: ResyncRequest, delivery: Delivery) -> None:
         log.info("%s: resync requested (%s)", self.worker_id, request.reason)
-        await self._publish([AllCleared(), *self.mirror.dump()])
+        await self._republish([AllCleared()])
         if delivery.reply:
             await self.bus.publish(delivery.reply, Ack(accepted=True))

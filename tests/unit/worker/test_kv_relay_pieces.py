@@ -1,6 +1,7 @@
 """The relay cuts what would pass NATS's payload limit into batches under it, in order: a list
-of events between events, one long chain (or removal) inside it. A stand-in bus records what
-would be published; the real JetStream path is ``tests/integration/test_kv_relay.py``."""
+of events between events, one long chain (or removal) inside it; a dump goes a piece at a time.
+A stand-in bus records what would be published; the real JetStream path is
+``tests/integration/test_kv_relay.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from thunderagent.bus.bus import decoder_for
 from thunderagent.schemas import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.mirror import DUMP_PIECE_BLOCKS
 from thunderagent.worker.kv_relay import PAYLOAD_HEADROOM, KvRelay
 
 
@@ -72,3 +75,43 @@ def test_a_batch_under_the_limit_is_one_message():
     relay = KvRelay(bus, "w0", 16)  # type: ignore[arg-type]
     asyncio.run(relay._send([chain(1, 1000, None), BlocksRemoved(hashes=[5])]))
     assert len(bus.payloads) == 1
+
+
+def test_a_refresh_lets_the_adapter_run_between_pieces_of_its_dump() -> None:
+    """The re-announcement of a large cache goes a piece at a time, the event loop turning
+    between pieces (the engine's events are read and the runs stream on meanwhile), and every
+    block goes out in order."""
+    blocks = 3 * DUMP_PIECE_BLOCKS + 100
+    bus = RecordingBus(8 << 20)
+    relay = KvRelay(bus, "w0", 4)  # type: ignore[arg-type]
+    relay.mirror.apply([kv_wire.BlockStored(
+        block_hashes=list(range(1, blocks + 1)), parent_block_hash=None, block_size=4,
+        token_ids=list(range(blocks * 4)), lora_id=None,
+    )])  # fmt: skip
+    made = 0
+    dump_pieces = relay.mirror.dump_pieces
+
+    def counted(*args):
+        nonlocal made
+        for piece in dump_pieces(*args):
+            made += 1
+            yield piece
+
+    relay.mirror.dump_pieces = counted  # type: ignore[method-assign]
+    seen: set[int] = set()  # pieces made by the time each other task ran
+
+    async def main() -> None:
+        refresh = asyncio.create_task(relay.refresh())
+        while not refresh.done():
+            seen.add(made)
+            await asyncio.sleep(0)
+        await refresh
+
+    asyncio.run(main())
+    decode = decoder_for(KvEventBatch).decode
+    stored = [e for p in bus.payloads for e in decode(p).events]
+    assert [h for e in stored for h in e.hashes] == [
+        b.primary for b in relay.mirror.blocks.values()
+    ]
+    assert made == 4
+    assert {1, 2, 3} <= seen, f"other work ran only with {sorted(seen)} pieces made"
