@@ -310,25 +310,9 @@ class KvMirror:
         before its piece is left out (its removal went out before), one stored meanwhile is
         announced by its own event, and a chain cut between pieces names its parent."""
         blocks = self.blocks
-        runs: list[_Run] = []
-        last: dict[Medium, _Run] = {}  # each tier's newest run, which a child may extend
+        runs = _Runs()
         done: dict[int, int | None] = {}
         """Engine hash -> our hash once announced; None: left out (its chain is broken)."""
-        announced = 0
-
-        def announce(block: MirrorBlock, parent_hash: int | None) -> None:
-            nonlocal announced
-            announced += 1
-            for medium, bit in _TIER_BIT.items():
-                if not block.tiers & bit:
-                    continue
-                run = last.get(medium)
-                if run is None or parent_hash is None or run.hashes[-1] != parent_hash:
-                    run = last[medium] = _Run(medium, parent_hash)
-                    runs.append(run)
-                run.hashes.append(block.primary)
-                run.checks.append(block.check)
-
         for engine_hash in list(blocks):
             block = blocks.get(engine_hash)
             if block is None or engine_hash in done:
@@ -338,40 +322,36 @@ class KvMirror:
                 parent_hash = None if parent is None else done[parent]
                 if parent is None or parent_hash is not None:
                     done[engine_hash] = block.primary
-                    announce(block, parent_hash)
+                    runs.add(block, parent_hash)
                 else:
                     done[engine_hash] = None
-            else:
-                chain = [engine_hash]  # a parent later in the dict: walk up to one decided
-                h: int | None = parent
-                while h is not None and h not in done and h in blocks:
-                    chain.append(h)
-                    h = blocks[h].parent_engine_hash
-                ok = h is None or done.get(h) is not None  # a root, or under an announced one
-                parent_hash = None if h is None else done.get(h)
-                for eh in reversed(chain):
-                    if not ok:
-                        done[eh] = None
-                        continue
-                    b = blocks[eh]
-                    done[eh] = b.primary
-                    announce(b, parent_hash)
-                    parent_hash = b.primary
-            if blocks_per_piece is not None and announced >= blocks_per_piece:
-                piece = _events(runs)
-                runs.clear()
-                last.clear()
-                announced = 0
-                yield piece
-        if runs:
-            yield _events(runs)
+            else:  # a parent later in the dict
+                self._announce_up_to(engine_hash, done, runs)
+            if blocks_per_piece is not None and runs.blocks >= blocks_per_piece:
+                yield runs.take()
+        if runs.blocks:
+            yield runs.take()
 
-
-def _events(runs: list[_Run]) -> list[BlocksStored]:
-    return [
-        BlocksStored(hashes=r.hashes, check_hashes=r.checks, parent_hash=r.parent, medium=r.medium)
-        for r in runs
-    ]
+    def _announce_up_to(self, engine_hash: int, done: dict[int, int | None], runs: _Runs) -> None:
+        """Announce ``engine_hash`` with the ancestors the dump has not decided yet, root side
+        first, if the block above them was announced (or they reach the root); else leave them
+        all out."""
+        blocks = self.blocks
+        chain = [engine_hash]
+        h = blocks[engine_hash].parent_engine_hash
+        while h is not None and h not in done and h in blocks:
+            chain.append(h)
+            h = blocks[h].parent_engine_hash
+        parent_hash = None if h is None else done.get(h)
+        ok = h is None or parent_hash is not None  # a root, or under an announced block
+        for eh in reversed(chain):
+            if not ok:
+                done[eh] = None
+                continue
+            b = blocks[eh]
+            done[eh] = b.primary
+            runs.add(b, parent_hash)
+            parent_hash = b.primary
 
 
 @dataclass(slots=True)
@@ -382,6 +362,39 @@ class _Run:
     parent: int | None
     hashes: list[int] = field(default_factory=list)
     checks: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Runs:
+    """One piece of a dump as chains: a block extends its tier's newest run when it is the
+    child of that run's last block, else starts a run."""
+
+    runs: list[_Run] = field(default_factory=list)
+    last: dict[Medium, _Run] = field(default_factory=dict)
+    blocks: int = 0
+
+    def add(self, block: MirrorBlock, parent_hash: int | None) -> None:
+        self.blocks += 1
+        for medium, bit in _TIER_BIT.items():
+            if not block.tiers & bit:
+                continue
+            run = self.last.get(medium)
+            if run is None or parent_hash is None or run.hashes[-1] != parent_hash:
+                run = self.last[medium] = _Run(medium, parent_hash)
+                self.runs.append(run)
+            run.hashes.append(block.primary)
+            run.checks.append(block.check)
+
+    def take(self) -> list[BlocksStored]:
+        """The piece's events; the next piece starts afresh."""
+        events = [
+            BlocksStored(
+                hashes=r.hashes, check_hashes=r.checks, parent_hash=r.parent, medium=r.medium
+            )
+            for r in self.runs
+        ]
+        self.runs, self.last, self.blocks = [], {}, 0
+        return events
 
 
 _TIER_BIT: Final = {Medium.GPU: 1, Medium.CPU_PINNED: 2}
