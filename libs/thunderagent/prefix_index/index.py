@@ -35,7 +35,7 @@ Structure and why (measured on the 2-core dev VM with ``thunderagent bench index
   only after its bit is gone from every entry.
 * TTL: a deque of ``(bucket, array of primary hashes)`` in time order; each event's hashes go to
   the current bucket's list with one ``extend``; ``expire`` reads the lists whose time is up, a
-  bounded number of items per call (``EXPIRE_STEP``), and drops an entry only if it was not
+  bounded number of items per call (``ttl.EXPIRE_STEP``), and drops an entry only if it was not
   re-confirmed since (amortised O(1) per stored block). A block confirmed at ``t`` is due at
   ``(t // bucket_s + 1) * bucket_s + ttl_s`` (between ``ttl_s`` and ``ttl_s + bucket_s`` after
   its last confirmation; any worker's store confirms) and goes at the first ``expire`` that
@@ -63,6 +63,7 @@ from thunderagent.prefix_index.snapshot import (
     from_snapshot,
     to_snapshot,
 )
+from thunderagent.prefix_index.ttl import due, expire_budget, first_time_after
 from thunderagent.prefix_index.worker_log import IndexedWorker
 
 DEFAULT_TTL_S: Final = 600.0
@@ -76,13 +77,6 @@ removal could otherwise linger."""
 DEFAULT_TTL_BUCKETS: Final = 64
 """TTL buckets per ``ttl_s``: expiry is late by at most ``ttl_s / 64`` (~9 s by default); with
 ``expire`` called regularly the queue holds ~65 lists, one per bucket with stores."""
-
-EXPIRE_STEP: Final = 8192
-"""Items of due TTL lists one ``expire`` call reads (~2 ms here), doubled for each bucket's
-width the oldest due list has waited since it was due, so a backlog is caught up within a few
-buckets. An adapter's periodic re-announcement puts its engine's whole cache in one list, read
-600 s later: 28k-56k items in one call held the router's loop for up to 21 ms every few buckets
-(8 workers of 28k blocks, a `/tmp` simulation), where a call every second reads it in steps."""
 
 _LOG_GROWTH: Final = 2
 """A worker's log is compacted once it holds this many items per block held (plus the slack)."""
@@ -222,16 +216,7 @@ class PrefixIndex:
         return self._tail_bucket, self._tail
 
     def _first_time_after(self, bucket: int) -> float:
-        """The smallest float ``t`` with ``t // bucket_s > bucket`` (exact, not off by an ulp)."""
-        width = self.bucket_s
-        if self.ttl_s is None:
-            return math.inf
-        t = (bucket + 1) * width
-        while t // width > bucket:
-            t = math.nextafter(t, -math.inf)
-        while t // width <= bucket:
-            t = math.nextafter(t, math.inf)
-        return t
+        return math.inf if self.ttl_s is None else first_time_after(bucket, self.bucket_s)
 
     def apply_stored(
         self,
@@ -371,40 +356,22 @@ class PrefixIndex:
     def expire(self, now: float) -> int:
         """Drop entries nobody re-confirmed within the TTL; returns how many were dropped. Reads
         ``EXPIRE_STEP`` items of the due lists, twice as many per bucket's width the oldest of
-        them has been due."""
+        them has been due (``ttl.expire_budget``)."""
         ttl = self.ttl_s
         pending = self._pending
         if ttl is None or not pending:
             return 0
         width = self.bucket_s
-        lag = (now - (pending[0][0] + 1) * width - ttl) // width
-        if lag < 0:
-            return 0
-        budget = EXPIRE_STEP << min(int(lag), 20)
-        entries = self._entries
-        by_slot = self._by_slot
+        budget = expire_budget(pending[0][0], now, ttl, width)
         dropped = 0
         below: list[tuple[object, int]] = []
-        while pending and budget > 0:
+        while pending and budget > 0 and due(pending[0][0], now, ttl, width):
             bucket, hashes = pending[0]
-            if (bucket + 1) * width + ttl > now:
-                break
             start = self._expired_to
             end = min(len(hashes), start + budget)
             budget -= end - start
-            for p in hashes[start:end] if start or end < len(hashes) else hashes:
-                e = entries.get(p)
-                if e is None or e.bucket > bucket:
-                    continue  # removed since, or re-confirmed later
-                del entries[p]
-                dropped += 1
-                if e.closed and e.kids is not None:
-                    below.append((e.kids, e.closed))
-                m = e.held
-                while m:
-                    low = m & -m
-                    by_slot[low.bit_length() - 1].count -= 1  # type: ignore[union-attr]
-                    m ^= low
+            part = hashes[start:end] if start or end < len(hashes) else hashes
+            dropped += self._drop_unconfirmed(part, bucket, below)
             if end < len(hashes):
                 self._expired_to = end
                 break
@@ -415,6 +382,29 @@ class PrefixIndex:
         if below:
             unclose(self._entries, below)
         self.stats.expired_blocks += dropped
+        return dropped
+
+    def _drop_unconfirmed(
+        self, hashes: Iterable[int], bucket: int, below: list[tuple[object, int]]
+    ) -> int:
+        """Drop the entries of ``hashes`` last confirmed in ``bucket``; what was closed under
+        them goes to ``below`` (to unclose); returns how many were dropped."""
+        entries = self._entries
+        by_slot = self._by_slot
+        dropped = 0
+        for p in hashes:
+            e = entries.get(p)
+            if e is None or e.bucket > bucket:
+                continue  # removed since, or re-confirmed later
+            del entries[p]
+            dropped += 1
+            if e.closed and e.kids is not None:
+                below.append((e.kids, e.closed))
+            m = e.held
+            while m:
+                low = m & -m
+                by_slot[low.bit_length() - 1].count -= 1  # type: ignore[union-attr]
+                m ^= low
         return dropped
 
     # ------------------------------------------------------------------- query

@@ -18,8 +18,8 @@ from thunderagent.prefix_index import (
     Stale,
     decode,
     encode,
+    ttl,
 )
-from thunderagent.prefix_index import index as index_module
 
 H = BlockHasher(block_size=1)
 
@@ -608,7 +608,7 @@ def test_a_long_due_list_is_read_in_steps_doubling_per_bucket_of_lag(monkeypatch
     """A refresh puts a whole cache in one TTL list: its expiry reads ``EXPIRE_STEP`` items per
     call, twice as many per bucket's width the list has waited since it was due, and skips
     what was confirmed again since."""
-    monkeypatch.setattr(index_module, "EXPIRE_STEP", 8)
+    monkeypatch.setattr(ttl, "EXPIRE_STEP", 8)
     ix = PrefixIndex(ttl_s=64.0, ttl_buckets=64)  # buckets of 1 s
     for i in range(40):
         store(ix, "a", i, (1000 + i,), now=0.5)  # 40 blocks in bucket 0: due at 65
@@ -624,7 +624,7 @@ def test_a_long_due_list_is_read_in_steps_doubling_per_bucket_of_lag(monkeypatch
 
 
 def test_a_snapshot_taken_mid_list_restores_what_is_left_to_read(monkeypatch) -> None:
-    monkeypatch.setattr(index_module, "EXPIRE_STEP", 4)
+    monkeypatch.setattr(ttl, "EXPIRE_STEP", 4)
     ix = PrefixIndex(ttl_s=64.0, ttl_buckets=64)
     for i in range(10):
         store(ix, "a", i, (2000 + i,), now=0.5)

@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from thunderagent.hashing import BlockHasher, BlockHashes
-from thunderagent.prefix_index import APPLIED, Gap, PrefixIndex, Stale, decode, encode, worker_log
+from thunderagent.prefix_index import (
+    APPLIED,
+    Gap,
+    PrefixIndex,
+    Stale,
+    decode,
+    encode,
+    ttl,
+    worker_log,
+)
 from thunderagent.prefix_index import index as index_module
 
 TTL_S = 10.0
@@ -254,11 +263,11 @@ class SteppingIndexMachine(IndexMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._saved_step = index_module.EXPIRE_STEP
-        index_module.EXPIRE_STEP = 1
+        self._saved_step = ttl.EXPIRE_STEP
+        ttl.EXPIRE_STEP = 1
 
     def teardown(self) -> None:
-        index_module.EXPIRE_STEP = self._saved_step
+        ttl.EXPIRE_STEP = self._saved_step
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, 7.5, 12.5]), calls=st.integers(1, 3))
     def advance_and_expire(self, dt: float, calls: int) -> None:
