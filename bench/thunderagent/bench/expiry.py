@@ -26,16 +26,19 @@ from thunderagent.shell.argtypes import at_least, output_file, positive
 CHAIN = 64
 
 
+def cache(worker: int, blocks: int) -> list[tuple[list[int], list[int]]]:
+    """A worker's cache as chains of ``CHAIN`` blocks: (primary, check) hashes of each."""
+    base = (worker + 1) << 40
+    hashes = list(range(base, base + blocks))
+    return [(hashes[i : i + CHAIN], [h ^ 0x5A5A for h in hashes[i : i + CHAIN]])
+            for i in range(0, blocks, CHAIN)]  # fmt: skip
+
+
 def measure(workers: int, blocks: int, duration_s: float, refresh_s: float, tick_s: float,
             seed: int = 0) -> dict:  # fmt: skip
     rng = random.Random(seed)
     index = PrefixIndex(600.0)
-    chains = []
-    for w in range(workers):
-        base = (w + 1) << 40
-        hashes = list(range(base, base + blocks))
-        chains.append([(hashes[i : i + CHAIN], [h ^ 0x5A5A for h in hashes[i : i + CHAIN]])
-                       for i in range(0, blocks, CHAIN)])  # fmt: skip
+    chains = [cache(w, blocks) for w in range(workers)]
     seqs = [0] * workers
     phases = [rng.uniform(0, refresh_s) for _ in range(workers)]
 
@@ -51,9 +54,8 @@ def measure(workers: int, blocks: int, duration_s: float, refresh_s: float, tick
     expires, applies = [], []
     for tick in range(1, int(duration_s / tick_s) + 1):
         now = tick * tick_s
-        for w in range(workers):
-            if (now - phases[w]) % refresh_s < tick_s:
-                applies.append(announce(w, now))
+        applies += [announce(w, now) for w in range(workers)
+                    if (now - phases[w]) % refresh_s < tick_s]  # fmt: skip
         started = time.perf_counter()
         index.expire(now)
         expires.append(time.perf_counter() - started)
