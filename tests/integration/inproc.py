@@ -239,6 +239,7 @@ async def start_full_stack(
     with_scheduler: bool = True,
     models: list[str] | None = None,
     pd_modes: list[str] | None = None,
+    router_params: dict | None = None,
     **engine_kwargs,
 ) -> None:
     """Router, scheduler and ``workers`` adapters with engines (plus the index service when a
@@ -306,7 +307,8 @@ async def start_full_stack(
             lambda ctx, service: service.run_service(ctx),
             build=lambda ctx: SchedulerService(sched_config, ctx.bus),
         )
-    router_config = RouterConfig(params=RouterParams(policy=policy, seed=1), redis_url=redis_url)
+    params = RouterParams(policy=policy, seed=1, **(router_params or {}))
+    router_config = RouterConfig(params=params, redis_url=redis_url)
     await stack.start_service(
         "router", lambda ctx, svc: svc.run(), build=lambda ctx: RouterService(ctx, router_config)
     )

@@ -4,6 +4,7 @@ router replicas agree, lost events are repaired, and Redis going away stops noth
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -99,6 +100,38 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
             GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
         )
         await holder_known(stack.services["router"].runtime.core, prefix, first.final.worker_id)
+        second = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
+        )
+        await client.close()
+    assert second.final.worker_id == first.final.worker_id
+    assert second.final.usage.cached_tokens == 12 * PAGE
+    assert second.final.predicted_cached_tokens == 12 * PAGE
+
+
+async def test_engines_without_kv_events_keep_a_prefix_in_view_past_the_overlay(nats_server):
+    """SGLang without ``--kv-events-config`` (its default): the adapters register so, and the
+    router keeps what it had prefilled there. A request sent after the in-flight overlay forgot
+    the first one still goes to its worker and finds the prompt cached."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50, kv_events=False,
+                               router_params={"inflight_ttl_s": 0.3})  # fmt: skip
+        client = await routable(nats_server.url, 3)
+        core = stack.services["router"].runtime.core
+        assert [s.registration.kv_events for s in core.fleet.all()] == [False] * 3
+        prefix = conversation(3, 12)
+        first = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+        )
+        holder = core.fleet.get(first.final.worker_id)
+        await wait_for(
+            lambda: holder.load is not None and holder.load.inflight == 0,
+            what="a load report of the holder after the first run",
+        )
+        await asyncio.sleep(0.5)  # past the overlay's TTL
+        overlay = core.inflight.merge({}, *core.hash_tokens(prefix, PAGE), time.time())
+        assert overlay == {}, "the overlay has forgotten the first request"
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )

@@ -6,6 +6,9 @@ One ``RouterCore`` holds everything a router replica knows and learns:
 * the prefix index fed by KV-event batches (``feeder``: every tier, and a GPU-only view once a
   host tier shows up) plus the in-flight overlay of prompts just dispatched, which covers the
   time until the engine's events arrive;
+* for workers whose engines publish no KV events, an approximate index of the prompts this
+  replica sent them, each entered when its run gives its first token (when SGLang would have
+  published the blocks) and kept ``approximate_ttl_s``;
 * the routing policy and its rng, the lazy verifier, the running mean of output lengths and the
   feedback window the online tuner learns from.
 
@@ -29,6 +32,7 @@ from thunderagent.hashing import BlockHasher, BlockHashes, kv_namespace
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes
+from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S, PrefilledPrefixes
 from thunderagent.router_core.verification import Dispatch, Verdict, Verifier
 from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.routing.cost import RunningMean
@@ -49,6 +53,8 @@ class RouterParams:
     index_ttl_s: float | None = DEFAULT_TTL_S
     """Prefix-index TTL (None: entries live until removed)."""
     inflight_ttl_s: float = INFLIGHT_TTL_S
+    approximate_ttl_s: float = APPROXIMATE_TTL_S
+    """How long a prompt sent to a worker without KV events counts as cached there."""
     feedback_interval_s: float = 1.0
     """How often the policy's ``observe`` gets the window's measurements."""
     prior_output_tokens: int = 128
@@ -105,7 +111,12 @@ class RouterCore:
         self.timer = timer
         self.feeder = IndexFeeder(PrefixIndex(p.index_ttl_s))
         self.inflight = InflightPrefixes(p.inflight_ttl_s)
+        self.approximate = PrefilledPrefixes(p.approximate_ttl_s)
+        """Prompts prefilled on workers whose engines publish no KV events."""
+        self._prefilling: OrderedDict[str, tuple[str, BlockHashes]] = OrderedDict()
+        """Runs dispatched to an eventless worker, until their first token."""
         self.policy = POLICIES.create(p.policy, **p.policy_params)
+        self._bounded = self.policy.bounds_approximate_cache()
         # a peer that polls engine load (SMG, every 10 s) sees it as it would, live and replayed
         self.fleet = WorkerRegistry(load_poll_s=self.policy.load_poll_s())
         self.rng = random.Random(p.seed)
@@ -119,7 +130,20 @@ class RouterCore:
     # ---- fleet and index inputs ----------------------------------------------------------
 
     def register(self, registration: WorkerRegistration, now: float) -> bool:
-        return self.fleet.register(registration, now)
+        changed = self.fleet.register(registration, now)
+        if changed:
+            self.on_registered(registration.worker_id)
+        return changed
+
+    def on_registered(self, worker_id: str) -> None:
+        """The fleet has a new registration of ``worker_id`` (the router service's fleet watch
+        fills the registry itself and calls this)."""
+        if not self._eventless(worker_id):  # its events say it all from now
+            self.approximate.forget(worker_id)
+
+    def _eventless(self, worker_id: str) -> bool:
+        state = self.fleet.get(worker_id)
+        return state is not None and not state.registration.kv_events
 
     def report(self, load: LoadReport, now: float) -> bool:
         return self.fleet.report(load, now)
@@ -129,6 +153,7 @@ class RouterCore:
         self.fleet.remove(worker_id)
         self.feeder.forget(worker_id)
         self.inflight.forget(worker_id)
+        self.approximate.forget(worker_id)
 
     def expire(self, now: float) -> list[str]:
         gone = self.fleet.expire(now)
@@ -221,6 +246,9 @@ class RouterCore:
     def _views(self, states: Sequence[WorkerState]) -> list[WorkerView]:
         """What the policy sees of each worker, with how many blocks the index holds there."""
         held = self.feeder.gpu_index.block_counts()
+        if self.approximate.holds_any():
+            guessed = self.approximate.block_counts()
+            held = {w: held.get(w, 0) + guessed.get(w, 0) for w in held.keys() | guessed.keys()}
         return [worker_view(s, held.get(s.worker_id, 0)) for s in states]
 
     def _remember(self, routed: Routed) -> None:
@@ -238,6 +266,8 @@ class RouterCore:
             return {}, {}, {}
         feeder = self.feeder
         confirmed = feeder.gpu_index.overlap(primary, check)
+        if self.approximate.holds_any():  # all a router knows of an eventless worker's cache
+            confirmed = self.approximate.merge(confirmed, primary, check, now)
         gpu = self.inflight.merge(confirmed, primary, check, now)
         if feeder.gpu is None:
             return gpu, gpu, confirmed
@@ -258,6 +288,10 @@ class RouterCore:
         self.policy.on_dispatched(query, worker_id)
         if hashes.primary:
             self.inflight.record(worker_id, hashes.primary, hashes.check, now)
+            if self._eventless(worker_id):
+                self._prefilling[request_id] = (worker_id, hashes)
+                if len(self._prefilling) > self.params.verify_capacity:
+                    self._prefilling.popitem(last=False)
         usable = max(0, (query.prompt_tokens - 1) // query.block_size)
         predicted = min(query.overlaps.get(worker_id, 0), usable)
         state = self.fleet.get(worker_id)
@@ -284,6 +318,7 @@ class RouterCore:
         the requests that want it)."""
         if request_id in self._routed:  # the start overtook the news of its dispatch
             self.on_dispatched(request_id, worker_id, now)
+        self._prefilled(request_id, worker_id, now)
         state = self.fleet.get(worker_id)
         if state is not None:
             state.started(request_id)
@@ -304,6 +339,10 @@ class RouterCore:
         in-flight overlay still learns where its prefix now lives."""
         if request_id in self._routed:
             self.on_dispatched(request_id, worker_id, now)
+        if cached_tokens is not None:  # completed: its prompt was prefilled, start seen or not
+            self._prefilled(request_id, worker_id, now)
+        else:
+            self._prefilling.pop(request_id, None)
         state = self.fleet.get(worker_id)
         if state is not None:
             state.unassign(request_id)
@@ -320,9 +359,23 @@ class RouterCore:
         self.window.hit_tokens += min(verdict.actual_tokens, verdict.predicted_tokens)
         return verdict
 
+    def _prefilled(self, request_id: str, worker_id: str, now: float) -> None:
+        """An eventless worker has prefilled the run's prompt: the blocks SGLang would have
+        announced now enter the approximate index (or have their TTL renewed)."""
+        sent = self._prefilling.pop(request_id, None)
+        state = self.fleet.get(worker_id)
+        if sent is None or sent[0] != worker_id or state is None:
+            return
+        registration = state.registration
+        if not registration.kv_events:
+            hashes = sent[1]
+            bound = registration.kv_capacity_blocks if self._bounded else 0
+            self.approximate.record(worker_id, hashes.primary, hashes.check, now, bound)
+
     def forget(self, request_id: str) -> None:
         """The request will not be dispatched (rejected, failed before any worker took it)."""
         self._routed.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
 
     # ---- time ----------------------------------------------------------------------------
 

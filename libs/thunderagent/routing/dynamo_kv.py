@@ -107,6 +107,11 @@ class DynamoKv(PolicyHooks):
         self._active, self._counts, self._prefill = {}, {}, {}
 
     # ---- the tracker's view ----------------------------------------------------------------
+    def bounds_approximate_cache(self) -> bool:
+        """Dynamo's approximate mode keeps blocks for ``router_ttl_secs`` whatever the engine
+        holds (``router_approximate_cache_policy="ttl"``, its default)."""
+        return False
+
     def active_blocks(self, worker_id: str) -> int:
         if self.assume_kv_reuse:
             return len(self._active.get(worker_id, ()))

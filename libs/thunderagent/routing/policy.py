@@ -120,6 +120,12 @@ class RoutingPolicy(Protocol):
         on its own schedule sees a report only once per poll (0: every report, as it comes)."""
         ...
 
+    def bounds_approximate_cache(self) -> bool:
+        """For a worker without KV events: whether what the router prefilled there counts as
+        cached only up to the engine's KV capacity (the oldest prefills first), on top of the
+        TTL (``thunderagent.prefix_index.prefilled``)."""
+        ...
+
 
 @dataclass
 class PolicyHooks:
@@ -139,6 +145,9 @@ class PolicyHooks:
 
     def load_poll_s(self) -> float:
         return 0.0
+
+    def bounds_approximate_cache(self) -> bool:
+        return True
 
 
 @dataclass(slots=True, frozen=True)

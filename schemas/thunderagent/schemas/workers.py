@@ -48,6 +48,10 @@ class WorkerRegistration(Struct, frozen=True, kw_only=True):
     """A prefill engine in SGLang's PD mode: the port of its KV bootstrap server
     (``disaggregation_bootstrap_port``), where a paired decode engine takes a request's KV. 0:
     not SGLang's PD; a PD hand-off then moves the KV through the workers (``KvTransfer``)."""
+    kv_events: bool = True
+    """Whether the engine publishes KV cache events (SGLang's ``--kv-events-config``, off by
+    default). False: routers know its cache only from the prompts they sent it (an approximate
+    index, as SGLang's router keeps and Dynamo's with ``use_kv_events=false``)."""
 
 
 class LoadReport(Struct, frozen=True, kw_only=True):

@@ -96,11 +96,10 @@ def _planner_params(params: dict) -> object:
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from thunderagent.router.service import RouterConfig, main
-    from thunderagent.router_core import RouterParams
     from thunderagent.scheduling.handoff_limit import HandoffLimit
     from thunderagent.shell import run_service
 
-    params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    params = _router_params(args)
     _checked("router", lambda: _policy(params))
     handoffs = HandoffLimit(slow_s=args.handoff_slow_ms / 1e3)
     config = RouterConfig(
@@ -193,14 +192,22 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
         )
         return
     from thunderagent.router.service import RouterConfig
-    from thunderagent.router_core import RouterParams
 
-    params = RouterParams(policy=args.policy, policy_params=_params(args.param), seed=args.seed)
+    params = _router_params(args)
     _checked("gateway", lambda: _policy(params))
     router = RouterConfig(params=params, redis_url=args.redis)
     run_service(
         "gateway", args.nats, lambda ctx: gateway_with_router(ctx, config, router),
         metrics_port=args.metrics_port,
+    )  # fmt: skip
+
+
+def _router_params(args: argparse.Namespace):
+    from thunderagent.router_core import RouterParams
+
+    return RouterParams(
+        policy=args.policy, policy_params=_params(args.param), seed=args.seed,
+        approximate_ttl_s=args.approximate_ttl_s,
     )  # fmt: skip
 
 
@@ -280,6 +287,7 @@ def _control_plane_commands(add) -> None:
     p.add_argument("--policy", default="thunder", help="routing policy (see docs)")
     _param_arg(p, "routing policy")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking rng")
+    _approximate_ttl_arg(p)
     p.add_argument(
         "--handoff-slow-ms", type=positive, default=250.0,
         help="a hand-off ack slower than this cuts the bound on the requests waiting for one "
@@ -368,6 +376,17 @@ def _gateway_command(add) -> None:
     _embedded_router_args(p)
 
 
+def _approximate_ttl_arg(p, when: str = "") -> None:
+    from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S
+    from thunderagent.shell.argtypes import positive
+
+    p.add_argument(
+        "--approximate-ttl-s", type=positive, default=APPROXIMATE_TTL_S,
+        help=f"{when}how long a prompt prefilled on a worker whose engine publishes no KV events "
+        "counts as cached there (Dynamo's router_ttl_secs)",
+    )  # fmt: skip
+
+
 def _embedded_router_args(p) -> None:
     """The gateway's router replica in its own process (``--embed-router``)."""
     p.add_argument(
@@ -378,6 +397,7 @@ def _embedded_router_args(p) -> None:
     p.add_argument("--policy", default="thunder", help="with --embed-router: routing policy")
     _param_arg(p, "routing policy", when="with --embed-router: ")
     p.add_argument("--seed", type=int, default=None, help="with --embed-router: tie-break seed")
+    _approximate_ttl_arg(p, when="with --embed-router: ")
     p.add_argument(
         "--redis", default=os.environ.get("THUNDERAGENT_REDIS_URL"),
         help="with --embed-router: Redis URL of the index snapshot (unset: full replay)",

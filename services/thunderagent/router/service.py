@@ -75,6 +75,7 @@ class RouterService:
             self.core.remove(worker_id)
         elif what == "registered" and (state := self.core.fleet.get(worker_id)) is not None:
             self.router.served_models.add(state.registration.model)
+            self.core.on_registered(worker_id)
 
     async def _tick(self, stop: asyncio.Event) -> None:
         hello = RouterHello(router_id=self.router.config.router_id)

@@ -219,10 +219,12 @@ class WorkerAdapter:
         self.registration = await once_ready(self.engine.base_url, stop, self.describe_engine)
         if self.registration is None:
             return
+        events = await self._kv_event_source()
+        if events is None:  # routers then keep what they sent here instead (an approximation)
+            self.registration = msgspec.structs.replace(self.registration, kv_events=False)
         self.lease = IdLease(await workers_bucket(self.bus), self.registration)
         await self.lease.claim(stop)  # before taking any of the id's messages
         await self._subscribe()
-        events = await self._kv_event_source()
         relay = None
         if events is not None:
             relay = self.relay = KvRelay(
@@ -274,7 +276,8 @@ class WorkerAdapter:
             if config.get("publisher", "null") != "zmq":
                 log.warning("engine publishes no KV events (its kv_events_config has publisher "
                             "%r; start SGLang with --kv-events-config '{\"publisher\": \"zmq\", "
-                            "\"endpoint\": \"tcp://*:5557\"}'): routing will not see its cache",
+                            "\"endpoint\": \"tcp://*:5557\"}'): routers will know its cache "
+                            "only from the prompts they send it",
                             config.get("publisher", "null"))  # fmt: skip
                 return None
             if not publisher_binds(endpoint, config.get("bind")):
