@@ -3,8 +3,9 @@
 Per worker, the blocks a dispatched request will store there (``leaders``: block hash -> the
 request prefilling it) and the blocks KV events have reported cached (``cached``). A request
 whose first uncached block on its target is being prefilled by a leader, with at least
-``group_min_blocks`` shared, is *held* until ``on_prefix_cached`` reports that block (it then
-re-enters the queue and hits the cache), the leader ends, or ``group_timeout_s`` passes.
+``group_min_blocks`` shared, is *held* until that block is cached (``on_prefix_cached`` from KV
+events, or the leader's first token: it then re-enters the queue and hits the cache), the
+leader ends, or ``group_timeout_s`` passes.
 Hashes are chained, so one hash names a whole prefix and the first shared block decides.
 
 A request's candidates carry the router's predicted overlap, which already counts its own
@@ -115,6 +116,12 @@ class PrefixGroups:
         while len(known) > CACHED_BLOCKS_PER_WORKER:
             del known[next(iter(known))]
         return released
+
+    def on_leader_prefilled(self, rid: str) -> list[str]:
+        """The leader's first token is out: the engine has cached the blocks it claimed (what
+        its KV events will say, and all a worker without events ever says)."""
+        worker_id, claimed = self.led.pop(rid, ("", []))
+        return self.on_cached(worker_id, claimed) if claimed else []
 
     def on_leader_done(self, rid: str) -> list[str]:
         """The leader finished or was preempted: release whoever waits on its blocks."""

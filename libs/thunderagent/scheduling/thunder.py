@@ -173,6 +173,8 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         if run is None or run.started_at is not None:
             return
         run.started_at = now
+        for rid in self.groups.on_leader_prefilled(request_id):
+            self._enqueue(self.entries[rid], now)
         prefill = run.prefill_tokens
         if run.decode_worker is not None:  # the prefill worker is done with it
             self.admission.discharge(run.worker_id, run.kv_blocks, prefill_tokens=prefill)

@@ -49,6 +49,20 @@ def test_grouping_sends_one_and_releases_the_rest_when_cached() -> None:
     assert st["prefill_tokens_saved"] == 2 * 8 * 16
 
 
+def test_grouping_releases_the_rest_at_the_leaders_first_token() -> None:
+    """A worker without KV events never says the blocks are cached; the leader's first token
+    says its prefill is done, and the engine has them (its events would say so now)."""
+    s = grouping_scheduler()
+    assert sent(s.poll(0.0)) == ["a"]
+    s.on_started("a", "w0", 0.3)
+    assert sent(s.poll(0.3)) == ["b", "c"]
+    st = s.stats()
+    assert (st["grouped_requests"], st["group_released_cached"]) == (2, 2)
+    assert st["prefill_tokens_saved"] == 2 * 8 * 16
+    s.on_prefix_cached("w0", HASHES, 0.4)  # the events arriving after change nothing
+    assert s.poll(0.4) == []
+
+
 def test_grouping_releases_on_timeout_without_credit() -> None:
     s = grouping_scheduler()
     assert sent(s.poll(0.0)) == ["a"]
