@@ -305,6 +305,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", default="thunder")
     p.add_argument(
+        "--kv-events", choices=["on", "off"], default="on",
+        help="off: the engines publish no KV events (SGLang's default); our routers keep what "
+        "they sent where, as the HTTP baselines always do",
+    )  # fmt: skip
+    p.add_argument(
         "--via",
         choices=ENTRY_POINTS,
         default="nats",
@@ -340,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = StackConfig(
         workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
-        dp_size=args.dp_size, **entry_point_settings(args.via),
+        dp_size=args.dp_size, kv_events=args.kv_events == "on",
+        **entry_point_settings(args.via),
     )  # fmt: skip
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)
@@ -386,6 +392,7 @@ def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
         "tokens_per_block": args.tokens_per_block,
         "max_output": args.max_output,
         "policy": args.policy,
+        "kv_events": args.kv_events,
         "via": args.via,
         "client": {"tcp_nodelay": True, "connections": args.client_connections},
         "nats_gomaxprocs": nats_gomaxprocs(),

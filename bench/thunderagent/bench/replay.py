@@ -148,6 +148,8 @@ def _config(args: argparse.Namespace, profile, policy: str, seed: int) -> Replay
         seed=seed,
         load_interval=args.load_interval or LOAD_REPORT_INTERVAL_S,
         index_ttl=args.index_ttl,
+        kv_events=args.kv_events == "on",
+        approximate_ttl=args.approximate_ttl,
         scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
     )
 
@@ -173,6 +175,8 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window, s
             for p in args.policy_list
         },
         "index_ttl_s": args.index_ttl,
+        "kv_events": args.kv_events,
+        "approximate_ttl_s": args.approximate_ttl if args.kv_events == "off" else None,
         "policy_params": args.params,
         "scheduler_params": args.sched_params,
         "migration": args.migration,

@@ -11,6 +11,7 @@ from pathlib import Path
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.fleet import LOAD_REPORT_INTERVAL_S
+from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S
 from thunderagent.replay import SCHEDULERS
 from thunderagent.routing import POLICIES
 from thunderagent.shell.argtypes import (
@@ -114,6 +115,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
+    p.add_argument(
+        "--kv-events", choices=("on", "off"), default="on",
+        help="off: the engines publish no KV events (SGLang without --kv-events-config); each "
+        "router knows a cache only from the prompts it sent there (default: on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--approximate-ttl", type=positive, default=APPROXIMATE_TTL_S,
+        help="with --kv-events off: s a prefilled prompt counts as cached on its worker "
+        f"(default: {APPROXIMATE_TTL_S:g}, Dynamo's router_ttl_secs)",
+    )  # fmt: skip
     _override_arguments(p)
     migration_cli.add_arguments(p)
     return _checked(p.parse_args(argv), p)
@@ -157,6 +168,9 @@ def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.N
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     if args.migration_params and args.migration == "off":
         p.error("--migration-param: --migration is off, so no migration planner runs")
+    if args.kv_events == "off" and args.migration != "off":
+        p.error("--migration: the planner finds holders in the event-fed index; with "
+                "--kv-events off it has none")  # fmt: skip
     return args
 
 

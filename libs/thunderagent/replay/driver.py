@@ -157,6 +157,7 @@ class Replay(SchedulerActions):
             registered_at=0.0,
             role=WorkerRole(self.roles[w]),
             max_running_requests=engine.max_running_requests,
+            kv_events=self.cfg.kv_events,
         )
 
     # ---- main loop -----------------------------------------------------------------------
@@ -438,7 +439,10 @@ class Replay(SchedulerActions):
 
     def _apply_events(self, w: int, outcome: StepOutcome, t: float) -> None:
         """The step's cache events, as the worker's adapter publishes them, into the router's
-        index; stored prefixes also go to the scheduler (prefix grouping)."""
+        index; stored prefixes also go to the scheduler (prefix grouping). Engines without KV
+        events publish nothing."""
+        if not self.cfg.kv_events:
+            return
         batch = self._kv_batch(w, outcome, t)
         if batch is None:
             return

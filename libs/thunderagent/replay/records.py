@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from thunderagent.engine import Profile
 from thunderagent.fleet import LOAD_REPORT_INTERVAL_S, Run
+from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S
 from thunderagent.router_core import RouterParams
 
 
@@ -28,6 +29,11 @@ class ReplayConfig:
     """Virtual seconds between per-worker load samples kept for plots."""
     index_ttl: float | None = None
     """Prefix index TTL; None: off (events are lossless here, so TTL only loses hits)."""
+    kv_events: bool = True
+    """Whether the engines publish KV events. False: the router and the scheduler get none, and
+    the router knows each cache only from the prompts it sent (``RouterCore.approximate``)."""
+    approximate_ttl: float = APPROXIMATE_TTL_S
+    """With ``kv_events`` off: how long a prefilled prompt counts as cached on its worker."""
     prior_output_tokens: int = 128
     """Expected output length before any request has finished."""
     max_tokens: int = 16384
@@ -54,6 +60,7 @@ class ReplayConfig:
             policy_params=dict(self.policy_params),
             seed=self.seed,
             index_ttl_s=self.index_ttl,
+            approximate_ttl_s=self.approximate_ttl,
             feedback_interval_s=self.feedback_interval,
             prior_output_tokens=self.prior_output_tokens,
         )

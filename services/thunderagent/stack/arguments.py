@@ -85,6 +85,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--engine", choices=["timed", "instant"], default="timed",
         help="simulated engines: timed (roofline model) or instant (one token at once)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-events", choices=["on", "off"], default="on",
+        help="off: the simulated engines publish no KV events, as SGLang without "
+        "--kv-events-config; routers then know each cache from the prompts they sent it",
+    )  # fmt: skip
     add_engine_layout_flags(p)
     p.add_argument(
         "--prefill-workers", type=at_least(0), default=0,

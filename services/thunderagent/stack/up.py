@@ -84,6 +84,8 @@ class StackConfig:
     kv_blocks: int | None = None
     engine: str = "timed"
     """Simulated engines' mode: ``timed`` (roofline model) or ``instant`` (zero compute)."""
+    kv_events: bool = True
+    """Whether the simulated engines publish KV events (SGLang's default is not to)."""
     dp_size: int = 1
     """Data-parallel ranks per simulated engine; each rank is a worker of the fleet."""
     lora_adapters: list[str] = field(default_factory=list)
@@ -131,6 +133,7 @@ class StackConfig:
             kv_pool_scale=args.kv_pool_scale,
             kv_blocks=args.kv_blocks,
             engine=args.engine,
+            kv_events=args.kv_events == "on",
             dp_size=args.dp_size,
             lora_adapters=adapter_names(args.lora_paths),
             prefill_workers=args.prefill_workers,
@@ -254,6 +257,8 @@ class Stack:
                     # SGLang connects a PUB socket to a concrete host; bind it here instead
                     "bind": True,
                 }
+                if c.kv_events
+                else {"publisher": "null"}  # SGLang's default
             )
             self._service(
                 f"engine-{i}", "simengine", "--port", str(port), "--model", c.model,
