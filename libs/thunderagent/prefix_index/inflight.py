@@ -22,6 +22,17 @@ INFLIGHT_TTL_S = 30.0
 that a wrong guess stops attracting requests quickly."""
 
 
+def longer_matches(known: dict[str, int], found: dict[str, int]) -> dict[str, int]:
+    """Per worker, the longer of two matches (``known`` itself when ``found`` is empty)."""
+    if not found:
+        return known
+    merged = dict(known)
+    for worker, blocks in found.items():
+        if blocks > merged.get(worker, 0):
+            merged[worker] = blocks
+    return merged
+
+
 @dataclass
 class InflightPrefixes:
     ttl_s: float = INFLIGHT_TTL_S
@@ -43,14 +54,7 @@ class InflightPrefixes:
     ) -> dict[str, int]:
         """Per worker, the longer of the confirmed and the in-flight match."""
         self.index.expire(now)
-        guessed = self.index.overlap(primary, check)
-        if not guessed:
-            return confirmed
-        merged = dict(confirmed)
-        for worker, blocks in guessed.items():
-            if blocks > merged.get(worker, 0):
-                merged[worker] = blocks
-        return merged
+        return longer_matches(confirmed, self.index.overlap(primary, check))
 
     def forget(self, worker: str) -> None:
         self.index.remove_worker(worker)

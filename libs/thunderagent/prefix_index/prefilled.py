@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from thunderagent.prefix_index.index import PrefixIndex
+from thunderagent.prefix_index.inflight import longer_matches
 
 APPROXIMATE_TTL_S = 120.0
 """Dynamo 1.6.1's ``router_ttl_secs``, the default of its mode without KV events."""
@@ -85,14 +86,7 @@ class PrefilledPrefixes:
     ) -> dict[str, int]:
         """Per worker, the longer of ``known`` and the prefix prefilled there."""
         self.expire(now)
-        prefilled = self.index.overlap(primary, check)
-        if not prefilled:
-            return known
-        merged = dict(known)
-        for worker, blocks in prefilled.items():
-            if blocks > merged.get(worker, 0):
-                merged[worker] = blocks
-        return merged
+        return longer_matches(known, self.index.overlap(primary, check))
 
     def holds_any(self) -> bool:
         """Whether any worker has had a prompt recorded (and not been forgotten)."""

@@ -8,7 +8,7 @@ One ``RouterCore`` holds everything a router replica knows and learns:
   time until the engine's events arrive;
 * for workers whose engines publish no KV events, an approximate index of the prompts this
   replica sent them, each entered when its run gives its first token (when SGLang would have
-  published the blocks) and kept ``approximate_ttl_s``;
+  published the blocks) and kept ``approximate_ttl_s``, within the engine's KV capacity;
 * the routing policy and its rng, the lazy verifier, the running mean of output lengths and the
   feedback window the online tuner learns from.
 
