@@ -109,25 +109,35 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
     assert second.final.predicted_cached_tokens == 12 * PAGE
 
 
-async def test_engines_without_kv_events_keep_a_prefix_in_view_past_the_overlay(nats_server):
-    """SGLang without ``--kv-events-config`` (its default): the adapters register so, and the
-    router keeps what it had prefilled there. A request sent after the in-flight overlay forgot
-    the first one still goes to its worker and finds the prompt cached."""
+async def test_engines_without_kv_events_have_their_cache_announced_by_their_adapters(
+    nats_server,
+):
+    """SGLang without ``--kv-events-config`` (its default): the adapters register so and
+    announce what each run leaves cached (its prompt at the first token, prompt and output at
+    the end) as the engine's own events would. Every router replica learns it, one that did
+    not route the first request too; a request sent after the in-flight overlay forgot the
+    first goes to its worker and finds the prompt cached."""
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
                                speedup=50, kv_events=False,
                                router_params={"inflight_ttl_s": 0.3})  # fmt: skip
+        other = await start_router(stack, "router-b", None)
         client = await routable(nats_server.url, 3)
         core = stack.services["router"].runtime.core
         assert [s.registration.kv_events for s in core.fleet.all()] == [False] * 3
         prefix = conversation(3, 12)
         first = await client.generate(
-            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=40)
         )
-        holder = core.fleet.get(first.final.worker_id)
+        holder = first.final.worker_id
+        await holder_known(core, prefix, holder)
+        await holder_known(other.core, prefix, holder)
+        answer = prefix + [9, 9] + first.token_ids[:-1]  # cached at the run's end
+        assert len(answer) // PAGE == 14, "two blocks past the prompt's"
+        hashes = BlockHasher(PAGE).hash_tokens(answer)
         await wait_for(
-            lambda: holder.load is not None and holder.load.inflight == 0,
-            what="a load report of the holder after the first run",
+            lambda: core.feeder.gpu_index.overlap(hashes.primary, hashes.check) == {holder: 14},
+            what="the prompt and its answer announced as cached",
         )
         await asyncio.sleep(0.5)  # past the overlay's TTL
         overlay = core.inflight.merge({}, *core.hash_tokens(prefix, PAGE), time.time())
@@ -136,7 +146,7 @@ async def test_engines_without_kv_events_keep_a_prefix_in_view_past_the_overlay(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
         )
         await client.close()
-    assert second.final.worker_id == first.final.worker_id
+    assert second.final.worker_id == holder
     assert second.final.usage.cached_tokens == 12 * PAGE
     assert second.final.predicted_cached_tokens == 12 * PAGE
 

@@ -306,8 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="thunder")
     p.add_argument(
         "--kv-events", choices=["on", "off"], default="on",
-        help="off: the engines publish no KV events (SGLang's default); our routers keep what "
-        "they sent where, as the HTTP baselines always do",
+        help="off: the engines publish no KV events (SGLang's default); our adapters announce "
+        "what each run leaves cached (the HTTP baselines keep their own trees either way)",
     )  # fmt: skip
     p.add_argument(
         "--via",

@@ -117,13 +117,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
     p.add_argument(
         "--kv-events", choices=("on", "off"), default="on",
-        help="off: the engines publish no KV events (SGLang without --kv-events-config); each "
-        "router knows a cache only from the prompts it sent there (default: on)",
+        help="off: the engines publish no KV events (SGLang without --kv-events-config): "
+        "thunder's adapters announce what each run leaves cached, dynamo_kv keeps its own "
+        "record (Dynamo's approximate mode) (default: on)",
     )  # fmt: skip
     p.add_argument(
         "--approximate-ttl", type=positive, default=APPROXIMATE_TTL_S,
-        help="with --kv-events off: s a prefilled prompt counts as cached on its worker "
-        f"(default: {APPROXIMATE_TTL_S:g}, Dynamo's router_ttl_secs)",
+        help="with --kv-events off: s dynamo_kv counts a prefilled prompt as cached on its "
+        f"worker (default: {APPROXIMATE_TTL_S:g}, Dynamo's router_ttl_secs)",
     )  # fmt: skip
     _override_arguments(p)
     migration_cli.add_arguments(p)

@@ -167,10 +167,6 @@ class PrefixIndex:
         """Indexed blocks per worker."""
         return {name: w.count for name, w in self._workers.items()}
 
-    def worker_block_count(self, worker: str) -> int:
-        w = self._workers.get(worker)
-        return 0 if w is None else w.count
-
     def dump_worker(self, worker: str) -> BlockHashes:
         """``worker``'s indexed blocks as (primary, check) lists, in first-stored order (so a
         parent comes before its children unless it was removed and stored again)."""

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from thunderagent.engine import AllCleared, EngineCore, Removed, Request
+from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Removed, Request
 from thunderagent.engine.core import StepOutcome
 from thunderagent.fleet import (
     AcceptedRuns,
@@ -66,6 +66,7 @@ from thunderagent.schemas import (
     WorkerRole,
 )
 from thunderagent.sglang.load import parse_v1_loads, v1_loads_payload
+from thunderagent.sglang.shadow import CacheShadow
 
 if TYPE_CHECKING:
     from thunderagent.replay.migration import ReplayMigration
@@ -102,6 +103,11 @@ class Replay(SchedulerActions):
         if len(self.roles) != n:
             raise ValueError(f"{len(self.roles)} roles for {n} workers")
         self.accepted = [AcceptedRuns() for _ in range(n)]
+        self.shadows: list[CacheShadow] | None = None
+        """Engines without KV events: each one's cache as its adapter infers and announces it
+        (``sglang.shadow``), unless the policy keeps its own record (a peer's approximate mode)."""
+        if not config.kv_events and not self.router.policy.keeps_approximate_cache():
+            self.shadows = [CacheShadow(core.cache.capacity) for core in self.cores]
         for w in range(n):
             self.router.register(self._registration(w), 0.0)
         self.links = TransferLinks(
@@ -408,6 +414,9 @@ class Replay(SchedulerActions):
             if phase != "decode":  # each run starts once (continuations too)
                 self.router.on_started(run_id, worker_id, t)
                 self.scheduler.on_started(run_id, worker_id, t)
+                if self.shadows is not None:  # its adapter announces the prompt cached
+                    keys = self.keys[run_id].primary[: rec.prompt_tokens // self.block_size]
+                    self._announce(w, self.shadows[w].cached(keys), t)
         for fin in outcome.finished:
             rec = records.get(fin.request_id)
             if rec is None or rec.worker != w or rec.status != "running":
@@ -441,21 +450,23 @@ class Replay(SchedulerActions):
         """The step's cache events, as the worker's adapter publishes them, into the router's
         index; stored prefixes also go to the scheduler (prefix grouping). Engines without KV
         events publish nothing."""
-        if not self.cfg.kv_events:
-            return
-        batch = self._kv_batch(w, outcome, t)
+        if self.cfg.kv_events:
+            self._announce(w, outcome.events, t)
+
+    def _announce(self, w: int, events: list[CacheEvent], t: float) -> None:
+        batch = self._kv_batch(w, events, t)
         if batch is None:
             return
         self.router.apply_kv(batch, t)
         for hashes in stored_hashes(batch):
             self.scheduler.on_prefix_cached(self.ids[w], hashes, t)
 
-    def _kv_batch(self, w: int, outcome: StepOutcome, t: float) -> KvEventBatch | None:
+    def _kv_batch(self, w: int, cache_events: list[CacheEvent], t: float) -> KvEventBatch | None:
         """Engine events -> one ``KvEventBatch``. Block keys are the trace's chained primary
         hashes; output blocks (keys no prompt has) are left out: nothing can ever match them."""
         check = self.check
         events: list[KvEvent] = []
-        for ev in outcome.events:
+        for ev in cache_events:
             if isinstance(ev, AllCleared):
                 events.append(WireCleared())
                 continue

@@ -30,10 +30,11 @@ class ReplayConfig:
     index_ttl: float | None = None
     """Prefix index TTL; None: off (events are lossless here, so TTL only loses hits)."""
     kv_events: bool = True
-    """Whether the engines publish KV events. False: the router and the scheduler get none, and
-    the router knows each cache only from the prompts it sent (``RouterCore.approximate``)."""
+    """Whether the engines publish KV events. False: their own never reach the router and the
+    scheduler; the adapters announce what each run leaves cached (``sglang.shadow``), unless
+    the policy keeps its own record (``RouterCore.approximate``, Dynamo's approximate mode)."""
     approximate_ttl: float = APPROXIMATE_TTL_S
-    """With ``kv_events`` off: how long a prefilled prompt counts as cached on its worker."""
+    """With ``kv_events`` off, for such a policy: how long a prefilled prompt counts there."""
     prior_output_tokens: int = 128
     """Expected output length before any request has finished."""
     max_tokens: int = 16384

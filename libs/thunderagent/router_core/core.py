@@ -6,9 +6,10 @@ One ``RouterCore`` holds everything a router replica knows and learns:
 * the prefix index fed by KV-event batches (``feeder``: every tier, and a GPU-only view once a
   host tier shows up) plus the in-flight overlay of prompts just dispatched, which covers the
   time until the engine's events arrive;
-* for workers whose engines publish no KV events, an approximate index of the prompts this
-  replica sent them, each entered when its run gives its first token (when SGLang would have
-  published the blocks) and kept ``approximate_ttl_s``, within the engine's KV capacity;
+* for workers whose engines publish no KV events, when the policy keeps one (Dynamo's), an
+  approximate index of the prompts this replica sent them, each entered when its run gives its
+  first token and kept ``approximate_ttl_s`` (ThunderAgent's adapters announce such a cache on
+  the KV stream instead: ``thunderagent.sglang.shadow``);
 * the routing policy and its rng, the lazy verifier, the running mean of output lengths and the
   feedback window the online tuner learns from.
 
@@ -116,7 +117,7 @@ class RouterCore:
         self._prefilling: OrderedDict[str, tuple[str, BlockHashes]] = OrderedDict()
         """Runs dispatched to an eventless worker, until their first token."""
         self.policy = POLICIES.create(p.policy, **p.policy_params)
-        self._bounded = self.policy.bounds_approximate_cache()
+        self._approximates = self.policy.keeps_approximate_cache()
         # a peer that polls engine load (SMG, every 10 s) sees it as it would, live and replayed
         self.fleet = WorkerRegistry(load_poll_s=self.policy.load_poll_s())
         self.rng = random.Random(p.seed)
@@ -288,7 +289,7 @@ class RouterCore:
         self.policy.on_dispatched(query, worker_id)
         if hashes.primary:
             self.inflight.record(worker_id, hashes.primary, hashes.check, now)
-            if self._eventless(worker_id):
+            if self._approximates and self._eventless(worker_id):
                 self._prefilling[request_id] = (worker_id, hashes)
                 if len(self._prefilling) > self.params.verify_capacity:
                     self._prefilling.popitem(last=False)
@@ -363,14 +364,9 @@ class RouterCore:
         """An eventless worker has prefilled the run's prompt: the blocks SGLang would have
         announced now enter the approximate index (or have their TTL renewed)."""
         sent = self._prefilling.pop(request_id, None)
-        state = self.fleet.get(worker_id)
-        if sent is None or sent[0] != worker_id or state is None:
-            return
-        registration = state.registration
-        if not registration.kv_events:
+        if sent is not None and sent[0] == worker_id and self._eventless(worker_id):
             hashes = sent[1]
-            bound = registration.kv_capacity_blocks if self._bounded else 0
-            self.approximate.record(worker_id, hashes.primary, hashes.check, now, bound)
+            self.approximate.record(worker_id, hashes.primary, hashes.check, now)
 
     def forget(self, request_id: str) -> None:
         """The request will not be dispatched (rejected, failed before any worker took it)."""

@@ -107,10 +107,10 @@ class DynamoKv(PolicyHooks):
         self._active, self._counts, self._prefill = {}, {}, {}
 
     # ---- the tracker's view ----------------------------------------------------------------
-    def bounds_approximate_cache(self) -> bool:
-        """Dynamo's approximate mode keeps blocks for ``router_ttl_secs`` whatever the engine
-        holds (``router_approximate_cache_policy="ttl"``, its default)."""
-        return False
+    def keeps_approximate_cache(self) -> bool:
+        """``use_kv_events=false``: Dynamo's router records each request's blocks where it
+        routed them, kept ``router_ttl_secs`` (``router_approximate_cache_policy="ttl"``)."""
+        return True
 
     def active_blocks(self, worker_id: str) -> int:
         if self.assume_kv_reuse:

@@ -120,10 +120,11 @@ class RoutingPolicy(Protocol):
         on its own schedule sees a report only once per poll (0: every report, as it comes)."""
         ...
 
-    def bounds_approximate_cache(self) -> bool:
-        """For a worker without KV events: whether what the router prefilled there counts as
-        cached only up to the engine's KV capacity (the oldest prefills first), on top of the
-        TTL (``thunderagent.prefix_index.prefilled``)."""
+    def keeps_approximate_cache(self) -> bool:
+        """For a worker whose engine publishes no KV events: whether the router keeps its own
+        record of the prompts prefilled there (``thunderagent.prefix_index.prefilled``), as
+        Dynamo's router does. ThunderAgent's adapters announce such an engine's cache in its
+        place (``thunderagent.sglang.shadow``), for every router replica alike."""
         ...
 
 
@@ -146,8 +147,8 @@ class PolicyHooks:
     def load_poll_s(self) -> float:
         return 0.0
 
-    def bounds_approximate_cache(self) -> bool:
-        return True
+    def keeps_approximate_cache(self) -> bool:
+        return False
 
 
 @dataclass(slots=True, frozen=True)

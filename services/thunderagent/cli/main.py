@@ -382,8 +382,9 @@ def _approximate_ttl_arg(p, when: str = "") -> None:
 
     p.add_argument(
         "--approximate-ttl-s", type=positive, default=APPROXIMATE_TTL_S,
-        help=f"{when}how long a prompt prefilled on a worker whose engine publishes no KV events "
-        "counts as cached there (Dynamo's router_ttl_secs)",
+        help=f"{when}a policy that keeps its own record of workers whose engines publish no KV "
+        "events (dynamo_kv): how long a prompt prefilled there counts as cached (Dynamo's "
+        "router_ttl_secs; ThunderAgent's adapters announce such caches instead)",
     )  # fmt: skip
 
 

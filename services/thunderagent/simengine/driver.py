@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Profile, Removed, Request
 from thunderagent.sglang import kv_wire
+from thunderagent.sglang.cache_events import to_wire
 from thunderagent.sglang.load import get_load_payload, v1_load_snapshot
 from thunderagent.sglang.zmq_publisher import ZmqKvEventPublisher
 from thunderagent.simengine.salts import CacheNamespace, SaltBook, cache_namespace
@@ -106,36 +107,6 @@ class _Stream:
     output: list[int]
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     sent: int = 0
-
-
-def to_wire(
-    events: list[CacheEvent],
-    block_size: int,
-    salt_of: Callable[[int], CacheNamespace | None] = lambda key: None,
-) -> list[kv_wire.AnyKvEvent]:
-    """Engine cache events -> SGLang 0.5.23 KV events (``salt_of``: a block's tenant salt and
-    LoRA adapter)."""
-    out: list[kv_wire.AnyKvEvent] = []
-    for ev in events:
-        if isinstance(ev, AllCleared):
-            out.append(kv_wire.AllBlocksCleared())
-        elif isinstance(ev, Removed):
-            out.append(kv_wire.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium.value))
-        else:
-            space = salt_of(ev.block_hashes[0]) if ev.block_hashes else None
-            out.append(
-                kv_wire.BlockStored(
-                    block_hashes=ev.block_hashes,
-                    parent_block_hash=ev.parent_key,
-                    token_ids=ev.token_ids or [],
-                    block_size=block_size,
-                    lora_id=None,
-                    medium=ev.medium.value,
-                    cache_salt=space.cache_salt if space else None,
-                    lora_name=space.lora_name if space else None,
-                )
-            )
-    return out
 
 
 class EngineDriver:

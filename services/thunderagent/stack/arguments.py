@@ -88,7 +88,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-events", choices=["on", "off"], default="on",
         help="off: the simulated engines publish no KV events, as SGLang without "
-        "--kv-events-config; routers then know each cache from the prompts they sent it",
+        "--kv-events-config; each worker's adapter announces what its runs leave cached",
     )  # fmt: skip
     add_engine_layout_flags(p)
     p.add_argument(

@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -88,6 +88,9 @@ class Generation:
     prepare: Callable[[WorkerGenerate], Awaitable[None]] | None = None
     """Run before the engine gets the run, inside its time limit (a prefix copied in first:
     ``WorkerMigration.before_run``)."""
+    cached: Callable[[Sequence[int], WorkerGenerate], Awaitable[None]] | None = None
+    """An engine that publishes no KV events: told the token ids its cache holds now (the
+    prompt at the first token, prompt and output at the end), as SGLang caches them."""
     run_no: int = field(default_factory=lambda: next(_RUN_NUMBERS))
     """This process's number for the run: part of its engine id, so no two runs share one."""
 
@@ -230,6 +233,8 @@ class Generation:
         # delivers them in this order; both leave in the same socket write.
         await self._progress("finished", usage=final.usage)
         await self.bus.publish(self.work.reply_subject, final)
+        if self.cached is not None and self.output:  # the last token's KV was never computed
+            await self.cached([*(self.work.request.token_ids or []), *self.output[:-1]], self.work)
 
     async def _prefill_then_hand_off(self) -> FinalReply | None:
         """PD disaggregation: prefill here up to the first token, move the KV to the decode
@@ -402,6 +407,8 @@ class Generation:
                 self.held_start = self._event("started")
             else:
                 await self._progress("started")
+            if self.cached is not None:
+                await self.cached(self.work.request.token_ids or [], self.work)
 
     async def _fail(self, err: Exception) -> None:
         """The engine failed the run. The scheduler may resume it elsewhere as a

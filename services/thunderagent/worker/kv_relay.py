@@ -40,6 +40,7 @@ from thunderagent.schemas import (
     ResyncRequest,
     subjects,
 )
+from thunderagent.sglang import kv_wire
 from thunderagent.sglang.mirror import KvMirror
 from thunderagent.sglang.zmq_subscriber import (
     Gap,
@@ -179,6 +180,13 @@ class KvRelay:
             log.warning(
                 "%s: undecodable KV batch seq %d: %s", self.worker_id, notice.seq, notice.error
             )
+
+    async def announce(self, events: list[kv_wire.AnyKvEvent]) -> None:
+        """Events inferred for an engine that publishes none (``sglang.shadow``): they take its
+        own events' path (every listener, the mirror, the stream)."""
+        if events:
+            batch = kv_wire.KvEventBatch(ts=time.time(), events=events)
+            await self.handle(Received(seq=-1, batch=batch))
 
     async def refresh_loop(self, interval_s: float, stop: asyncio.Event) -> None:
         """Re-announce every mirrored block every ``interval_s``.

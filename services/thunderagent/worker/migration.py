@@ -139,8 +139,8 @@ class WorkerMigration:
         held none of it, or not in a pool like ours), failed (no answer, or the pull failed)."""
 
     async def start(self, relay: KvRelay | None) -> None:
-        """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (None: the
-        engine publishes none, so a warm-up cannot name its prefixes)."""
+        """Subscribe the move subjects; without NIXL, tap ``relay``'s engine events (announced
+        by the adapter for an engine that publishes none) to name a warm-up's prefixes."""
         info = await self.engine.get_json("/server_info")
         self.kv_transfer = info.get("kv_transfer") or None
         if self.kv_transfer is None and relay is not None:

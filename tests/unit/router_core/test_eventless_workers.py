@@ -1,5 +1,7 @@
-"""Workers whose engines publish no KV events: the router knows their caches only from the
-prompts it sent them, entered at each run's first token and kept ``approximate_ttl_s``."""
+"""Workers whose engines publish no KV events, for a policy that keeps its own record of them
+(Dynamo's approximate mode): the prompts this router had prefilled there, entered at each run's
+first token and kept ``approximate_ttl_s``. ThunderAgent's own policy keeps none: the adapters
+announce such a cache on the KV stream (``tests/unit/sglang/test_sglang_shadow.py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def registration(worker_id: str, kv_events: bool) -> WorkerRegistration:
 
 
 def core(kv_events: bool = False, **params) -> RouterCore:
-    params = {"policy": "thunder", "seed": 1, "inflight_ttl_s": 5.0, **params}
+    params = {"policy": "dynamo_kv", "seed": 1, "inflight_ttl_s": 5.0, **params}
     c = RouterCore(RouterParams(**params))
     for w in ("w0", "w1"):
         c.register(registration(w, kv_events), 0.0)
@@ -55,6 +57,13 @@ def test_a_prompt_prefilled_there_outlives_the_in_flight_overlay() -> None:
     assert later.decision.worker_id == "w1"
     assert route(c, "c", PROMPT, 121.09).confirmed == {"w1": 8}
     assert route(c, "d", PROMPT, 121.2).query.overlaps == {}, "gone after approximate_ttl_s"
+
+
+def test_thunder_keeps_no_record_of_its_own() -> None:
+    c = core(policy="thunder")
+    serve(c, "a", PROMPT, "w1", 1.0)
+    assert not c.approximate.holds_any()
+    assert route(c, "b", PROMPT, 60.0).confirmed == {}, "the adapter's announcements say it"
 
 
 def test_with_kv_events_only_the_events_confirm_a_prefix() -> None:

@@ -1,0 +1,69 @@
+"""An engine's prefix cache as its adapter infers it, for engines that publish no KV events.
+
+SGLang publishes KV events only when started with ``--kv-events-config`` (off by default). Its
+adapter still sees every run it hands the engine: the prompt, when its prefill is done (the
+first token), and the tokens the run generated. SGLang caches a prompt's full pages once they
+are prefilled, the output's when the run ends, and evicts the least recently used leaves when
+its pool is full. The shadow does the same on the engine model's own radix cache
+(``engine.prefix_cache``, the simulated engine's), sized to the engine's pool, and hands back
+what changed as the engine model's events. The adapter publishes them as SGLang's own
+(``cache_events.to_wire``), so the index, every router replica, the scheduler and the
+migration planner follow such a worker as they follow any other; the replay feeds them to its
+router the same way.
+
+What it cannot see: requests sent to the engine by anyone else, pages held by running requests
+(so it evicts later than the engine may) and a cache flushed by hand. A block believed cached
+that is not costs a prefill, and lazy verification counts it as any other false hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from thunderagent.engine import CacheEvent
+from thunderagent.engine.prefix_cache import PrefixCache
+from thunderagent.hashing import BlockHasher, kv_namespace
+from thunderagent.sglang import kv_wire
+from thunderagent.sglang.cache_events import Namespace, to_wire
+
+UNKNOWN_BLOCKS = 1 << 40
+"""An engine that does not report its pool (``max_total_num_tokens``): no eviction modelled."""
+
+
+class CacheShadow:
+    """One engine's cache, from the runs it served; keys are chained block hashes."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.cache = PrefixCache(capacity_blocks if capacity_blocks > 0 else UNKNOWN_BLOCKS)
+
+    def cached(
+        self, keys: Sequence[int], token_ids: Sequence[int] | None = None, block_size: int = 0
+    ) -> list[CacheEvent]:
+        """The engine now caches this chain of blocks (a prompt at its first token, a run's
+        prompt and output at its end): stored where new, each touched as most recently used,
+        leaves evicted for room. The events of what changed."""
+        keys = list(keys)
+        tokens = list(token_ids) if token_ids is not None else None
+        inserted = self.cache.insert(keys, None, tokens, block_size=block_size)
+        self.cache.release(keys[:inserted])
+        return self.cache.drain_events()
+
+
+class EngineShadow:
+    """A ``CacheShadow`` of token ids, for an adapter: blocks keyed by the router's own chained
+    hashes in the request's namespace (tenant salt, LoRA adapter), events in SGLang's form."""
+
+    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+        self.shadow = CacheShadow(capacity_blocks)
+        self.block_size = block_size
+        self._shared = BlockHasher(block_size)
+
+    def cached(self, token_ids: Sequence[int], space: Namespace | None) -> list[kv_wire.AnyKvEvent]:
+        """The engine now caches ``token_ids``' full blocks."""
+        hasher = self._shared
+        if space is not None and (space.cache_salt or space.lora_name):  # tenants: unbounded
+            hasher = BlockHasher(self.block_size, kv_namespace(space.cache_salt, space.lora_name))
+        keys = hasher.hash_tokens(token_ids).primary
+        full = token_ids[: len(keys) * self.block_size]
+        events = self.shadow.cached(keys, full, self.block_size)
+        return to_wire(events, self.block_size, lambda key: space)
