@@ -151,6 +151,32 @@ async def test_engines_without_kv_events_have_their_cache_announced_by_their_ada
     assert second.final.predicted_cached_tokens == 12 * PAGE
 
 
+async def test_an_engine_without_events_that_stops_answering_loses_what_was_inferred(
+    nats_server,
+):
+    """Nothing would say an eventless engine restarted with an empty cache: once it stops
+    answering, its adapter withdraws everything it announced, and the routers forget it."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50, kv_events=False)  # fmt: skip
+        client = await routable(nats_server.url, 2)
+        core = stack.services["router"].runtime.core
+        prefix = conversation(5, 8)
+        first = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [7], max_tokens=2)
+        )
+        holder = first.final.worker_id
+        await holder_known(core, prefix, holder)
+        await client.close()
+        await stack.kill_engine(holder)
+        await wait_for(
+            lambda: core.feeder.gpu_index.block_counts().get(holder, 0) == 0,
+            what="the holder's announced blocks withdrawn",
+        )
+        relay = stack.relays[holder]
+        assert relay.mirror.blocks == {}
+
+
 async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_server, redis_server):
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=3, policy="thunder", profile="llama-3.1-8b-h100",
