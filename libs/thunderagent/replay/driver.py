@@ -18,7 +18,8 @@ The replay runs the code that serves, fed what the services are fed:
   accepted and not yet started (``thunderagent.fleet.AcceptedRuns``), translated into the
   router's and the scheduler's views by ``thunderagent.fleet.views``;
 * each engine step's cache events become a ``KvEventBatch`` with the worker's own sequence and
-  go through the same ``IndexFeeder.apply`` the router's index follower calls;
+  go through the same ``IndexFeeder.apply`` the router's index follower calls (engines without
+  KV events: the events of the cache their adapters infer, ``sglang.shadow``);
 * runs follow ``thunderagent.fleet.runs`` (continuations after a preemption carry the generated
   tokens); scheduler actions are carried out by ``actions.py``, PD transfers modelled in ``pd.py``.
 
@@ -103,11 +104,7 @@ class Replay(SchedulerActions):
         if len(self.roles) != n:
             raise ValueError(f"{len(self.roles)} roles for {n} workers")
         self.accepted = [AcceptedRuns() for _ in range(n)]
-        self.shadows: list[CacheShadow] | None = None
-        """Engines without KV events: each one's cache as its adapter infers and announces it
-        (``sglang.shadow``), unless the policy keeps its own record (a peer's approximate mode)."""
-        if not config.kv_events and not self.router.policy.keeps_approximate_cache():
-            self.shadows = [CacheShadow(core.cache.capacity) for core in self.cores]
+        self.shadows = self._shadows()
         for w in range(n):
             self.router.register(self._registration(w), 0.0)
         self.links = TransferLinks(
@@ -150,6 +147,13 @@ class Replay(SchedulerActions):
         self._next_load = 0.0
         self._next_timeline = 0.0
         self._wake = INF
+
+    def _shadows(self) -> list[CacheShadow] | None:
+        """Engines without KV events: each one's cache as its adapter infers and announces it
+        (``sglang.shadow``), unless the policy keeps its own record (a peer's approximate mode)."""
+        if self.cfg.kv_events or self.router.policy.keeps_approximate_cache():
+            return None
+        return [CacheShadow(core.cache.capacity) for core in self.cores]
 
     def _registration(self, w: int) -> WorkerRegistration:
         engine = self.cfg.profile.engine

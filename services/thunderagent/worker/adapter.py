@@ -277,8 +277,8 @@ class WorkerAdapter:
             if config.get("publisher", "null") != "zmq":
                 log.warning("engine publishes no KV events (its kv_events_config has publisher "
                             "%r; start SGLang with --kv-events-config '{\"publisher\": \"zmq\", "
-                            "\"endpoint\": \"tcp://*:5557\"}'): routers will know its cache "
-                            "only from the prompts they send it",
+                            "\"endpoint\": \"tcp://*:5557\"}'): this adapter announces what its "
+                            "runs leave cached instead (evictions under memory pressure unseen)",
                             config.get("publisher", "null"))  # fmt: skip
                 return None
             if not publisher_binds(endpoint, config.get("bind")):
