@@ -285,15 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True)
     p.add_argument("--rate", type=positive, default=50.0, help="requests per second")
     p.add_argument("--duration", type=positive, default=20.0, help="seconds of arrivals")
-    p.add_argument("--workers", type=at_least(1), default=4)
-    p.add_argument(
-        "--dp-size", type=at_least(1), default=1,
-        help="data-parallel ranks per simulated engine (each its own KV cache); compare "
-        "--baseline smg (engine-level routing, SGLang's round robin over the ranks) with "
-        "smg-dp-aware",
-    )  # fmt: skip
-    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument("--speedup", type=positive, default=20.0, help="simulated engines' clock speed")
+    _fleet_arguments(p)
     p.add_argument(
         "--tokens-per-block",
         type=int,
@@ -304,11 +296,6 @@ def _parser() -> argparse.ArgumentParser:
         "--max-output", type=at_least(1), default=16, help="cap on output tokens per request"
     )
     p.add_argument("--policy", default="thunder")
-    p.add_argument(
-        "--kv-events", choices=["on", "off"], default="on",
-        help="off: the engines publish no KV events (SGLang's default); our adapters announce "
-        "what each run leaves cached (the HTTP baselines keep their own trees either way)",
-    )  # fmt: skip
     p.add_argument(
         "--via",
         choices=ENTRY_POINTS,
@@ -331,6 +318,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p
+
+
+def _fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """The simulated engines ours and the baselines route to."""
+    p.add_argument("--workers", type=at_least(1), default=4)
+    p.add_argument(
+        "--dp-size", type=at_least(1), default=1,
+        help="data-parallel ranks per simulated engine (each its own KV cache); compare "
+        "--baseline smg (engine-level routing, SGLang's round robin over the ranks) with "
+        "smg-dp-aware",
+    )  # fmt: skip
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
+    p.add_argument("--speedup", type=positive, default=20.0, help="simulated engines' clock speed")
+    p.add_argument(
+        "--kv-events", choices=["on", "off"], default="on",
+        help="off: the engines publish no KV events (SGLang's default); our adapters announce "
+        "what each run leaves cached (the HTTP baselines keep their own trees either way)",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

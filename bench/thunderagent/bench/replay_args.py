@@ -115,6 +115,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
+    _kv_events_arguments(p)
+    _override_arguments(p)
+    migration_cli.add_arguments(p)
+    return _checked(p.parse_args(argv), p)
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=output_file, default=None, help="JSON results file")
+    p.add_argument("--report", type=output_file, default=None, help="markdown report file")
+    p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _kv_events_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-events", choices=("on", "off"), default="on",
         help="off: the engines publish no KV events (SGLang without --kv-events-config): "
@@ -126,16 +140,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --kv-events off: s dynamo_kv counts a prefilled prompt as cached on its "
         f"worker (default: {APPROXIMATE_TTL_S:g}, Dynamo's router_ttl_secs)",
     )  # fmt: skip
-    _override_arguments(p)
-    migration_cli.add_arguments(p)
-    return _checked(p.parse_args(argv), p)
-
-
-def _output_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", type=output_file, default=None, help="JSON results file")
-    p.add_argument("--report", type=output_file, default=None, help="markdown report file")
-    p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _override_arguments(p: argparse.ArgumentParser) -> None:

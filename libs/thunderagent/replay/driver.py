@@ -416,11 +416,7 @@ class Replay(SchedulerActions):
             if math.isnan(rec.first_token) and not late:
                 rec.first_token = t
             if phase != "decode":  # each run starts once (continuations too)
-                self.router.on_started(run_id, worker_id, t)
-                self.scheduler.on_started(run_id, worker_id, t)
-                if self.shadows is not None:  # its adapter announces the prompt cached
-                    keys = self.keys[run_id].primary[: rec.prompt_tokens // self.block_size]
-                    self._announce(w, self.shadows[w].cached(keys), t)
+                self._started(rec, w, t)
         for fin in outcome.finished:
             rec = records.get(fin.request_id)
             if rec is None or rec.worker != w or rec.status != "running":
@@ -443,6 +439,16 @@ class Replay(SchedulerActions):
             self._completed(rec, worker_id, t)
         if self.links.awaiting_room(worker_id):  # SGLang's PD: room freed for a reservation?
             self._preallocate(w, t)
+
+    def _started(self, rec: Record, w: int, t: float) -> None:
+        """The run's first token, as its adapter reports it (and, for an engine without KV
+        events, announces its prompt cached)."""
+        rid, worker_id = rec.request_id, self.ids[w]
+        self.router.on_started(rid, worker_id, t)
+        self.scheduler.on_started(rid, worker_id, t)
+        if self.shadows is not None:
+            keys = self.keys[rid].primary[: rec.prompt_tokens // self.block_size]
+            self._announce(w, self.shadows[w].cached(keys), t)
 
     def _completed(self, rec: Record, worker_id: str, t: float) -> None:
         self.links.forget(rec.request_id)

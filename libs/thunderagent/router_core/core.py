@@ -139,7 +139,7 @@ class RouterCore:
     def on_registered(self, worker_id: str) -> None:
         """The fleet has a new registration of ``worker_id`` (the router service's fleet watch
         fills the registry itself and calls this)."""
-        if not self._eventless(worker_id):  # its events say it all from now
+        if self._approximates and not self._eventless(worker_id):  # its events say it all now
             self.approximate.forget(worker_id)
 
     def _eventless(self, worker_id: str) -> bool:
@@ -340,10 +340,8 @@ class RouterCore:
         in-flight overlay still learns where its prefix now lives."""
         if request_id in self._routed:
             self.on_dispatched(request_id, worker_id, now)
-        if cached_tokens is not None:  # completed: its prompt was prefilled, start seen or not
-            self._prefilled(request_id, worker_id, now)
-        else:
-            self._prefilling.pop(request_id, None)
+        # completed (``cached_tokens`` given): its prompt was prefilled, start seen or not
+        self._prefilled(request_id, worker_id, now, done=cached_tokens is not None)
         state = self.fleet.get(worker_id)
         if state is not None:
             state.unassign(request_id)
@@ -360,11 +358,12 @@ class RouterCore:
         self.window.hit_tokens += min(verdict.actual_tokens, verdict.predicted_tokens)
         return verdict
 
-    def _prefilled(self, request_id: str, worker_id: str, now: float) -> None:
-        """An eventless worker has prefilled the run's prompt: the blocks SGLang would have
-        announced now enter the approximate index (or have their TTL renewed)."""
+    def _prefilled(self, request_id: str, worker_id: str, now: float, done: bool = True) -> None:
+        """An eventless worker has prefilled the run's prompt (``done``; False: the run ended
+        before): the blocks SGLang would have announced enter the approximate index (or have
+        their TTL renewed)."""
         sent = self._prefilling.pop(request_id, None)
-        if sent is not None and sent[0] == worker_id and self._eventless(worker_id):
+        if done and sent is not None and sent[0] == worker_id and self._eventless(worker_id):
             hashes = sent[1]
             self.approximate.record(worker_id, hashes.primary, hashes.check, now)
 

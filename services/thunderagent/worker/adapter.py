@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -42,8 +42,6 @@ from thunderagent.sglang.load import (
     parse_v1_loads,
     v1_loads_max_running,
 )
-from thunderagent.sglang.mirror import KvNamespace
-from thunderagent.sglang.shadow import EngineShadow
 from thunderagent.sglang.zmq_publisher import offset_endpoint_port, publisher_binds
 from thunderagent.shell.fleet import workers_bucket
 from thunderagent.tokenizer import BYTES_SPEC
@@ -51,6 +49,7 @@ from thunderagent.worker.engine_client import EngineClient, EngineError
 from thunderagent.worker.engine_info import connectable, context_length, vocab_size
 from thunderagent.worker.generation import Generation
 from thunderagent.worker.id_lease import IdLease
+from thunderagent.worker.inferred_cache import InferredCache
 from thunderagent.worker.kv_relay import KvRelay
 from thunderagent.worker.metrics import adapter_metrics
 from thunderagent.worker.migration import WorkerMigration
@@ -111,7 +110,7 @@ class WorkerAdapter:
         self._health_changed = asyncio.Event()
         self.registration: WorkerRegistration | None = None
         self.relay: KvRelay | None = None
-        self.shadow: EngineShadow | None = None
+        self.inferred: InferredCache | None = None
         """The engine's cache as inferred from its runs, when it publishes no KV events."""
         self.running: dict[str, Generation] = {}
         self.migration: WorkerMigration | None = None
@@ -226,13 +225,14 @@ class WorkerAdapter:
         events = await self._kv_event_source()
         if events is None:  # announce what the runs here leave cached instead (an inference)
             self.registration = msgspec.structs.replace(self.registration, kv_events=False)
-            reg = self.registration
-            self.shadow = EngineShadow(reg.kv_capacity_blocks, reg.block_size)
+        reg = self.registration
         self.lease = IdLease(await workers_bucket(self.bus), self.registration)
         await self.lease.claim(stop)  # before taking any of the id's messages
         await self._subscribe()
-        relay = self.relay = KvRelay(self.bus, self.config.worker_id, self.registration.block_size)
+        relay = self.relay = KvRelay(self.bus, self.config.worker_id, reg.block_size)
         await relay.start()
+        if events is None:
+            self.inferred = InferredCache(relay, reg.kv_capacity_blocks, reg.block_size)
         migration = WorkerMigration(self.config.worker_id, self.bus, self.engine,
                                     lambda: self.relay and self.relay.mirror,
                                     self.registration.block_size)  # fmt: skip
@@ -314,7 +314,8 @@ class WorkerAdapter:
                     log.warning("%s: engine not answering: leaving the fleet", self.lease.key)
                     await self._hand_back_runs("the engine stopped answering")
                     await self.lease.withdraw()
-                    await self._forget_inferred_cache()
+                    if self.inferred is not None:
+                        await self.inferred.forget()
                 registered = healthy
             except Exception as err:  # NATS away: the traceback once, then one line
                 renewal_failures += 1
@@ -325,24 +326,6 @@ class WorkerAdapter:
                 renewal_failures = 0
             self._health_changed.clear()
             await wait_any(stop, self._health_changed, self.config.lease_s / 3)
-
-    async def _forget_inferred_cache(self) -> None:
-        """An engine without KV events that stopped answering may come back restarted, its
-        cache empty: nothing would say so, so what was inferred of it goes now."""
-        if self.shadow is not None and self.relay is not None:
-            reg = self.registration
-            assert reg is not None
-            self.shadow = EngineShadow(reg.kv_capacity_blocks, reg.block_size)
-            await self.relay.engine_restarted("engine stopped answering (it publishes no events)")
-
-    async def _announce(self, token_ids: Sequence[int], work: WorkerGenerate) -> None:
-        """A run's engine now caches ``token_ids`` (an engine without KV events): the blocks
-        the shadow infers go out as the engine's own events would."""
-        if self.shadow is None or self.relay is None:
-            return
-        req = work.request
-        space = KvNamespace(req.cache_salt, req.lora_name)
-        await self.relay.announce(self.shadow.cached(token_ids, space))
 
     async def _load_loop(self, stop: asyncio.Event) -> None:
         subject = subjects.worker_load(self.config.worker_id)
@@ -446,7 +429,7 @@ class WorkerAdapter:
             work, self.config.worker_id, self.bus, self.engine, self.runs,
             max_request_s=self.config.max_request_s,
             prepare=self.migration.before_run if self.migration is not None else None,
-            cached=self._announce if self.shadow is not None else None,
+            cached=self.inferred.cached if self.inferred is not None else None,
         )  # fmt: skip
         # booked before the ack's await: an abort handled meanwhile finds the run and stops it
         self.running[rid] = generation
