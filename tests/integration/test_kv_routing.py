@@ -109,6 +109,29 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
     assert second.final.predicted_cached_tokens == 12 * PAGE
 
 
+async def test_llm_d_sends_a_shared_prefix_where_its_own_record_of_picks_says(nats_server):
+    """The llm-d peer, as it ships (its direct dispatch), in the running router: it reads no
+    index, only the blocks it recorded at each pick, and the second request finds its prefix
+    cached on the worker the first went to."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=3, policy="llm_d", scheduler="direct",
+                               profile="llama-3.1-8b-h100", speedup=50)  # fmt: skip
+        client = await routable(nats_server.url, 3)
+        prefix = conversation(2, 12)
+        first = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [9, 9], max_tokens=4)
+        )
+        policy = stack.services["router"].runtime.core.policy
+        recorded = BlockHasher(PAGE).hash_tokens(prefix).primary
+        assert set(recorded) <= set(policy._lrus[first.final.worker_id])
+        second = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)
+        )
+        await client.close()
+    assert second.final.worker_id == first.final.worker_id
+    assert second.final.usage.cached_tokens == 12 * PAGE
+
+
 async def test_engines_without_kv_events_have_their_cache_announced_by_their_adapters(
     nats_server,
 ):

@@ -33,10 +33,14 @@ from pathlib import Path
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench import replay_spread
 from thunderagent.bench.jsonfile import write_json
-from thunderagent.bench.replay_args import loads_seen_every, parse_args, scheduler_for
+from thunderagent.bench.replay_args import (
+    loads_seen_every,
+    parse_args,
+    report_interval,
+    scheduler_for,
+)
 from thunderagent.bench.replay_plots import write_plots
 from thunderagent.engine import TimingModel, get_profile
-from thunderagent.fleet import LOAD_REPORT_INTERVAL_S
 from thunderagent.replay import (
     Replay,
     ReplayConfig,
@@ -146,7 +150,7 @@ def _config(args: argparse.Namespace, profile, policy: str, seed: int) -> Replay
         policy_params=args.params.get(policy, {}),
         scheduler=scheduler_for(policy, args.scheduler),
         seed=seed,
-        load_interval=args.load_interval or LOAD_REPORT_INTERVAL_S,
+        load_interval=report_interval(policy, args.params.get(policy, {}), args.load_interval),
         index_ttl=args.index_ttl,
         kv_events=args.kv_events == "on",
         approximate_ttl=args.approximate_ttl,

@@ -109,9 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=positive,
         default=None,
         help="virtual s between the engines' load reports (default: "
-        f"{LOAD_REPORT_INTERVAL_S:g} s, the worker adapter's). A policy that polls loads on its "
-        "own schedule reads one report per poll: smg_cache_aware every 10 s, SMG's "
-        "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every one)",
+        f"{LOAD_REPORT_INTERVAL_S:g} s, the worker adapter's). A peer that polls the engines on "
+        "its own schedule reads one load per poll: smg_cache_aware every 10 s, SMG's "
+        "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every "
+        "report), llm_d every 0.05 s, llm-d's metrics scrape",
     )
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
@@ -204,8 +205,16 @@ def scheduler_for(policy: str, override: str | None) -> str:
 
 def loads_seen_every(policy: str, params: dict, reports_s: float | None) -> float:
     """Virtual seconds between the engine loads ``policy`` reads: the adapters' reports
-    (``reports_s``, default the live beat), or its own poll where it polls less often (SMG's
-    ``--load-monitor-interval``; the router core takes one report per poll, live and in the
-    replay alike)."""
+    (``reports_s``, default the live beat), or a peer's own poll of the engines, which does
+    not wait for our adapters (SMG's ``--load-monitor-interval``, 10 s; llm-d's metrics
+    scrape, 50 ms; the router core takes one report per poll, live and in the replay alike)."""
     reports = LOAD_REPORT_INTERVAL_S if reports_s is None else reports_s
-    return max(reports, POLICIES.create(policy, **params).load_poll_s())
+    poll = POLICIES.create(policy, **params).load_poll_s()
+    return poll if poll > 0 else reports
+
+
+def report_interval(policy: str, params: dict, reports_s: float | None) -> float:
+    """Virtual seconds between the load reports a replay of ``policy`` builds: the adapters'
+    beat, or more often for a peer that scrapes the engines more often than that."""
+    reports = LOAD_REPORT_INTERVAL_S if reports_s is None else reports_s
+    return min(reports, loads_seen_every(policy, params, reports_s))

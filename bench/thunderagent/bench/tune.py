@@ -29,7 +29,7 @@ from pathlib import Path
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay import default_slo_ms
-from thunderagent.bench.replay_args import scheduler_for
+from thunderagent.bench.replay_args import report_interval, scheduler_for
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import Replay, ReplayConfig, TraceError, load_trace
@@ -38,7 +38,7 @@ from thunderagent.routing import POLICIES
 from thunderagent.scheduling import SCHEDULERS
 from thunderagent.shell.argtypes import at_least, name_list, output_file, positive_list
 
-PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "least_loaded")
+PEERS = ("dynamo_kv", "sglang_cache_aware", "smg_cache_aware", "llm_d", "least_loaded")
 
 
 def _values(text: str) -> tuple[str, str, list[float]]:
@@ -104,6 +104,7 @@ def run_one(
     cfg = ReplayConfig(
         profile=profile, policy=policy, policy_params=params, workers=workers,
         scheduler=scheduler_for(policy, None), scheduler_params=sched or {},
+        load_interval=report_interval(policy, params, None),
     )  # fmt: skip
     started = time.perf_counter()
     result = Replay(cfg, profile.engine.block_size).run(trace, speed)

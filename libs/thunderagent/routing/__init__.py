@@ -6,6 +6,7 @@ Importing the package registers every built-in policy in ``POLICIES``.
 from thunderagent.routing import (  # noqa: F401  (each module registers its policy)
     dynamo_kv,
     least_loaded,
+    llm_d,
     round_robin,
     sglang_cache_aware,
     smg_cache_aware,

@@ -417,7 +417,7 @@ def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: P
     the replay gave ThunderAgent 0.1 s while its live adapter reports every 0.2 s. The poll is
     SMG's own setting (a policy parameter the router core applies), not the reports' interval."""
     from thunderagent.bench.replay import main
-    from thunderagent.bench.replay_args import loads_seen_every
+    from thunderagent.bench.replay_args import loads_seen_every, report_interval
     from thunderagent.worker.adapter import AdapterConfig
 
     # ThunderAgent and the peers that read its reports get them at the live adapter's beat.
@@ -428,6 +428,11 @@ def test_each_policy_sees_load_reports_as_it_ships_unless_overridden(tmp_path: P
     assert loads_seen_every("smg_cache_aware", {}, None) == 10.0
     assert loads_seen_every("smg_cache_aware", {}, 0.5) == 10.0
     assert loads_seen_every("smg_cache_aware", {"load_monitor_interval_s": 0}, 0.5) == 0.5
+    # llm-d scrapes each engine every 50 ms itself: its replay builds reports that often
+    assert loads_seen_every("llm_d", {}, None) == report_interval("llm_d", {}, None) == 0.05
+    assert report_interval("llm_d", {}, 0.01) == 0.01  # a finer beat asked for: every report
+    assert report_interval("smg_cache_aware", {}, None) == adapter_beat  # the core skips the rest
+    assert report_interval("thunder", {}, 0.5) == 0.5
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": 10 * i, "input_length": 9, "output_length": 3, "hash_ids": [0, i]}
             for i in range(20)]  # fmt: skip

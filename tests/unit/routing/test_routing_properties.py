@@ -19,6 +19,7 @@ NAMES = [
     "dynamo_kv",
     "thunder",
     "least_loaded",
+    "llm_d",
 ]
 PARAMS = {
     "round_robin": [{}],
@@ -27,6 +28,11 @@ PARAMS = {
     "dynamo_kv": [{}, {"temperature": 0.7}],
     "thunder": [{}, {"temperature": 0.3}],
     "least_loaded": [{}],
+    "llm_d": [
+        {},
+        {"prefix": "precise"},
+        {"lru_capacity_blocks": 3, "max_prefix_blocks_to_match": 2},
+    ],
 }
 
 worker = st.builds(
