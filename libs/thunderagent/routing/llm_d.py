@@ -31,6 +31,7 @@ from thunderagent.schemas import Candidate
 
 _P = "llm_d"
 PREFIX_MODES = ("approximate", "precise")
+PRECISE_SCORES = ("min_max", "share")
 
 
 @POLICIES.register("llm_d")
@@ -62,6 +63,10 @@ class LlmD(PolicyHooks):
     """``--refresh-metrics-interval`` (50 ms): how often it scrapes each engine's queue and KV."""
     host_weight: float = 0.8
     """``precise`` only: a block found in host memory counts 0.8 of one on the GPU."""
+    precise_score: str = "min_max"
+    """``precise`` only: ``min_max`` over the endpoints with a hit (v0.7.0-v0.8.0, the images
+    the guides run), or ``share``, the hit over the prompt's blocks (the scheduler's main
+    branch since May 2026)."""
 
     _lrus: dict[str, OrderedDict[int, None]] = field(default_factory=dict, init=False, repr=False)
     """endpoint -> the prompt blocks recorded there, least recently recorded first."""
@@ -73,6 +78,9 @@ class LlmD(PolicyHooks):
             finite_at_least(_P, name, getattr(self, name), 0.0)
         modes = f"must be one of {', '.join(PREFIX_MODES)}"
         require(_P, "prefix", self.prefix, self.prefix in PREFIX_MODES, modes)
+        scores = f"must be one of {', '.join(PRECISE_SCORES)}"
+        ok = self.precise_score in PRECISE_SCORES
+        require(_P, "precise_score", self.precise_score, ok, scores)
         counts = (("block_size_tokens", 1), ("max_prefix_blocks_to_match", 1),
                   ("lru_capacity_blocks", 0))  # fmt: skip
         for name, low in counts:
@@ -159,7 +167,10 @@ class LlmD(PolicyHooks):
         if self.prefix == "approximate":
             blocks = len(self.window(query))
             return {wid: n / blocks for wid, n in matched.items()} if blocks else {}
-        # v0.7.0's precise scorer: min-max over the endpoints with a hit, all equal -> 1
+        if self.precise_score == "share":
+            blocks = len(query.block_hashes)
+            return {wid: min(n / blocks, 1.0) for wid, n in matched.items()} if blocks else {}
+        # v0.7.0-v0.8.0: min-max over the endpoints with a hit, all equal -> 1
         if not matched:
             return {}
         lo, hi = min(matched.values()), max(matched.values())

@@ -131,6 +131,9 @@ def test_precise_scores_min_max_over_endpoints_with_a_hit() -> None:
     assert same == pytest.approx({"a": 3.0, "b": 3.0, "c": 0.0})
     p.on_dispatched(query, "a")
     assert p._lrus == {}  # the precise scorer keeps no record of its own
+    share = policy(prefix="precise", precise_score="share", queue_weight=0, kv_cache_weight=0)
+    got = scores(share, query, [idle("a"), idle("b"), idle("c"), idle("d")])
+    assert got == pytest.approx({"a": 3.0, "b": 3 * 0.5, "c": 3 * 2.6 / 4, "d": 0.0})
 
 
 @pytest.mark.parametrize(
@@ -141,6 +144,7 @@ def test_precise_scores_min_max_over_endpoints_with_a_hit() -> None:
         {"block_size_tokens": 0},
         {"max_prefix_blocks_to_match": 1.5},
         {"lru_capacity_blocks": -1},
+        {"precise_score": "max"},
     ],
 )
 def test_bad_parameters_are_refused(params: dict) -> None:
