@@ -163,7 +163,7 @@ async def test_engines_without_kv_events_have_their_cache_announced_by_their_ada
             what="the prompt and its answer announced as cached",
         )
         await asyncio.sleep(0.5)  # past the overlay's TTL
-        overlay = core.inflight.merge({}, *core.hash_tokens(prefix, PAGE), time.time())
+        overlay = core.inflight.matches(*core.hash_tokens(prefix, PAGE), time.time())
         assert overlay == {}, "the overlay has forgotten the first request"
         second = await client.generate(
             GenerateRequest(model=MODEL, token_ids=prefix + [8, 8, 8], max_tokens=4)

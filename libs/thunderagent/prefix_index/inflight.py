@@ -49,12 +49,10 @@ class InflightPrefixes:
         last = self.index.worker_seq(worker)
         return 0 if last is None else last + 1
 
-    def merge(
-        self, confirmed: dict[str, int], primary: Sequence[int], check: Sequence[int], now: float
-    ) -> dict[str, int]:
-        """Per worker, the longer of the confirmed and the in-flight match."""
+    def matches(self, primary: Sequence[int], check: Sequence[int], now: float) -> dict[str, int]:
+        """Per worker, the prompt's prefix in flight there."""
         self.index.expire(now)
-        return longer_matches(confirmed, self.index.overlap(primary, check))
+        return self.index.overlap(primary, check)
 
     def forget(self, worker: str) -> None:
         self.index.remove_worker(worker)

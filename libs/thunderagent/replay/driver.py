@@ -333,8 +333,8 @@ class Replay(SchedulerActions):
         )
         assert routed is not None  # every replayed worker serves MODEL
         usable = (rec.prompt_tokens - 1) // bs
-        rec.best_overlap_tokens = min(max(routed.query.overlaps.values(), default=0), usable) * bs
-        self.route_overlaps[rid] = dict(routed.query.overlaps)
+        rec.best_overlap_tokens = min(max(routed.expected.values(), default=0), usable) * bs
+        self.route_overlaps[rid] = dict(routed.expected)
         self.decisions[rid] = routed.decision
         if self.migration is not None:
             self.migration.routed(rid, routed.decision, t)

@@ -32,13 +32,19 @@ from thunderagent.fleet import WorkerRegistry, WorkerState, worker_view
 from thunderagent.hashing import BlockHasher, BlockHashes, kv_namespace
 from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
-from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes
+from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes, longer_matches
 from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S, PrefilledPrefixes
 from thunderagent.router_core.verification import Dispatch, Verdict, Verifier
 from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.routing.cost import RunningMean
 from thunderagent.scheduling.credits import may_dispatch_directly
-from thunderagent.schemas import KvEventBatch, LoadReport, RouteDecision, WorkerRegistration
+from thunderagent.schemas import (
+    Candidate,
+    KvEventBatch,
+    LoadReport,
+    RouteDecision,
+    WorkerRegistration,
+)
 
 
 @dataclass(kw_only=True)
@@ -75,8 +81,11 @@ class Routed:
     hashes: BlockHashes
     model: str
     confirmed: dict[str, int]
-    """Per worker, the prefix its engine has reported holding (the overlaps in ``query`` add
-    the in-flight overlay: prompts dispatched moments ago)."""
+    """Per worker, the prefix its engine has reported holding."""
+    expected: dict[str, int]
+    """Per worker, the prefix the router expects its engine to find: ``confirmed`` plus the
+    in-flight overlay (prompts dispatched moments ago). What the run's predicted hit and the
+    worker's pending prefill are booked from, whatever the policy was shown (``query``)."""
 
     def may_dispatch_directly(self, deadline: float | None, program_id: str | None) -> bool:
         """Whether the first candidate may take it on the router's credit (``credits.py``)."""
@@ -85,8 +94,14 @@ class Routed:
             deadline=deadline,
             program_id=program_id,
             confirmed_blocks=self.confirmed.get(first, 0),
-            predicted_blocks=self.query.overlaps.get(first, 0),
+            predicted_blocks=self.expected.get(first, 0),
         )
+
+
+def _expecting(candidate: Candidate, expected: dict[str, int]) -> Candidate:
+    """``candidate`` with the prefix the router expects its worker to hold."""
+    blocks = expected.get(candidate.worker_id, 0)
+    return Candidate(worker_id=candidate.worker_id, score=candidate.score, overlap_blocks=blocks)
 
 
 @dataclass(slots=True)
@@ -118,6 +133,7 @@ class RouterCore:
         """Runs dispatched to an eventless worker, until their first token."""
         self.policy = POLICIES.create(p.policy, **p.policy_params)
         self._approximates = self.policy.keeps_approximate_cache()
+        self._overlay = self.policy.reads_dispatch_overlay()
         # a peer that polls engine load (SMG, every 10 s) sees it as it would, live and replayed
         self.fleet = WorkerRegistry(load_poll_s=self.policy.load_poll_s())
         self.rng = random.Random(p.seed)
@@ -212,21 +228,25 @@ class RouterCore:
             return None
         started = self.timer() if self.timer is not None else 0.0
         serving = {s.worker_id for s in states}
-        gpu, any_tier, confirmed = self._overlaps(hashes, now)
+        confirmed, flying = self._overlaps(hashes, now)
+        expected = longer_matches(confirmed, flying)
+        seen = expected if self._overlay else longer_matches(confirmed, self._recorded(flying))
         query = RouteQuery(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             block_size=block_size,
             block_hashes=hashes.primary,
-            overlaps={w: n for w, n in gpu.items() if w in serving},
-            host_overlaps={w: n for w, n in any_tier.items() if w in serving},
+            overlaps={w: n for w, n in seen.items() if w in serving},
+            host_overlaps={w: n for w, n in self._any_tier(hashes, seen).items() if w in serving},
             expected_output_tokens=expected_output_tokens,
             priority=priority,
             now=now,
         )
         ranked = self.policy.rank(query, self._views(states), self.rng)
+        if not self._overlay:  # what the router expects, whatever the policy was shown
+            ranked = [_expecting(c, expected) for c in ranked]
         best = ranked[0].worker_id
-        overlap = query.overlaps.get(best, 0)
+        overlap = expected.get(best, 0)
         decision = RouteDecision(
             request_id=request_id,
             model=model,
@@ -240,7 +260,7 @@ class RouterCore:
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
             lora_name=lora_name,
         )
-        routed = Routed(decision, query, hashes, model, confirmed)
+        routed = Routed(decision, query, hashes, model, confirmed, expected)
         self._remember(routed)
         return routed
 
@@ -258,24 +278,34 @@ class RouterCore:
         if len(self._routed) > self.params.verify_capacity:
             self._routed.popitem(last=False)
 
-    def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict, dict]:
-        """(GPU-resident prefix, prefix including the host tier) per worker, each merged with
-        what this replica has in flight (assumed to land on the GPU), and the GPU prefix the
-        engines have confirmed."""
+    def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict]:
+        """(The GPU prefix the engines have confirmed, or this router recorded for an
+        eventless worker when its policy keeps such a record; the prefix of the prompts this
+        replica has in flight there, assumed to land on the GPU), per worker."""
         primary, check = hashes
         if not primary:
-            return {}, {}, {}
-        feeder = self.feeder
-        confirmed = feeder.gpu_index.overlap(primary, check)
+            return {}, {}
+        confirmed = self.feeder.gpu_index.overlap(primary, check)
         if self.approximate.holds_any():  # all a router knows of an eventless worker's cache
             confirmed = self.approximate.merge(confirmed, primary, check, now)
-        gpu = self.inflight.merge(confirmed, primary, check, now)
-        if feeder.gpu is None:
-            return gpu, gpu, confirmed
-        any_tier = dict(feeder.index.overlap(primary, check))
+        return confirmed, self.inflight.matches(primary, check, now)
+
+    def _recorded(self, flying: dict[str, int]) -> dict[str, int]:
+        """For a policy shown no in-flight overlay: the part of it that stands in for its own
+        record of where it routed, on eventless workers (Dynamo's approximate mode counts a
+        prompt from its routing; the record here starts at its first token)."""
+        if not self._approximates or not flying:
+            return {}
+        return {w: n for w, n in flying.items() if self._eventless(w)}
+
+    def _any_tier(self, hashes: BlockHashes, gpu: dict[str, int]) -> dict[str, int]:
+        """Per worker, the prefix cached in any tier: at least its GPU prefix ``gpu``."""
+        if self.feeder.gpu is None or not hashes.primary:
+            return gpu
+        any_tier = dict(self.feeder.index.overlap(hashes.primary, hashes.check))
         for worker, blocks in gpu.items():
             any_tier[worker] = max(any_tier.get(worker, 0), blocks)
-        return gpu, any_tier, confirmed
+        return any_tier
 
     # ---- what happened to it -------------------------------------------------------------
 
@@ -294,7 +324,7 @@ class RouterCore:
                 if len(self._prefilling) > self.params.verify_capacity:
                     self._prefilling.popitem(last=False)
         usable = max(0, (query.prompt_tokens - 1) // query.block_size)
-        predicted = min(query.overlaps.get(worker_id, 0), usable)
+        predicted = min(routed.expected.get(worker_id, 0), usable)
         state = self.fleet.get(worker_id)
         if state is not None:
             uncached = query.prompt_tokens - predicted * query.block_size

@@ -75,6 +75,10 @@ class DynamoKv(PolicyHooks):
     expiry_s: float = 3600.0
     """``EXPIRY_DURATION`` (lib/kv-router/src/sequences/single.rs, 3600 s): a booking this old is
     freed even if its completion never arrived."""
+    predict_on_route: bool = False
+    """``router_predicted_ttl_secs`` set (1.6.1 default None, off): a routed request's blocks
+    count as cached on its worker before its KV events arrive, here through the router's
+    in-flight overlay and its TTL (``inflight_ttl_s``, 30 s) in place of that setting's."""
     overlap_score_weight: float | None = None
     """Deprecated 1.6.1 alias of ``prefill_load_scale`` (wins when set; 0 also zeroes
     ``overlap_score_credit``), accepted so older configurations keep their meaning."""
@@ -99,7 +103,7 @@ class DynamoKv(PolicyHooks):
         in_unit_interval(_P, "host_cache_hit_weight", self.host_cache_hit_weight)
         finite_at_least(_P, "temperature", self.temperature, 0.0)
         finite_at_least(_P, "decode_active_request_weight", self.decode_active_request_weight, 0)
-        for flag in ("assume_kv_reuse", "track_prefill_tokens"):
+        for flag in ("assume_kv_reuse", "track_prefill_tokens", "predict_on_route"):
             value = getattr(self, flag)
             require(_P, flag, value, isinstance(value, bool), "must be true or false")
         finite_positive(_P, "expiry_s", self.expiry_s)
@@ -111,6 +115,9 @@ class DynamoKv(PolicyHooks):
         """``use_kv_events=false``: Dynamo's router records each request's blocks where it
         routed them, kept ``router_ttl_secs`` (``router_approximate_cache_policy="ttl"``)."""
         return True
+
+    def reads_dispatch_overlay(self) -> bool:
+        return self.predict_on_route
 
     def active_blocks(self, worker_id: str) -> int:
         if self.assume_kv_reuse:

@@ -127,6 +127,14 @@ class RoutingPolicy(Protocol):
         place (``thunderagent.sglang.shadow``), for every router replica alike."""
         ...
 
+    def reads_dispatch_overlay(self) -> bool:
+        """Whether ``RouteQuery.overlaps`` include the router's in-flight overlay: the prompts
+        it dispatched in the last ``inflight_ttl_s``, credited before their KV events arrive
+        (``thunderagent.prefix_index.inflight``). ThunderAgent's design; a peer reads it only
+        where its upstream predicts on route (Dynamo's ``router_predicted_ttl_secs``, off by
+        default). Without it a policy sees the engines' confirmed prefixes only."""
+        ...
+
 
 @dataclass
 class PolicyHooks:
@@ -148,6 +156,9 @@ class PolicyHooks:
         return 0.0
 
     def keeps_approximate_cache(self) -> bool:
+        return False
+
+    def reads_dispatch_overlay(self) -> bool:
         return False
 
 

@@ -283,6 +283,10 @@ class Thunder(PolicyHooks):
         cached = min(query.overlaps.get(worker_id, 0), query.prompt_blocks) * query.block_size
         self._uncached.add(max(0, query.prompt_tokens - cached))
 
+    def reads_dispatch_overlay(self) -> bool:
+        """Prompts this router just dispatched count as cached where they went (ours)."""
+        return True
+
     def observe(self, feedback: RoutingFeedback) -> None:
         """Online tuning (docs/features.md, point 4): one bounded step of ``load_scale`` per
         window."""

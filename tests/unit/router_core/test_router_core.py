@@ -57,6 +57,32 @@ def test_bookings_follow_the_worker_that_got_the_request() -> None:
     assert c.fleet.get(other).assigned_prefill_since_report == len(PROMPT)
 
 
+def test_only_a_policy_that_predicts_on_route_is_shown_the_overlay() -> None:
+    """ThunderAgent's overlay of prompts just dispatched is its own design: Dynamo 1.6.1 adds a
+    routed request's blocks before their events only with ``router_predicted_ttl_secs`` set
+    (off by default), llm-d's precise scorer only with speculative indexing. Such a peer sees
+    the engines' confirmed prefixes; what the router books and tells the workers and the
+    scheduler (the decision's candidates) still counts the overlay."""
+    for policy, params, shown in [("thunder", {}, True), ("dynamo_kv", {}, False),
+                                  ("dynamo_kv", {"predict_on_route": True}, True),
+                                  ("llm_d", {"prefix": "precise"}, False)]:  # fmt: skip
+        c = core(policy=policy, policy_params=params)
+        route(c, "a", PROMPT)
+        c.on_dispatched("a", "w1", 1.0)
+        again = route(c, "b", PROMPT)
+        assert again.query.overlaps == ({"w1": 8} if shown else {}), (policy, params)
+        assert again.expected == {"w1": 8} and again.confirmed == {}
+        assert {x.worker_id: x.overlap_blocks for x in again.decision.candidates} == {
+            "w0": 0,
+            "w1": 8,
+        }
+        c.on_dispatched("b", again.decision.worker_id, 1.1)
+        booked = c.fleet.get(again.decision.worker_id).assigned_prefill_since_report
+        assert booked == (
+            len(PROMPT) if again.decision.worker_id == "w0" else 2 * len(PROMPT) - 8 * BS
+        )
+
+
 def test_a_run_that_ends_before_its_dispatch_notice_is_still_booked() -> None:
     """An instant engine: the run's end overtakes the scheduler's notice. Its prefix still
     lands in the overlay, and its work stops counting as queued on the worker."""

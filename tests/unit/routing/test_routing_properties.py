@@ -25,7 +25,7 @@ PARAMS = {
     "round_robin": [{}],
     "sglang_cache_aware": [{}, {"max_tree_tokens": 64, "balance_abs_threshold": 2}],
     "smg_cache_aware": [{}, {"index": "events", "booking_ttl_s": 1.0, "overlap_decay": 1.0}],
-    "dynamo_kv": [{}, {"temperature": 0.7}],
+    "dynamo_kv": [{}, {"temperature": 0.7}, {"predict_on_route": True}],
     "thunder": [{}, {"temperature": 0.3}],
     "least_loaded": [{}],
     "llm_d": [
