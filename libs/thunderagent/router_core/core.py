@@ -245,24 +245,38 @@ class RouterCore:
         ranked = self.policy.rank(query, self._views(states), self.rng)
         if not self._overlay:  # what the router expects, whatever the policy was shown
             ranked = [_expecting(c, expected) for c in ranked]
+        decision = self._decision(query, model, hashes, ranked, expected, started, lora_name)
+        routed = Routed(decision, query, hashes, model, confirmed, expected)
+        self._remember(routed)
+        return routed
+
+    def _decision(
+        self,
+        query: RouteQuery,
+        model: str,
+        hashes: BlockHashes,
+        ranked: list[Candidate],
+        expected: dict[str, int],
+        started: float,
+        lora_name: str | None,
+    ) -> RouteDecision:
+        """The answer on the wire: the first candidate, with the prefix the router expects it
+        to hold, and how long the decision took."""
         best = ranked[0].worker_id
         overlap = expected.get(best, 0)
-        decision = RouteDecision(
-            request_id=request_id,
+        return RouteDecision(
+            request_id=query.request_id,
             model=model,
             worker_id=best,
             overlap_blocks=overlap,
             prompt_blocks=len(hashes.primary),
             candidates=ranked,
             policy=self.policy.name,
-            decided_at=now,
+            decided_at=query.now,
             decision_us=(self.timer() - started) * 1e6 if self.timer is not None else 0.0,
             prefix_hash=hashes.primary[overlap - 1] if overlap else None,
             lora_name=lora_name,
         )
-        routed = Routed(decision, query, hashes, model, confirmed, expected)
-        self._remember(routed)
-        return routed
 
     def _views(self, states: Sequence[WorkerState]) -> list[WorkerView]:
         """What the policy sees of each worker, with how many blocks the index holds there."""
