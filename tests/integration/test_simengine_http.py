@@ -61,6 +61,11 @@ async def test_generate_info_load_and_flush(nats_server):
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert len(first["output_ids"]) == 5 and first["text"]
     assert chunks[-1]["meta_info"]["cached_tokens"] == 32  # the first request cached 2 blocks
+    # as SGLang's: every streamed output carries the prompt's accounting, not only the last
+    assert len(chunks) > 1
+    assert {(c["meta_info"]["prompt_tokens"], c["meta_info"]["cached_tokens"]) for c in chunks} == {
+        (40, 32)
+    }
     assert chunks[-1]["output_ids"] == first["output_ids"]  # cumulative, as SGLang streams
     assert [len(c["output_ids"]) for c in chunks] == sorted(len(c["output_ids"]) for c in chunks)
     assert by_text["meta_info"]["id"] == "x" and by_text["meta_info"]["prompt_tokens"] == 8

@@ -262,6 +262,12 @@ class EngineCore:
         """Events produced outside ``step`` (flush); ``step`` returns its own."""
         return self.cache.drain_events()
 
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens a queued or running request found cached when it was admitted (0
+        before), as SGLang reports them with each of its streamed outputs."""
+        seq = self._seqs.get(request_id)
+        return max(seq.cached_tokens, 0) if seq is not None else 0
+
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running)

@@ -355,8 +355,11 @@ class EngineDriver:
             ids = stream.output[stream.sent : stream.sent + count]
             stream.sent += count
             fin = ended.pop(rid, None)
-            if fin is None:
-                stream.queue.put_nowait(TokenEvent(token_ids=ids, completion_tokens=stream.sent))
+            if fin is None:  # SGLang's meta_info carries the prompt's accounting in every output
+                stream.queue.put_nowait(TokenEvent(
+                    token_ids=ids, prompt_tokens=len(stream.request.input_ids),
+                    cached_tokens=self.core.cached_tokens(rid), completion_tokens=stream.sent,
+                ))  # fmt: skip
             else:
                 self._end_stream(stream, fin, ids)
         for fin in ended.values():  # finished without a token in this step
