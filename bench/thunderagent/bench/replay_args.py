@@ -105,15 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "time + 3 s)",
     )  # fmt: skip
     p.add_argument(
-        "--load-interval",
-        type=positive,
-        default=None,
+        "--load-interval", type=positive, default=None,
         help="virtual s between the engines' load reports (default: "
         f"{LOAD_REPORT_INTERVAL_S:g} s, the worker adapter's). A peer that polls the engines on "
         "its own schedule reads one load per poll: smg_cache_aware every 10 s, SMG's "
         "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every "
         "report), llm_d every 0.05 s, llm-d's metrics scrape",
-    )
+    )  # fmt: skip
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
     _kv_events_arguments(p)
