@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import msgspec
 import pytest
 import redis.asyncio as aioredis
@@ -198,6 +199,38 @@ async def test_an_engine_without_events_that_stops_answering_loses_what_was_infe
         )
         relay = stack.relays[holder]
         assert relay.mirror.blocks == {}
+
+
+async def test_an_eventless_engine_flushed_by_hand_is_corrected_by_its_own_report(nats_server):
+    """A flushed cache (by hand, or by a weight update) announces nothing without events. The
+    next run on that worker reports how much of its prompt the engine found (SGLang's
+    ``cached_tokens``): none of the shared prefix, so what the adapter had announced under it,
+    another conversation's blocks included, is withdrawn."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50, kv_events=False)  # fmt: skip
+        client = await routable(nats_server.url, 1)
+        core = stack.services["router"].runtime.core
+        shared = conversation(7, 8)
+        other = shared + conversation(8, 4)
+        for prompt in (other, shared + conversation(9, 4)):
+            done = await client.generate(GenerateRequest(model=MODEL, token_ids=prompt + [5],
+                                                         max_tokens=2))  # fmt: skip
+            await holder_known(core, prompt, done.final.worker_id)
+        hashes = BlockHasher(PAGE).hash_tokens(other)
+        assert core.feeder.gpu_index.overlap(hashes.primary, hashes.check) == {"w0": 12}
+        async with aiohttp.ClientSession() as session:
+            flushed = await session.post(stack.engine_urls["w0"] + "/flush_cache")
+            assert flushed.status == 200
+        third = await client.generate(
+            GenerateRequest(model=MODEL, token_ids=shared + conversation(10, 4) + [5], max_tokens=2)
+        )
+        await client.close()
+        assert third.final.usage.cached_tokens == 0, "the engine had lost the shared prefix"
+        await wait_for(
+            lambda: core.feeder.gpu_index.overlap(hashes.primary, hashes.check) == {"w0": 8},
+            what="the other conversation's blocks withdrawn, the shared prefix stored again",
+        )
 
 
 async def test_late_replica_agrees_dropped_events_repair_and_redis_loss(nats_server, redis_server):

@@ -74,6 +74,17 @@ class PrefixCache:
     def free(self) -> int:
         return self.capacity - self.gpu_blocks - self.reserved
 
+    @property
+    def clock(self) -> int:
+        """The last use stamp handed out: a block whose ``last_used`` is at most a clock read
+        earlier has not been used since."""
+        return self._clock
+
+    def last_used(self, key: int) -> int | None:
+        """``key``'s use stamp (None when not cached)."""
+        block = self._blocks.get(key)
+        return block.stamp if block is not None else None
+
     def __contains__(self, key: int) -> bool:
         return key in self._blocks
 

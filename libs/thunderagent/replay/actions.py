@@ -115,6 +115,8 @@ class SchedulerActions:
             self._add(rec, rec.worker, request, t, self.pulled_predicted.pop(rec.request_id, 0))
 
     def _add(self, rec: Record, w: int, request: Request, t: float, predicted: int = 0) -> None:
+        if self.shadows is not None:  # the adapter reads its shadow's clock at the hand-over
+            self.shadows.handed_over(w, rec.request_id)
         refused = self.cores[w].add(request, t)
         rec.worker = w
         if refused is not None:

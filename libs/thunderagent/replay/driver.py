@@ -49,6 +49,7 @@ from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.replay.actions import SchedulerActions
 from thunderagent.replay.pd import TransferLinks
 from thunderagent.replay.records import LostRequests, Record, ReplayConfig, ReplayResult
+from thunderagent.replay.shadows import ReplayShadows, found_tokens
 from thunderagent.replay.traces import TraceRequest
 from thunderagent.router_core import RouterCore
 from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest
@@ -67,7 +68,6 @@ from thunderagent.schemas import (
     WorkerRole,
 )
 from thunderagent.sglang.load import parse_v1_loads, v1_loads_payload
-from thunderagent.sglang.shadow import CacheShadow
 
 if TYPE_CHECKING:
     from thunderagent.replay.migration import ReplayMigration
@@ -148,12 +148,12 @@ class Replay(SchedulerActions):
         self._next_timeline = 0.0
         self._wake = INF
 
-    def _shadows(self) -> list[CacheShadow] | None:
+    def _shadows(self) -> ReplayShadows | None:
         """Engines without KV events: each one's cache as its adapter infers and announces it
-        (``sglang.shadow``), unless the policy keeps its own record (a peer's approximate mode)."""
+        (``replay.shadows``), unless the policy keeps its own record (a peer's approximate mode)."""
         if self.cfg.kv_events or self.router.policy.keeps_approximate_cache():
             return None
-        return [CacheShadow(core.cache.capacity) for core in self.cores]
+        return ReplayShadows([core.cache.capacity for core in self.cores])
 
     def _registration(self, w: int) -> WorkerRegistration:
         engine = self.cfg.profile.engine
@@ -416,7 +416,7 @@ class Replay(SchedulerActions):
             if math.isnan(rec.first_token) and not late:
                 rec.first_token = t
             if phase != "decode":  # each run starts once (continuations too)
-                self._started(rec, w, t)
+                self._started(rec, w, t, outcome)
         for fin in outcome.finished:
             rec = records.get(fin.request_id)
             if rec is None or rec.worker != w or rec.status != "running":
@@ -440,15 +440,16 @@ class Replay(SchedulerActions):
         if self.links.awaiting_room(worker_id):  # SGLang's PD: room freed for a reservation?
             self._preallocate(w, t)
 
-    def _started(self, rec: Record, w: int, t: float) -> None:
+    def _started(self, rec: Record, w: int, t: float, outcome: StepOutcome) -> None:
         """The run's first token, as its adapter reports it (and, for an engine without KV
-        events, announces its prompt cached)."""
+        events, announces, its shadow checked against what the engine reported found)."""
         rid, worker_id = rec.request_id, self.ids[w]
         self.router.on_started(rid, worker_id, t)
         self.scheduler.on_started(rid, worker_id, t)
         if self.shadows is not None:
             keys = self.keys[rid].primary[: rec.prompt_tokens // self.block_size]
-            self._announce(w, self.shadows[w].cached(keys), t)
+            found = found_tokens(self.cores[w], outcome, rid)
+            self._announce(w, self.shadows.started(w, rec, keys, self.block_size, found), t)
 
     def _completed(self, rec: Record, worker_id: str, t: float) -> None:
         self.links.forget(rec.request_id)

@@ -12,8 +12,13 @@ migration planner follow such a worker as they follow any other; the replay feed
 router the same way.
 
 What it cannot see: requests sent to the engine by anyone else, pages held by running requests
-(so it evicts later than the engine may) and a cache flushed by hand. A block believed cached
-that is not costs a prefill, and lazy verification counts it as any other false hit.
+(so it evicts later than the engine may) and a cache flushed by hand or by a weight update
+(SGLang's ``update_weights_from_disk`` flushes it). The engine corrects it run by run: SGLang
+reports with a run's first output how much of the prompt it found cached (``cached_tokens``).
+A block the shadow held when the run was handed over, and no run has confirmed since, that the
+engine did not find is gone from the engine, and so is everything stored under it: the shadow
+drops them (``refuted``) and says so. A block believed cached that is not costs a prefill, and
+lazy verification counts it as any other false hit.
 """
 
 from __future__ import annotations
@@ -48,6 +53,24 @@ class CacheShadow:
         self.cache.release(keys[:inserted])
         return self.cache.drain_events()
 
+    def mark(self) -> int:
+        """Now, for ``refuted``: read when a run is handed to the engine."""
+        return self.cache.clock
+
+    def refuted(self, keys: Sequence[int], found: int, mark: int) -> list[CacheEvent]:
+        """The engine found only the first ``found`` blocks of ``keys`` (a prompt's usable
+        blocks) cached for a run handed over at ``mark``. If the shadow held the next one and
+        no run has used it since, the engine had lost it: it goes, with every block under it.
+        The events of what changed."""
+        keys = list(keys)
+        if found >= len(keys) or self.cache.match(keys[: found + 1]).gpu <= found:
+            return []
+        used = self.cache.last_used(keys[found])
+        if used is None or used > mark:  # cached again since: the engine may hold it now
+            return []
+        self.cache.discard([keys[found]], extensions=True)
+        return self.cache.drain_events()
+
 
 class EngineShadow:
     """A ``CacheShadow`` of token ids, for an adapter: blocks keyed by the router's own chained
@@ -60,10 +83,26 @@ class EngineShadow:
 
     def cached(self, token_ids: Sequence[int], space: Namespace | None) -> list[kv_wire.AnyKvEvent]:
         """The engine now caches ``token_ids``' full blocks."""
-        hasher = self._shared
-        if space is not None and (space.cache_salt or space.lora_name):  # tenants: unbounded
-            hasher = BlockHasher(self.block_size, kv_namespace(space.cache_salt, space.lora_name))
-        keys = hasher.hash_tokens(token_ids).primary
+        keys = self._keys(token_ids, space)
         full = token_ids[: len(keys) * self.block_size]
         events = self.shadow.cached(keys, full, self.block_size)
         return to_wire(events, self.block_size, lambda key: space)
+
+    def mark(self) -> int:
+        return self.shadow.mark()
+
+    def refuted(
+        self, token_ids: Sequence[int], space: Namespace | None, found_tokens: int, mark: int
+    ) -> list[kv_wire.AnyKvEvent]:
+        """The engine reported ``found_tokens`` of the prompt ``token_ids`` cached for a run
+        handed over at ``mark`` (``CacheShadow.refuted``)."""
+        usable = max(0, (len(token_ids) - 1) // self.block_size)  # the last token is computed
+        keys = self._keys(token_ids, space)[:usable]
+        events = self.shadow.refuted(keys, found_tokens // self.block_size, mark)
+        return to_wire(events, self.block_size, lambda key: space)
+
+    def _keys(self, token_ids: Sequence[int], space: Namespace | None) -> list[int]:
+        hasher = self._shared
+        if space is not None and (space.cache_salt or space.lora_name):  # tenants: unbounded
+            hasher = BlockHasher(self.block_size, kv_namespace(space.cache_salt, space.lora_name))
+        return hasher.hash_tokens(token_ids).primary

@@ -429,7 +429,7 @@ class WorkerAdapter:
             work, self.config.worker_id, self.bus, self.engine, self.runs,
             max_request_s=self.config.max_request_s,
             prepare=self.migration.before_run if self.migration is not None else None,
-            cached=self.inferred.cached if self.inferred is not None else None,
+            inferred=self.inferred,
         )  # fmt: skip
         # booked before the ack's await: an abort handled meanwhile finds the run and stops it
         self.running[rid] = generation

@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -50,6 +50,7 @@ from thunderagent.schemas import (
     subjects,
 )
 from thunderagent.worker.engine_client import EngineChunk, EngineClient, EngineError
+from thunderagent.worker.inferred_cache import InferredCache
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,12 @@ class Generation:
     prepare: Callable[[WorkerGenerate], Awaitable[None]] | None = None
     """Run before the engine gets the run, inside its time limit (a prefix copied in first:
     ``WorkerMigration.before_run``)."""
-    cached: Callable[[Sequence[int], WorkerGenerate], Awaitable[None]] | None = None
+    inferred: InferredCache | None = None
     """An engine that publishes no KV events: told the token ids its cache holds now (the
-    prompt at the first token, prompt and output at the end), as SGLang caches them."""
+    prompt at the first token, prompt and output at the end, as SGLang caches them), and at the
+    first token how much of the prompt the engine reported found."""
+    inferred_mark: int = 0
+    """The shadow's clock when the run was handed to the engine."""
     run_no: int = field(default_factory=lambda: next(_RUN_NUMBERS))
     """This process's number for the run: part of its engine id, so no two runs share one."""
 
@@ -192,6 +196,7 @@ class Generation:
         first_token_at: float | None = None
         text_parts: list[str] = []
         meta: dict = {}
+        self.inferred_mark = self.inferred.mark() if self.inferred is not None else 0
         try:
             stream = self.engine.generate(self.engine_rid, req.token_ids or [], _sampling(req),
                                           cache_salt=req.cache_salt, lora_name=req.lora_name,
@@ -205,7 +210,8 @@ class Generation:
                         text_parts.append(chunk.new_text)
                     if first_token_at is None:
                         first_token_at = time.monotonic()
-                        await self._started(with_end=self.final is None and chunk.finished)
+                        ends = self.final is None and chunk.finished
+                        await self._started(chunk.meta, with_end=ends)
                     self.output.extend(chunk.new_token_ids)
                 if self.final is None and chunk.finished:
                     # answer now: the stream's "[DONE]" and its end are read after, off the
@@ -233,14 +239,16 @@ class Generation:
         # delivers them in this order; both leave in the same socket write.
         await self._progress("finished", usage=final.usage)
         await self.bus.publish(self.work.reply_subject, final)
-        if self.cached is not None and self.output:  # the last token's KV was never computed
-            await self.cached([*(self.work.request.token_ids or []), *self.output[:-1]], self.work)
+        if self.inferred is not None and self.output:  # the last token's KV was never computed
+            prompt_and_output = [*(self.work.request.token_ids or []), *self.output[:-1]]
+            await self.inferred.cached(prompt_and_output, self.work)
 
     async def _prefill_then_hand_off(self) -> FinalReply | None:
         """PD disaggregation: prefill here up to the first token, move the KV to the decode
         worker, hand it the rest as a continuation (the client's stream goes on from there)."""
         req = self.work.request
         decode = self.work.decode_worker
+        self.inferred_mark = self.inferred.mark() if self.inferred is not None else 0
         try:
             prefill = {**_sampling(req), "max_new_tokens": 1}
             async for chunk in self.engine.generate(
@@ -248,7 +256,7 @@ class Generation:
                 lora_name=req.lora_name,
             ):  # fmt: skip
                 if chunk.new_token_ids:
-                    await self._started()
+                    await self._started(chunk.meta)
                     if req.stream:
                         await self.bus.publish(self.work.reply_subject, self._chunk(chunk))
                     self.output.extend(chunk.new_token_ids)
@@ -398,7 +406,7 @@ class Generation:
             engine_ttft_ms=float(meta.get("engine_ttft_s", -0.001)) * 1e3,
         )
 
-    async def _started(self, *, with_end: bool = False) -> None:
+    async def _started(self, meta: dict, *, with_end: bool = False) -> None:
         """The first token is out. ``with_end``: it is also the last, so the start waits for
         the end (one message for both, sent before the answer)."""
         if self.engine_rid in self.runs and not self.output:
@@ -407,8 +415,8 @@ class Generation:
                 self.held_start = self._event("started")
             else:
                 await self._progress("started")
-            if self.cached is not None:
-                await self.cached(self.work.request.token_ids or [], self.work)
+            if self.inferred is not None:
+                await self.inferred.started(self.work, meta, self.inferred_mark)
 
     async def _fail(self, err: Exception) -> None:
         """The engine failed the run. The scheduler may resume it elsewhere as a

@@ -25,6 +25,23 @@ class InferredCache:
         space = KvNamespace(req.cache_salt, req.lora_name)
         await self.relay.announce(self.shadow.cached(token_ids, space))
 
+    def mark(self) -> int:
+        """Read when a run is handed to the engine (``started``)."""
+        return self.shadow.mark()
+
+    async def started(self, work: WorkerGenerate, meta: dict, mark: int) -> None:
+        """A run's first output: its prompt is cached now. A run that is neither a continuation
+        nor half of SGLang's PD first checks the shadow against what its engine reported found
+        (``cached_tokens``, in every output's ``meta_info``): what the shadow believed beyond
+        it, unconfirmed since ``mark``, goes (a cache flushed with nothing said)."""
+        req = work.request
+        prompt = req.token_ids or []
+        space = KvNamespace(req.cache_salt, req.lora_name)
+        refuted = []
+        if not work.output_offset and work.bootstrap is None and "cached_tokens" in meta:
+            refuted = self.shadow.refuted(prompt, space, int(meta["cached_tokens"]), mark)
+        await self.relay.announce([*refuted, *self.shadow.cached(prompt, space)])
+
     async def forget(self) -> None:
         """The engine stopped answering: it may come back restarted, its cache empty, and
         nothing would say so, so what was inferred of it goes now."""

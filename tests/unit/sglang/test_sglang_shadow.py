@@ -63,3 +63,43 @@ def test_replaying_the_announcements_rebuilds_the_shadow_within_its_pool(prompts
         assert len(held) <= capacity
         if len(keys) <= capacity:
             assert set(keys) <= set(held)
+
+
+def test_a_block_the_engine_reports_missing_goes_with_everything_under_it() -> None:
+    """A flushed engine: a run finds only the first block of a prefix the shadow holds. The
+    rest of that prefix and every prompt stored under it go; the first block and other
+    prefixes stay."""
+    shadow = CacheShadow(100)
+    shared, mine, theirs, elsewhere = [1, 2, 3], [4, 5], [6, 7], [8, 9]
+    for keys in (shared + mine, shared + theirs, elsewhere):
+        shadow.cached(keys)
+    mark = shadow.mark()
+    events = shadow.refuted(shared + mine, 1, mark)
+    assert {h for ev in events for h in ev.block_hashes} == {2, 3, 4, 5, 6, 7}
+    assert set(shadow.cache.contents()) == {1, 8, 9}
+    assert shadow.refuted(shared + mine, 1, mark) == [], "nothing left to refute"
+
+
+def test_a_block_used_again_since_the_hand_over_is_not_refuted() -> None:
+    """The engine's report is as of the run's admission; a run that started since stored the
+    block again, so the engine may hold it now."""
+    shadow = CacheShadow(100)
+    shadow.cached([1, 2, 3])
+    mark = shadow.mark()
+    shadow.cached([1, 2, 3, 4])  # another run's first token, after the hand-over
+    assert shadow.refuted([1, 2, 3], 0, mark) == []
+    assert shadow.refuted([1, 2, 3], 3, mark) == [], "it found all the shadow held"
+    assert set(shadow.cache.contents()) == {1, 2, 3, 4}
+
+
+def test_the_adapters_refutation_is_in_the_routers_hashes_and_spares_the_last_token() -> None:
+    """Only the prompt's usable blocks are checked: SGLang always computes the last token, so a
+    prompt of exactly two blocks reports at most one block found."""
+    tokens = list(range(10, 10 + 2 * BS))
+    shadow = EngineShadow(100, BS)
+    shadow.cached(tokens, None)
+    mark = shadow.mark()
+    assert shadow.refuted(tokens, None, BS, mark) == [], "one block found: all it could find"
+    gone = shadow.refuted(tokens, None, 0, mark)
+    assert gone and all(type(ev).__name__ == "BlockRemoved" for ev in gone)
+    assert shadow.shadow.cache.contents() == {}
