@@ -32,11 +32,10 @@ class ReplayShadows:
         continuation, whose prompt ends with output the engine computed before)."""
         shadow = self.shadows[w]
         mark = self._marks.pop(rec.request_id, None)
-        refuted: list[CacheEvent] = []
-        if mark is not None and not rec.run.output_offset:
-            usable = (rec.prompt_tokens - 1) // block_size  # the last token is always computed
-            refuted = shadow.refuted(keys[:usable], found_tokens // block_size, mark)
-        return [*refuted, *shadow.cached(keys)]
+        if mark is None or rec.run.output_offset:
+            return shadow.cached(keys)
+        usable = (rec.prompt_tokens - 1) // block_size
+        return shadow.started(keys, usable, found_tokens // block_size, mark)
 
 
 def found_tokens(core: EngineCore, outcome: StepOutcome, request_id: str) -> int:

@@ -57,6 +57,17 @@ class CacheShadow:
         """Now, for ``refuted``: read when a run is handed to the engine."""
         return self.cache.clock
 
+    def started(
+        self, keys: Sequence[int], usable: int, found: int, mark: int,
+        token_ids: Sequence[int] | None = None, block_size: int = 0,
+    ) -> list[CacheEvent]:  # fmt: skip
+        """A run handed over at ``mark`` gave its first output: of its prompt's blocks
+        ``keys``, the first ``usable`` could have been found cached (the last token is always
+        computed) and the engine found ``found``. What that refutes goes (``refuted``); then
+        the prompt is cached. The events of both."""
+        refuted = self.refuted(keys[:usable], found, mark)
+        return [*refuted, *self.cached(keys, token_ids, block_size)]
+
     def refuted(self, keys: Sequence[int], found: int, mark: int) -> list[CacheEvent]:
         """The engine found only the first ``found`` blocks of ``keys`` (a prompt's usable
         blocks) cached for a run handed over at ``mark``. If the shadow held the next one and
@@ -91,15 +102,16 @@ class EngineShadow:
     def mark(self) -> int:
         return self.shadow.mark()
 
-    def refuted(
+    def started(
         self, token_ids: Sequence[int], space: Namespace | None, found_tokens: int, mark: int
     ) -> list[kv_wire.AnyKvEvent]:
-        """The engine reported ``found_tokens`` of the prompt ``token_ids`` cached for a run
-        handed over at ``mark`` (``CacheShadow.refuted``)."""
-        usable = max(0, (len(token_ids) - 1) // self.block_size)  # the last token is computed
-        keys = self._keys(token_ids, space)[:usable]
-        events = self.shadow.refuted(keys, found_tokens // self.block_size, mark)
-        return to_wire(events, self.block_size, lambda key: space)
+        """A run's first output: the engine reported ``found_tokens`` of the prompt
+        ``token_ids`` cached for a run handed over at ``mark`` (``CacheShadow.started``)."""
+        keys, bs = self._keys(token_ids, space), self.block_size
+        usable = max(0, (len(token_ids) - 1) // bs)
+        full = token_ids[: len(keys) * bs]
+        events = self.shadow.started(keys, usable, found_tokens // bs, mark, full, bs)
+        return to_wire(events, bs, lambda key: space)
 
     def _keys(self, token_ids: Sequence[int], space: Namespace | None) -> list[int]:
         hasher = self._shared

@@ -37,10 +37,11 @@ class InferredCache:
         req = work.request
         prompt = req.token_ids or []
         space = KvNamespace(req.cache_salt, req.lora_name)
-        refuted = []
-        if not work.output_offset and work.bootstrap is None and "cached_tokens" in meta:
-            refuted = self.shadow.refuted(prompt, space, int(meta["cached_tokens"]), mark)
-        await self.relay.announce([*refuted, *self.shadow.cached(prompt, space)])
+        if work.output_offset or work.bootstrap is not None or "cached_tokens" not in meta:
+            await self.relay.announce(self.shadow.cached(prompt, space))
+            return
+        found = int(meta["cached_tokens"])
+        await self.relay.announce(self.shadow.started(prompt, space, found, mark))
 
     async def forget(self) -> None:
         """The engine stopped answering: it may come back restarted, its cache empty, and

@@ -94,12 +94,17 @@ def test_a_block_used_again_since_the_hand_over_is_not_refuted() -> None:
 
 def test_the_adapters_refutation_is_in_the_routers_hashes_and_spares_the_last_token() -> None:
     """Only the prompt's usable blocks are checked: SGLang always computes the last token, so a
-    prompt of exactly two blocks reports at most one block found."""
+    prompt of exactly two blocks reports at most one block found. A refuted prefix is removed
+    in the router's hashes, then stored again: the run has just computed it."""
     tokens = list(range(10, 10 + 2 * BS))
+    router = BlockHasher(BS).hash_tokens(tokens).primary
     shadow = EngineShadow(100, BS)
     shadow.cached(tokens, None)
     mark = shadow.mark()
-    assert shadow.refuted(tokens, None, BS, mark) == [], "one block found: all it could find"
-    gone = shadow.refuted(tokens, None, 0, mark)
-    assert gone and all(type(ev).__name__ == "BlockRemoved" for ev in gone)
-    assert shadow.shadow.cache.contents() == {}
+    assert shadow.started(tokens, None, BS, mark) == [], "one block found: all it could find"
+    events = shadow.started(tokens, None, 0, shadow.mark())
+    removed = [h for ev in events if type(ev).__name__ == "BlockRemoved" for h in ev.block_hashes]
+    stored = [h for ev in events if type(ev).__name__ == "BlockStored" for h in ev.block_hashes]
+    assert sorted(removed) == sorted(router) and stored == router
+    assert type(events[0]).__name__ == "BlockRemoved", "the removals go first"
+    assert set(shadow.shadow.cache.contents()) == set(router)
