@@ -17,6 +17,10 @@ BENCHES = {
         "thunderagent.bench.replay",
         "trace replay through every routing policy, virtual time",
     ),
+    "dynamo-sim": (
+        "thunderagent.bench.dynamo_sim",
+        "Dynamo's KV router in Dynamo's own simulator (1.6.1), beside the replay's model of it",
+    ),
     "route": ("thunderagent.bench.route", "CPU µs of one routing decision in the router core"),
     "mirror": (
         "thunderagent.bench.mirror",

@@ -1,0 +1,115 @@
+"""``bench dynamo-sim``: Dynamo 1.6.1's own offline replay (its KV router and mocker engines),
+run on a fleet shaped and timed like the replay's profile (``ai-dynamo-runtime``, installed by
+``scripts/setup.sh``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thunderagent.bench import dynamo_sim
+from thunderagent.engine import TimingModel, get_profile
+from thunderagent.replay import load_trace
+
+PROFILE = "llama-3.1-8b-h100"
+
+
+@pytest.fixture(scope="module")
+def core():
+    pytest.importorskip("dynamo", reason="run scripts/setup.sh (the dynamo extra)")
+    return dynamo_sim._dynamo()  # quiet: Dynamo's router logs every decision at INFO
+
+
+def _write_trace(path: Path, groups: int = 30, per_group: int = 4, gap_ms: int = 250) -> Path:
+    """Requests of ``groups`` documents (16 shared 512-token blocks each) with their own
+    two-block questions, interleaved so that round robin over 8 workers sends each document's
+    4 requests to 4 different workers (30 = 6 mod 8)."""
+    lines = []
+    for i in range(groups * per_group):
+        group, own = i % groups, 10_000 + 2 * i
+        blocks = [group * 100 + b for b in range(16)] + [own, own + 1]
+        lines.append(
+            {"timestamp": i * gap_ms, "input_length": 18 * 512, "output_length": 32,
+             "hash_ids": blocks}
+        )  # fmt: skip
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_the_fleet_holds_the_profiles_pool_in_its_pages() -> None:
+    engine = dynamo_sim.fleet(PROFILE, 512)
+    profile = get_profile(PROFILE)
+    pool_tokens = profile.with_engine(block_size=512).capacity_blocks * 512
+    assert engine["block_size"] == profile.engine.block_size == 16
+    assert engine["num_gpu_blocks"] * 16 == pool_tokens
+    assert engine["max_num_batched_tokens"] == profile.engine.chunked_prefill_size
+
+
+def test_calibrated_mocker_takes_the_profiles_time(core, tmp_path: Path) -> None:
+    trace = load_trace(_write_trace(tmp_path / "t.jsonl"), None, 512)
+    engine = dynamo_sim.fleet(PROFILE, 512)
+    timing = dynamo_sim.calibrate(core, engine, trace, PROFILE)
+    scaled = engine | {k: timing[k] for k in ("speedup_ratio", "decode_speedup_ratio")}
+    # every prompt here has one length: the scaled mocker prefills it as the profile does
+    n = trace[0].prompt_len
+    alone = dynamo_sim._alone(core, scaled, n, dynamo_sim.DECODE_PROBE_TOKENS)
+    ours = TimingModel(get_profile(PROFILE))
+    assert alone["mean_ttft_ms"] == pytest.approx(
+        1000 * timing["prefill_total_s"]["profile"] / len(trace), rel=0.03
+    )
+    assert alone["mean_itl_ms"] == pytest.approx(1000 * ours.decode_time(1, n), rel=0.05)
+    assert timing["speedup_ratio"] != pytest.approx(1.0, abs=0.05)  # a scale was needed
+
+
+def test_dynamos_router_finds_the_documents_round_robin_scatters(core, tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "docs.jsonl")
+    out = tmp_path / "out.json"
+    dynamo_sim.main(["--trace", str(trace), "--speed", "0.5", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    runs = {e["policy"]: e for e in doc["results"]}
+    for e in runs.values():
+        assert e["requests"] == 120 == e["completed"] + e["rejected"] + e["in_flight"]
+        assert e["terminal_status"] == {"completed": 120}
+    # a router that keeps each document on one worker finds its 16 blocks of 18 on 3 of its 4
+    # requests (0.67); round robin never sends a document twice to one worker
+    assert runs["kv_router"]["prefix_hit_ratio"] > 0.6
+    assert runs["round_robin"]["prefix_hit_ratio"] < 0.05
+    assert doc["capacity"]["kv_router"]["max_speed_meeting_slo"] == 0.5
+
+
+def test_limit_sends_only_the_first_requests(core, tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "docs.jsonl")
+    out = tmp_path / "out.json"
+    dynamo_sim.main(["--trace", str(trace), "--limit", "30", "--json", str(out)])
+    assert {e["requests"] for e in json.loads(out.read_text())["results"]} == {30}
+
+
+def test_beside_pairs_each_router_with_the_replays_model(tmp_path: Path) -> None:
+    ours = [
+        {"policy": "dynamo_kv", "speed": 1.0, "prefix_hit_ratio": 0.2, "ttft_p99_all_ms": 900.0,
+         "slo_met": True},
+        {"policy": "round_robin", "speed": 2.0, "prefix_hit_ratio": 0.1, "ttft_p99_all_ms": 1e4,
+         "slo_met": False},
+    ]  # fmt: skip
+    theirs = [
+        {"policy": "kv_router", "speed": 1.0, "prefix_hit_ratio": 0.25, "ttft_p99_all_ms": 800.0,
+         "slo_met": True},
+        {"policy": "round_robin", "speed": 1.0, "prefix_hit_ratio": 0.1, "ttft_p99_all_ms": 2e3,
+         "slo_met": True},
+    ]  # fmt: skip
+    rows = dynamo_sim.beside(theirs, {"trace": "/x/t.jsonl", "results": ours}, Path("t.jsonl"))
+    assert rows == [
+        {"router": "kv_router", "speed": 1.0, "hit": {"dynamo": 0.25, "replay": 0.2},
+         "ttft_p99_ms": {"dynamo": 800.0, "replay": 900.0},
+         "slo_met": {"dynamo": True, "replay": True}},
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"not other\.jsonl"):
+        dynamo_sim.beside(theirs, {"trace": "t.jsonl", "results": ours}, Path("other.jsonl"))
+
+
+def test_an_azure_trace_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        dynamo_sim.parse_args(["--trace", str(tmp_path / "AzureLLMInferenceTrace_code.csv")])
+    assert "Mooncake JSONL" in capsys.readouterr().err
