@@ -2,7 +2,7 @@
 
     thunderagent bench dynamo-sim --trace PATH [--speed X[,Y...]] [--workers 8]
         [--profile NAME] [--block-size 512] [--limit N] [--slo-ttft-p99-ms MS]
-        [--replay-json FILE] [--json FILE]
+        [--kv-router-param FIELD=VALUE] [--replay-json FILE] [--json FILE]
 
 Dynamo 1.6.1 ships an offline replay (``run_mocker_trace_replay`` in the ``ai-dynamo-runtime``
 wheel, the ``dynamo`` extra): its KV router in front of its mocker engines (the SGLang backend's
@@ -16,6 +16,8 @@ its authors' simulator. Given a ``bench replay`` JSON of the same trace (``--rep
 sets the replay's ``dynamo_kv`` and ``round_robin`` rows beside Dynamo's: where each router sent
 the prompts (the prefix hit ratio) and the TTFT tails. The SLO and the capacity are
 ``bench replay``'s (the trace's p99 no-cache prefill under the profile + 3 s).
+``--kv-router-param`` sets one of ``KvRouterConfig``'s keyword arguments away from its default
+(``router_predicted_ttl_secs=30``: prediction on route); the JSON names every one set.
 """
 
 from __future__ import annotations
@@ -156,7 +158,9 @@ def sweep(core, path: Path, trace_len: int, engine: dict, args, slo_ms: float) -
                 extra_engine_args={"engine": engine},
                 num_workers=args.workers,
                 router_mode=router,
-                router_config=core.KvRouterConfig() if router == "kv_router" else None,
+                router_config=core.KvRouterConfig(**args.kv_router_param)
+                if router == "kv_router"
+                else None,
                 arrival_speedup_ratio=speed,
                 trace_block_size=args.block_size,
                 capture_per_request=True,
@@ -199,7 +203,8 @@ def table(doc: dict) -> str:
         f"(SGLang backend, {doc['engine']['num_gpu_blocks']:,} pages of "
         f"{doc['engine']['block_size']} tokens), prefill x{t['speedup_ratio']:.3f}, decode "
         f"x{t['decode_speedup_ratio']:.3f} (matched to {doc['profile']}); "
-        f"SLO TTFT p99 <= {doc['slo_ttft_p99_ms'] / 1000:.2f} s",
+        f"SLO TTFT p99 <= {doc['slo_ttft_p99_ms'] / 1000:.2f} s; KV router "
+        + (f"with {doc['kv_router_params']}" if doc["kv_router_params"] else "as shipped"),
         "| router | speed | requests | completed | in flight | hit | TTFT p50 ms | p99 ms | SLO |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -255,10 +260,34 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--slo-ttft-p99-ms", type=positive, default=None)
     p.add_argument("--replay-json", type=Path, default=None)
     p.add_argument("--json", type=output_file, default=None)
+    p.add_argument(
+        "--kv-router-param", action="append", default=[], metavar="FIELD=VALUE",
+        help="a KvRouterConfig keyword away from its default (VALUE as JSON), repeatable",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.trace.suffix.lower() == ".csv":
         p.error("Dynamo's replay reads Mooncake JSONL traces (hash_ids), not Azure CSV")
+    args.kv_router_param = _router_params(args.kv_router_param, p)
     return args
+
+
+def _router_params(items: list[str], p) -> dict:
+    """``FIELD=VALUE`` items -> KvRouterConfig keywords, each tried on it now: a misspelled
+    field or a bad value is a usage error before any run."""
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not (sep and name):
+            p.error(f"--kv-router-param {item!r}: expected FIELD=VALUE")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    try:
+        _dynamo().KvRouterConfig(**out)
+    except (TypeError, ValueError) as err:
+        p.error(f"--kv-router-param: KvRouterConfig refused it: {err}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         "workers": args.workers,
         "profile": args.profile,
         "engine": engine,
+        "kv_router_params": args.kv_router_param,
         "timing": timing,
         "slo_ttft_p99_ms": round(slo_ms, 1),
         "results": results,

@@ -113,3 +113,24 @@ def test_an_azure_trace_is_a_usage_error(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         dynamo_sim.parse_args(["--trace", str(tmp_path / "AzureLLMInferenceTrace_code.csv")])
     assert "Mooncake JSONL" in capsys.readouterr().err
+
+
+def test_a_kv_router_setting_reaches_dynamos_router(core, tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "docs.jsonl")
+    out = tmp_path / "out.json"
+    argv = ["--trace", str(trace), "--speed", "0.5", "--json", str(out)]
+    # Dynamo's own knob: a temperature samples workers instead of taking the cheapest, so
+    # documents scatter and the hit ratio falls from the cheapest choice's 0.67
+    dynamo_sim.main([*argv, "--kv-router-param", "router_temperature=5"])
+    doc = json.loads(out.read_text())
+    assert doc["kv_router_params"] == {"router_temperature": 5}
+    hit = {e["policy"]: e["prefix_hit_ratio"] for e in doc["results"]}
+    assert hit["kv_router"] < 0.6
+
+
+def test_a_setting_dynamo_refuses_is_a_usage_error(core, tmp_path: Path, capsys) -> None:
+    trace = str(_write_trace(tmp_path / "docs.jsonl"))
+    for bad in ("router_predicted_tll=30", "router_temperature=-1", "router_temperature"):
+        with pytest.raises(SystemExit):
+            dynamo_sim.parse_args(["--trace", trace, "--kv-router-param", bad])
+        assert "--kv-router-param" in capsys.readouterr().err
