@@ -23,6 +23,7 @@ figures over the copies (``replay_spread``); the rest of the JSON is the first c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench import replay_spread
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay_args import (
+    ENGINE_PRICINGS,
     loads_seen_every,
     parse_args,
     report_interval,
@@ -119,6 +121,7 @@ def run(
     doc = _document(args, profile, trace, slo_ms, hot.window, seed)
     doc["work_ceiling"] = work_ceiling(trace, timing, args.workers, bs, bounds)
     common = {"timing": timing, "chunk": chunk, "slo_ms": slo_ms}
+    engines = priced(profile, args.engine_pricing)
     common.update(ideal=bounds["ideal"][0], pooled=bounds["pooled"][0])
     results: dict = {}
     runs = [(s, p) for s in args.speed for p in args.policy_list]
@@ -127,7 +130,7 @@ def run(
         for speed, policy in runs:
             bar.update(task, description=f"{policy} x{speed:g}")
             start = time.perf_counter()
-            replay = Replay(_config(args, profile, policy, seed), bs)
+            replay = Replay(_config(args, engines, policy, seed), bs)
             mig = ReplayMigration.attach(replay, args.migration, args.migration_params)
             result = results[(policy, speed)] = replay.run(
                 trace, speed, lambda n: bar.advance(task, n)
@@ -140,6 +143,14 @@ def run(
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results
+
+
+def priced(profile, pricing: str):
+    """The replay's engines: the profile, its step prices changed as ``--engine-pricing`` says
+    (the SLO, the work ceiling and every estimate of the router and the scheduler keep the
+    profile's)."""
+    eff = dataclasses.replace(profile.eff, **ENGINE_PRICINGS[pricing])
+    return dataclasses.replace(profile, eff=eff)
 
 
 def _config(args: argparse.Namespace, profile, policy: str, seed: int) -> ReplayConfig:
@@ -179,6 +190,7 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window, s
             for p in args.policy_list
         },
         "index_ttl_s": args.index_ttl,
+        "engine_pricing": args.engine_pricing,
         "kv_events": args.kv_events,
         "approximate_ttl_s": args.approximate_ttl if args.kv_events == "off" else None,
         "policy_params": args.params,

@@ -23,6 +23,12 @@ from thunderagent.shell.argtypes import (
     positive_list,
 )
 
+ENGINE_PRICINGS = {
+    "profile": {},
+    "dynamo-mocker": {"prefix_attention": False, "shared_kv_once": True},
+}
+"""``--engine-pricing``: the profile's efficiency fields each pricing changes."""
+
 DESCRIPTION = (
     "Trace replay in virtual time: every routing policy, the scheduler in front, side by side."
 )
@@ -114,6 +120,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
     p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
+    p.add_argument(
+        "--engine-pricing", choices=sorted(ENGINE_PRICINGS), default="profile",
+        help="how the replay's engines price a step: profile (default: attention over the "
+        "cached prefix paid, each request reads its own KV) or dynamo-mocker (a what-if: a "
+        "prefill by its new tokens alone, a shared page read once per decode step, as Dynamo "
+        "1.6.1's mocker prices them); the SLO and the work ceiling stay the profile's",
+    )  # fmt: skip
     _kv_events_arguments(p)
     _override_arguments(p)
     migration_cli.add_arguments(p)

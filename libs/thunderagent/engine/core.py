@@ -374,11 +374,19 @@ class EngineCore:
             self._running[seq.req.request_id] = seq
 
     # ---- decode --------------------------------------------------------------------------
+    def _decode_context(self, seqs: list[_Seq]) -> int:
+        """KV tokens a decode step reads: every request's context, or with cascade attention
+        (``shared_kv_once``) each page in use once (pinned shared pages and private ones)."""
+        total = sum(s.computed for s in seqs)
+        if not self.profile.eff.shared_kv_once:
+            return total
+        return min(total, (self.cache.pinned + self.cache.reserved) * self.block_size)
+
     def _decode(self, now: float, until: float | None, out: StepOutcome) -> None:
         while self._running:
             seqs = list(self._running.values())
             batch = len(seqs)
-            context = sum(s.computed for s in seqs) + batch
+            context = self._decode_context(seqs) + batch
             k = 1
             if until is not None and until > now:
                 to_finish = min(s.req.max_new_tokens - s.generated for s in seqs)

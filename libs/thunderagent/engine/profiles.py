@@ -75,6 +75,14 @@ class Efficiency:
     """Fraction of peak HBM bandwidth reached by decode (weights + KV streaming)."""
     step_overhead_s: float = 0.0005
     """Fixed cost per engine step: scheduling, sampling, kernel launches (CUDA graphs help)."""
+    prefix_attention: bool = True
+    """A prefill chunk pays its attention over the cached prefix (the FLOPs and the prefix's KV
+    reads). False prices a chunk by its new tokens alone, as Dynamo 1.6.1's mocker does: a
+    what-if (``bench replay --engine-pricing dynamo-mocker``), not how the GPU works."""
+    shared_kv_once: bool = False
+    """A decode step reads each KV page in use once however many running requests share it
+    (cascade attention; Dynamo 1.6.1's mocker counts the pages in use). False: each request
+    reads its own context, shared pages included (paged attention without cascade)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,6 +35,7 @@ class TimingModel:
         "_overhead",
         "_params",
         "_pcie",
+        "_prefix_attention",
         "_weights",
         "profile",
     )
@@ -51,6 +52,7 @@ class TimingModel:
         self._kvb_block = profile.kv_bytes_per_block
         self._layers_hidden = model.layers * model.hidden
         self._overhead = eff.step_overhead_s
+        self._prefix_attention = eff.prefix_attention
 
     def prefill_flops(self, new: int, cached: int) -> float:
         """``2*P*n + 4*L*H*(n*c + n*n/2)``: GEMMs plus causal attention FLOPs."""
@@ -70,6 +72,8 @@ class TimingModel:
         flops = 0.0
         kv_tokens = 0
         for new, cached in chunks:
+            if not self._prefix_attention:
+                cached = 0
             flops += self.prefill_flops(new, cached)
             kv_tokens += new + cached
         compute = flops / self._flops

@@ -1,5 +1,7 @@
 """Engine core on the tiny profile: block 4 tokens, 32 blocks, chunk 32 tokens, 8 running."""
 
+import dataclasses
+
 import pytest
 
 from thunderagent.engine.core import EngineCore, Request, StepOutcome
@@ -204,3 +206,33 @@ def test_kv_in_use_counts_a_shared_prefix_once() -> None:
     assert core.cache.pinned == 4  # the shared prefix, once
     assert load.num_tokens == (4 + core.cache.reserved) * 4
     assert load.num_tokens < 2 * 17  # per-request sums would count the prefix twice
+
+
+def _two_sharing_a_cached_prefix(core: EngineCore) -> StepOutcome:
+    """A 24-token prefix cached by a first request; then two requests sharing it, each with one
+    block of its own, prefilled together: returns their first decode step."""
+    core.add(make_request("warm", 24, [1, 2, 3, 4, 5, 6], out=1), 0.0)
+    drain(core)
+    core.add(make_request("a", 28, [1, 2, 3, 4, 5, 6, 100], out=3), 10.0)
+    core.add(make_request("b", 28, [1, 2, 3, 4, 5, 6, 200], out=3), 10.0)
+    first = core.step(10.0)
+    assert first.kind == "prefill" and first.prefill_tokens == 8  # 4 new tokens each
+    out = core.step(11.0)
+    assert out.kind == "decode"
+    return out
+
+
+def test_each_request_reads_its_own_kv_in_a_decode_step_by_default() -> None:
+    core = EngineCore(TINY)
+    out = _two_sharing_a_cached_prefix(core)
+    assert out.duration == pytest.approx(core.timing.decode_time(2, 28 + 28 + 2))
+
+
+def test_cascade_attention_reads_a_shared_page_once() -> None:
+    eff = dataclasses.replace(TINY.eff, shared_kv_once=True)
+    core = EngineCore(dataclasses.replace(TINY, eff=eff))
+    out = _two_sharing_a_cached_prefix(core)
+    # 6 shared blocks + one of each request's own, 4 tokens a block, plus the two new tokens
+    assert out.duration == pytest.approx(core.timing.decode_time(2, (6 + 2) * 4 + 2))
+    drain(core, 12.0)
+    assert_clean(core)

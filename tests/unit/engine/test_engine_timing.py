@@ -1,5 +1,6 @@
 """Timing model against hand-computed values for a made-up profile."""
 
+import dataclasses
 import math
 
 import pytest
@@ -96,3 +97,14 @@ def test_presets_are_sane() -> None:
     assert get_profile("tiny").capacity_blocks == 32
     with pytest.raises(ValueError, match="unknown engine profile"):
         get_profile("nope")
+
+
+def test_a_prefill_priced_by_its_new_tokens_alone_ignores_the_cached_prefix() -> None:
+    profile = get_profile("llama-3.1-8b-h100")
+    paid = TimingModel(profile)
+    alone = TimingModel(
+        dataclasses.replace(profile, eff=dataclasses.replace(profile.eff, prefix_attention=False))
+    )
+    assert paid.prefill_time([(512, 30_720)]) > 1.9 * paid.prefill_time([(512, 0)])
+    assert alone.prefill_time([(512, 30_720)]) == alone.prefill_time([(512, 0)])
+    assert alone.prefill_time([(512, 0)]) == paid.prefill_time([(512, 0)])

@@ -488,3 +488,28 @@ def test_the_routers_index_holds_what_the_engines_hold_after_requests_arrive_tog
             assert held.get(replay.ids[w], 0) == engine, (rid, w)
             checked += engine > 0
     assert checked > len(trace)  # most prompts are still cached somewhere
+
+
+def test_cli_engine_pricing_reaches_the_engines_and_keeps_the_slo(tmp_path: Path) -> None:
+    """``--engine-pricing dynamo-mocker`` prices the engines' steps as Dynamo's mocker (a prefill
+    by its new tokens, a shared page read once per decode step); the SLO stays the profile's."""
+    from thunderagent.bench.replay import main
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 5 * i, "input_length": 28, "output_length": 6,
+             "hash_ids": [0, 1, 2, 3, 4, 5, 100 + i]} for i in range(24)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "thunder", "--speed", "1", "--quiet"]  # fmt: skip
+    docs = {}
+    for pricing in ("profile", "dynamo-mocker"):
+        out = tmp_path / f"{pricing}.json"
+        main([*common, "--engine-pricing", pricing, "--json", str(out)])
+        docs[pricing] = json.loads(out.read_text())
+    paid, mocker = docs["profile"], docs["dynamo-mocker"]
+    assert (paid["engine_pricing"], mocker["engine_pricing"]) == ("profile", "dynamo-mocker")
+    assert paid["slo_ttft_p99_ms"] == mocker["slo_ttft_p99_ms"]
+    a, b = paid["results"][0], mocker["results"][0]
+    assert a["prefix_hit_ratio"] > 0.5 and b["prefix_hit_ratio"] > 0.5
+    assert b["ttft_ms"]["mean"] < a["ttft_ms"]["mean"]  # 4 new tokens after 24 cached: cheaper
+    assert b["e2e_ms"]["mean"] < a["e2e_ms"]["mean"]  # and decoding sharers read 24 once
