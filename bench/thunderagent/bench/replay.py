@@ -4,7 +4,8 @@
         [--speed X[,Y...]] [--limit N] [--seed S] [--json FILE] [--report FILE.md] [--plot DIR]
         [--scheduler direct] [--load-interval 0.1] [--block-size 512] [--param P.FIELD=VALUE]
         [--migration off|replicate|nixl] [--migration-param FIELD=VALUE] [--hot-window S,E]
-        [--repeats N] [--arrival-jitter-ms J]
+        [--repeats N] [--arrival-jitter-ms J] [--kv-events on|off]
+        [--engine-pricing profile|dynamo-mocker]
 
 Each (policy, speed) run replays the same arrivals through fresh engines, a fresh prefix index
 and a fresh policy instance (``thunderagent.replay``). The JSON holds one entry per run plus the
