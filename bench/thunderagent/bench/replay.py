@@ -122,8 +122,8 @@ def run(
     doc = _document(args, profile, trace, slo_ms, hot.window, seed)
     doc["work_ceiling"] = work_ceiling(trace, timing, args.workers, bs, bounds)
     common = {"timing": timing, "chunk": chunk, "slo_ms": slo_ms}
-    engines = priced(profile, args.engine_pricing)
     common.update(ideal=bounds["ideal"][0], pooled=bounds["pooled"][0])
+    engines = priced(profile, args.engine_pricing)
     results: dict = {}
     runs = [(s, p) for s in args.speed for p in args.policy_list]
     with _progress(args.quiet) as bar:
