@@ -17,11 +17,18 @@ import aiohttp
 
 from thunderagent.embedded import free_port
 
-BASELINES = ("sglang-router", "smg", "smg-dp-aware")
+BASELINES = ("sglang-router", "smg", "smg-dp-aware", "dynamo")
 """HTTP routers ``--baseline`` can put in front of the engines (the pip package named).
 ``smg-dp-aware``: SMG with its ``--dp-aware`` setting (off as it ships), which reads each
-engine's ``dp_size`` and routes to its data-parallel ranks as workers of their own."""
-_PACKAGE = {"sglang-router": "sglang_router", "smg": "smg", "smg-dp-aware": "smg"}
+engine's ``dp_size`` and routes to its data-parallel ranks as workers of their own. ``dynamo``:
+Dynamo 1.6.1's KV router (its runtime-free selection core, every setting its default) behind a
+thin aiohttp proxy of ours (``bench.dynamo_router``): its routing is Dynamo's, its added
+latency is not."""
+_PACKAGE = {
+    "sglang-router": "sglang_router", "smg": "smg", "smg-dp-aware": "smg", "dynamo": "dynamo",
+}  # fmt: skip
+_EXTRA = {"dynamo": "dynamo"}
+"""The pip extra that installs a baseline (``baseline`` unless named here)."""
 _SETTINGS = {"smg-dp-aware": ["--dp-aware"]}
 FRESH_SUFFIX = "/fresh-connections"
 """System-name suffix of a baseline measured with a new client connection per request."""
@@ -31,6 +38,11 @@ def router_argv(baseline: str, port: int, metrics_port: int, engine_urls: list[s
     """The baseline's launch command: ``--policy cache_aware`` and nothing tuned but the setting
     its name says (``_SETTINGS``); only the listening and metrics ports are set (both routers
     default their metrics to 0.0.0.0:29000)."""
+    if baseline == "dynamo":  # our proxy around Dynamo's selection core: no metrics, no policy
+        return [
+            sys.executable, "-m", "thunderagent.bench.dynamo_router", "--host", "127.0.0.1",
+            "--port", str(port), "--worker-urls", *engine_urls,
+        ]  # fmt: skip
     launcher = {
         "sglang_router": ["-m", "sglang_router.launch_router"],
         "smg": ["-m", "smg", "launch"],
@@ -71,7 +83,8 @@ def baseline_missing(baseline: str) -> str | None:
     try:
         __import__(module)
     except ImportError:
-        return f"{baseline} is not installed: pip install 'thunderagent[baseline]'"
+        extra = _EXTRA.get(baseline, "baseline")
+        return f"{baseline} is not installed: pip install 'thunderagent[{extra}]'"
     return None
 
 

@@ -40,6 +40,15 @@ def test_router_argv_is_cache_aware_with_defaults(baseline: str) -> None:
     )
 
 
+def test_dynamo_runs_our_proxy_around_its_selection_core_with_nothing_set() -> None:
+    assert routers.parse_baselines("smg,dynamo") == ["smg", "dynamo"]
+    argv = routers.router_argv("dynamo", 8000, 9000, ["http://e0", "http://e1"])
+    assert argv[1:3] == ["-m", "thunderagent.bench.dynamo_router"]
+    assert argv[argv.index("--worker-urls") + 1 :] == ["http://e0", "http://e1"]
+    # no routing knob on the line: the selection core applies KvRouterConfig's defaults
+    assert {a for a in argv if a.startswith("--")} == {"--host", "--port", "--worker-urls"}
+
+
 def test_system_names_keep_the_plain_name_for_keepalive() -> None:
     assert routers.system_name("sglang-router", "keepalive") == "sglang-router"
     assert routers.system_name("smg", "fresh") == "smg/fresh-connections"
