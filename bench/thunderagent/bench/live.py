@@ -1,7 +1,8 @@
 """Live benchmark: a trace's requests through the running stack over NATS, and optionally the
 same requests through HTTP routers in front of the same simulated engines, measured in one run on
 one machine: SGLang's router (``sglang-router`` 0.3.2) and SMG (``smg`` 1.13.0), both
-``--policy cache_aware`` with their shipped defaults.
+``--policy cache_aware`` with their shipped defaults, and Dynamo 1.6.1's KV router (``dynamo``:
+its selection core with its defaults, behind a thin proxy of ours, ``bench.dynamo_router``).
 
 Each trace block id becomes its own deterministic run of tokens, so equal ids mean equal
 prefixes. Requests are sent open loop at ``--rate`` per second in trace order. For every request
@@ -15,7 +16,7 @@ its response headers and first chunk meet Nagle's algorithm and the client's del
 on Linux). A fresh connection starts in quick-ACK mode and sees no such stall. Both are measured.
 
     thunderagent bench live --trace PATH --rate 200 --duration 30 \
-        [--via nats|gateway|gateway-embedded] [--baseline sglang-router,smg] \
+        [--via nats|gateway|gateway-embedded] [--baseline sglang-router,smg,dynamo] \
         [--client-connections keepalive|fresh|both]
 
 ``--via gateway`` sends our requests over HTTP too (OpenAI ``/v1/completions`` through
