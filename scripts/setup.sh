@@ -42,9 +42,11 @@ if [ "${THUNDERAGENT_SKIP_CONTRACT:-0}" != "1" ]; then
   $PIP install -q "smg==1.13.0"
   # --no-deps leaves SGLang's (torch, ...) requirements unmet on purpose: don't list them
   $PIP install -q --no-deps --no-warn-conflicts "sglang==0.5.23"
-  # Dynamo's RadixTree (CPU only) for the index agreement test and `bench index`: a 75 MB
-  # wheel (~220 MB installed, seconds from pip's cache); it pins pydantic <= 2.13.5.
-  echo "== installing ai-dynamo-runtime==1.6.1 for the index agreement test"
+  # Dynamo (CPU only): its RadixTree for the index agreement test and `bench index`, its offline
+  # replay for `bench dynamo-sim`, its router's selection core for `bench live --baseline
+  # dynamo`: a 75 MB wheel (~220 MB installed, seconds from pip's cache); it pins pydantic
+  # <= 2.13.5.
+  echo "== installing ai-dynamo-runtime==1.6.1 (Dynamo's index, router and offline replay)"
   $PIP install -q --no-warn-conflicts "ai-dynamo-runtime==1.6.1"
 fi
 .venv/bin/thunderagent --help >/dev/null  # the CLI imports and parses
