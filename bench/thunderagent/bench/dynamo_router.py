@@ -39,6 +39,8 @@ async def register(service, session: aiohttp.ClientSession, urls: list[str]) -> 
         events = info.get("kv_events") or {}  # SGLang 0.5's description of its publisher
         if not events.get("endpoint_port_base"):
             raise SystemExit(f"{url} publishes no KV events: Dynamo's router needs them")
+        if int(info.get("dp_size") or 1) != 1:  # rank r publishes on base + r: not wired here
+            raise SystemExit(f"{url} has {info['dp_size']} data-parallel ranks; one is supported")
         host = events["endpoint_host"]
         endpoint = f"tcp://{host}:{events['endpoint_port_base']}"
         replay = events.get("replay_endpoint_port_base")
@@ -74,7 +76,12 @@ class DynamoProxy:
         tokens = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not tokens:
             return web.json_response({"error": "input_ids: a non-empty token list"}, status=400)
-        chosen = await self.service.select_and_reserve({"model_name": MODEL, "token_ids": tokens})
+        try:
+            chosen = await self.service.select_and_reserve(
+                {"model_name": MODEL, "token_ids": tokens}
+            )
+        except Exception as err:  # no schedulable worker, or a prompt it refuses: say which
+            return web.json_response({"error": f"Dynamo's selection: {err}"}, status=503)
         sid = chosen["selection_id"]
         try:
             async with self.session.post(chosen["endpoint"] + "/generate", json=body) as up:
