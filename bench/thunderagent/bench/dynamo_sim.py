@@ -34,6 +34,7 @@ from statistics import median
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import capacity, default_slo_ms, load
+from thunderagent.bench.replay_args import param_value
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import TraceError, TraceRequest
@@ -279,10 +280,7 @@ def _router_params(items: list[str], p) -> dict:
         name, sep, raw = item.partition("=")
         if not (sep and name):
             p.error(f"--kv-router-param {item!r}: expected FIELD=VALUE")
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
+        out[name] = param_value(raw)
     try:
         _dynamo().KvRouterConfig(**out)
     except (TypeError, ValueError) as err:

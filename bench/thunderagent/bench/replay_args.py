@@ -39,7 +39,7 @@ def _policies(text: str) -> list[str]:
     return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
 
 
-def _value(raw: str) -> object:
+def param_value(raw: str) -> object:
     """An override's VALUE: JSON (a number, true, null), else the string as given."""
     try:
         return json.loads(raw)
@@ -55,7 +55,7 @@ def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
         policy, dot, name = key.partition(".")
         if not (sep and dot and policy and name):
             p.error(f"--param {item!r}: expected POLICY.FIELD=VALUE")
-        out.setdefault(policy, {})[name] = _value(raw)
+        out.setdefault(policy, {})[name] = param_value(raw)
     return out
 
 
@@ -66,7 +66,7 @@ def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
         name, sep, raw = item.partition("=")
         if not (sep and name):
             p.error(f"--sched-param {item!r}: expected FIELD=VALUE")
-        out[name] = _value(raw)
+        out[name] = param_value(raw)
     try:  # the registry names an unknown parameter; the params validate the values
         SCHEDULERS.create("thunder", **out)
     except (ValueError, TypeError) as err:
