@@ -52,6 +52,7 @@ from thunderagent.bench.baseline_routers import (
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.loadgen import error_codes
+from thunderagent.bench.replay_args import sched_overrides
 from thunderagent.client import ThunderClient
 from thunderagent.embedded import nats_gomaxprocs
 from thunderagent.engine.profiles import PRESETS
@@ -298,6 +299,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", default="thunder")
     p.add_argument(
+        "--sched-param", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a parameter of the stack's scheduler (repeatable), as bench replay's",
+    )  # fmt: skip
+    p.add_argument(
         "--via",
         choices=ENTRY_POINTS,
         default="nats",
@@ -339,8 +344,25 @@ def _fleet_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sched_overrides(args.sched_param, parser)  # a bad name or value: a usage error now
+    return args
+
+
+def stack_config(args: argparse.Namespace) -> StackConfig:
+    """The stack ours runs on (the baselines route to its engines)."""
+    return StackConfig(
+        workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
+        dp_size=args.dp_size, kv_events=args.kv_events == "on",
+        scheduler_args=[f"--param={item}" for item in args.sched_param],
+        **entry_point_settings(args.via),
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
 
     try:
         trace = load_trace(args.trace)
@@ -349,11 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     requests = build_requests(
         trace, args.rate, args.duration, args.tokens_per_block, args.max_output
     )
-    config = StackConfig(
-        workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
-        dp_size=args.dp_size, kv_events=args.kv_events == "on",
-        **entry_point_settings(args.via),
-    )  # fmt: skip
+    config = stack_config(args)
     print(f"{len(requests)} requests at {args.rate}/s; starting the stack ...", file=sys.stderr)
     stack = Stack.start(config)
     systems: dict[str, dict] = {}
@@ -398,6 +416,7 @@ def build_report(args: argparse.Namespace, systems: dict[str, dict]) -> dict:
         "tokens_per_block": args.tokens_per_block,
         "max_output": args.max_output,
         "policy": args.policy,
+        "sched_params": args.sched_param,
         "kv_events": args.kv_events,
         "via": args.via,
         "client": {"tcp_nodelay": True, "connections": args.client_connections},

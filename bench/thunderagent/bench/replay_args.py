@@ -59,7 +59,7 @@ def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
     return out
 
 
-def _sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
+def sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
     """``--sched-param FIELD=VALUE`` items -> SchedParams overrides, checked now."""
     out: dict = {}
     for item in items:
@@ -180,7 +180,7 @@ def _checked(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.N
             POLICIES.create(policy, **values)
         except (ValueError, TypeError) as err:
             p.error(f"--param: {err}")
-    args.sched_params = _sched_overrides(args.sched_param, p)
+    args.sched_params = sched_overrides(args.sched_param, p)
     _sched_params_used(args, p)
     args.migration_params = migration_cli.overrides(args.migration_param, p)
     if args.migration_params and args.migration == "off":

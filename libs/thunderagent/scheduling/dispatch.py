@@ -175,7 +175,8 @@ class DispatchPass:
         room = self._room(w)
         if not room.prefill_full:  # the usual case: no hit to look up
             return False
-        return _cold(room, self.groups.first_uncached(w, req.block_hashes, self._cached(req, w)))
+        hit = self.groups.first_uncached(w, req.block_hashes, self._cached(req, w))
+        return _cold(room, req, hit, self.params.cold_shared_hits)
 
     def _has_room(self, w: str, need: int) -> bool:
         """``admission.has_room`` with each worker's state read once per dispatch pass: past
@@ -236,7 +237,7 @@ class DispatchPass:
                 return False
         need = kv_need(req, cached)
         room = self._room(w)
-        if not room.fits(need) or _cold(room, cached):
+        if not room.fits(need) or _cold(room, req, cached, p.cold_shared_hits):
             return False  # no room; or cold, and it waits in this queue, not the engine's
         decode = None
         if p.pd_mode == "disaggregated":
@@ -319,7 +320,12 @@ class DispatchPass:
         return True
 
 
-def _cold(room: Headroom, hit_blocks: int) -> bool:
-    """A request with ``hit_blocks`` cached on a worker in state ``room`` is held by the cold
-    prefill queue bound: nothing of it is cached there and the bound is reached."""
-    return room.prefill_full and not hit_blocks
+def _cold(room: Headroom, req: SchedRequest, hit_blocks: int, shared_only: bool) -> bool:
+    """``req``, with ``hit_blocks`` cached on a worker in state ``room``, is held by the cold
+    prefill queue bound: the bound is reached and nothing of it is cached there, or (with
+    ``shared_only``) no more than every other candidate caches too (a shared system prompt)."""
+    if not room.prefill_full:
+        return False
+    if shared_only and len(req.candidates) > 1:
+        return hit_blocks <= min(c for _, c in req.candidates)
+    return not hit_blocks

@@ -58,6 +58,17 @@ class SchedParams:
     what helps: with ``order`` fcfs the bound changes nothing there. Traffic with shared
     prefixes (the bursty, hot-spot and agent workloads) rarely has a cold request; holding
     requests with a hit as well (any bound) lost capacity there (bursty seed 0: 12x -> 6x)."""
+    cold_shared_hits: bool = False
+    """Under ``cold_prefill_queue_tokens``, a request whose hit on a worker is no more than
+    every other candidate caches (a system prompt all hold) counts as cold there too. Off:
+    one shared block exempts a request from the bound, and when a worker whose KV was full
+    frees room, every request waiting for it goes at once, short prompts behind long ones in
+    its engine's first-come queue (the conversation trace's first 600 requests, 4 workers,
+    outputs capped at 16 tokens as ``bench live`` sends them: TTFT p99 off / on 22.8 / 16.2 s
+    at 2x, 26.6 / 31.6 s at 2.3x). Rejected on the generated workloads (thunder as deployed,
+    capacity): bursty seed 0 12x -> 10x (p99 at 12x 3.56 -> 6.61 s: a burst's first request,
+    the one that prefills its document, waits), seeds 1-2, hot spot 0-2 and agent 0-1
+    unchanged (docs/benchmarks.md, "Stop 65")."""
     spill_after_s: float = 0.5
     """A request whose first candidate gave it no room this long may go to the next one: long
     enough that a short decode frees a slot first, short against a re-prefill elsewhere."""

@@ -94,6 +94,8 @@ class StackConfig:
     """PD: the first this many workers prefill, the others decode (0: no PD)."""
     pd_via: str = "sglang"
     """``sglang``: engines in SGLang's PD modes; ``workers``: the workers move the KV."""
+    scheduler_args: list[str] = field(default_factory=list)
+    """Extra ``thunderagent scheduler`` flags (benchmarks: ``--param FIELD=VALUE``)."""
     migration_args: list[str] = field(default_factory=list)
     """Extra ``thunderagent migration`` flags (benchmarks: ``--orders-only``, ``--param``)."""
     engine_args: list[str] = field(default_factory=list)
@@ -232,7 +234,7 @@ class Stack:
         self._service("index", "index", *nats, "--redis", self.redis_url)
         pulls = [] if c.pull_min_tokens is None else ["--pull-min-tokens", str(c.pull_min_tokens)]
         pd = ["--policy", "pd_uncapped"] if c.prefill_workers else []
-        self._service("scheduler", "scheduler", *nats, *pulls, *pd)
+        self._service("scheduler", "scheduler", *nats, *pulls, *pd, *c.scheduler_args)
         for i in range(c.routers):
             self._service(f"router-{i}", "router", *nats, "--policy", c.policy,
                           "--redis", self.redis_url, *pulls)  # fmt: skip

@@ -109,3 +109,12 @@ def test_summary_separates_the_engines_time_and_counts_token_messages() -> None:
     assert summary["added_latency_ms"]["mean"] == 8.0  # (6 + 10) / 2
     assert summary["token_messages_per_request"] == 4.0
     assert summary["prefix_hit_ratio"] == 0.25
+
+
+def test_sched_params_reach_the_stacks_scheduler_and_bad_ones_are_refused(capsys) -> None:
+    args = live.parse_args(["--trace", "t.jsonl", "--sched-param", "order=fcfs"])
+    assert live.stack_config(args).scheduler_args == ["--param=order=fcfs"]
+    assert live.stack_config(live.parse_args(["--trace", "t.jsonl"])).scheduler_args == []
+    with pytest.raises(SystemExit):
+        live.parse_args(["--trace", "t.jsonl", "--sched-param", "no_such_knob=1"])
+    assert "no parameter 'no_such_knob'" in capsys.readouterr().err

@@ -103,3 +103,27 @@ def test_no_run_is_preempted_for_a_request_the_queue_holds() -> None:
     assert s.poll(0.3) == []
     assert s.poll(5.0) == []
     assert s.counters["preempted"] == 0
+
+
+def test_a_hit_every_candidate_holds_counts_as_cold_when_asked() -> None:
+    """A system prompt cached everywhere is no reason to join this worker's queue: with
+    ``cold_shared_hits`` the request waits here, then spills to the worker whose queue is
+    short; without it, the one shared block lets it through."""
+    shared = [("w0", 1), ("w1", 1)]
+    on = scheduler(workers=("w0", "w1"), cold_shared_hits=True)
+    at_bound(on)
+    on.submit(req("c", 0.0, cands=shared), 0.0)
+    assert on.poll(0.0) == []
+    assert on.poll(0.5) == [Dispatch("c", "w1")]
+    off = scheduler(workers=("w0", "w1"))
+    at_bound(off)
+    off.submit(req("c", 0.0, cands=shared), 0.0)
+    assert off.poll(0.0) == [Dispatch("c", "w0")]
+
+
+def test_a_hit_only_this_worker_holds_is_never_held() -> None:
+    s = scheduler(workers=("w0", "w1"), cold_shared_hits=True)
+    at_bound(s)
+    s.submit(req("own", 0.0, cands=[("w0", 2), ("w1", 1)]), 0.0)  # one block more on w0
+    s.submit(req("only", 0.0, cands=[("w0", 1)]), 0.0)  # w0 alone serves it
+    assert sorted(sent(s.poll(0.0))) == ["only", "own"]
