@@ -65,10 +65,11 @@ class SchedParams:
     frees room, every request waiting for it goes at once, short prompts behind long ones in
     its engine's first-come queue (the conversation trace's first 600 requests, 4 workers,
     outputs capped at 16 tokens as ``bench live`` sends them: TTFT p99 off / on 22.8 / 16.2 s
-    at 2x, 26.6 / 31.6 s at 2.3x). Rejected on the generated workloads (thunder as deployed,
-    capacity): bursty seed 0 12x -> 10x (p99 at 12x 3.56 -> 6.61 s: a burst's first request,
-    the one that prefills its document, waits), seeds 1-2, hot spot 0-2 and agent 0-1
-    unchanged (docs/benchmarks.md, "Stop 65")."""
+    at 2x, 26.6 / 31.6 s at 2.3x). Off by default because the generated workloads disagree
+    (thunder as deployed, capacity): bursty seed 0 12x -> 10x (a burst's first request, the
+    one that prefills its document, waits), unique prompts under a system prompt seed 2
+    8x -> 12x, long unique prompts seed 0 0.3x -> 0.5x and seed 1 0.3x -> 0.2x, hot spot and
+    agent unchanged (docs/benchmarks.md, "Stop 65")."""
     spill_after_s: float = 0.5
     """A request whose first candidate gave it no room this long may go to the next one: long
     enough that a short decode frees a slot first, short against a re-prefill elsewhere."""
