@@ -258,6 +258,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--block-size", type=at_least(1), default=512)
     p.add_argument("--limit", type=at_least(1), default=None)
+    p.set_defaults(max_output=None)  # bench replay's loader reads it: the trace's own lengths
     p.add_argument("--slo-ttft-p99-ms", type=positive, default=None)
     p.add_argument("--replay-json", type=Path, default=None)
     p.add_argument("--json", type=output_file, default=None)

@@ -94,10 +94,14 @@ def default_slo_ms(trace, timing: TimingModel, chunk: int) -> float:
 
 
 def load(args: argparse.Namespace) -> list[TraceRequest]:
-    """The trace ``--trace`` names (``--limit``, ``--block-size``); exits when it is empty."""
+    """The trace ``--trace`` names (``--limit``, ``--block-size``, ``--max-output``); exits when
+    it is empty."""
     trace = load_trace(args.trace, args.limit, args.block_size)
     if not trace:
         raise SystemExit(f"{args.trace}: no requests")
+    if args.max_output is not None:
+        cap = args.max_output
+        trace = [dataclasses.replace(r, output_len=min(r.output_len, cap)) for r in trace]
     return trace
 
 
@@ -176,6 +180,7 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window, s
     return {
         "trace": args.trace.name,
         "trace_requests": len(trace),
+        "max_output": args.max_output,
         "cluster": {
             "workers": args.workers,
             "profile": profile.name,

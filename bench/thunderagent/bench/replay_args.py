@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="arrival-rate multiplier(s), comma list (default: 1)",
     )  # fmt: skip
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
+    p.add_argument(
+        "--max-output", type=at_least(1), default=None,
+        help="cap each request's output tokens (bench live sends at most its --max-output, 16)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats", type=at_least(1), default=1,

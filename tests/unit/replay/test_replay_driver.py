@@ -513,3 +513,20 @@ def test_cli_engine_pricing_reaches_the_engines_and_keeps_the_slo(tmp_path: Path
     assert a["prefix_hit_ratio"] > 0.5 and b["prefix_hit_ratio"] > 0.5
     assert b["ttft_ms"]["mean"] < a["ttft_ms"]["mean"]  # 4 new tokens after 24 cached: cheaper
     assert b["e2e_ms"]["mean"] < a["e2e_ms"]["mean"]  # and decoding sharers read 24 once
+
+
+def test_cli_max_output_caps_what_each_request_generates(tmp_path: Path) -> None:
+    """``--max-output`` replays what ``bench live`` sends: every answer cut at the cap."""
+    from thunderagent.bench.replay import parse_args, run
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 50 * i, "input_length": 28, "output_length": 3 + i % 5,
+             "hash_ids": [0, 1, 2, 3, 4, 5, 100 + i]} for i in range(12)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "round_robin", "--speed", "1", "--quiet"]  # fmt: skip
+    for flags, expected in (([], [3 + i % 5 for i in range(12)]), (["--max-output", "4"], None)):
+        doc, results = run(parse_args([*common, *flags]))
+        got = [r.completion_tokens for r in next(iter(results.values())).records]
+        assert got == (expected or [min(3 + i % 5, 4) for i in range(12)])
+        assert doc["max_output"] == (4 if flags else None)
