@@ -2,7 +2,7 @@
 
     thunderagent bench dynamo-sim --trace PATH [--speed X[,Y...]] [--workers 8]
         [--profile NAME] [--block-size 512] [--limit N] [--slo-ttft-p99-ms MS]
-        [--kv-router-param FIELD=VALUE] [--replay-json FILE] [--json FILE]
+        [--kv-router-param FIELD=VALUE] [--repeats N] [--replay-json FILE] [--json FILE]
 
 Dynamo 1.6.1 ships an offline replay (``run_mocker_trace_replay`` in the ``ai-dynamo-runtime``
 wheel, the ``dynamo`` extra): its KV router in front of its mocker engines (the SGLang backend's
@@ -18,6 +18,9 @@ the prompts (the prefix hit ratio) and the TTFT tails. The SLO and the capacity 
 ``bench replay``'s (the trace's p99 no-cache prefill under the profile + 3 s).
 ``--kv-router-param`` sets one of ``KvRouterConfig``'s keyword arguments away from its default
 (``router_predicted_ttl_secs=30``: prediction on route); the JSON names every one set.
+Dynamo's replay is not exactly repeatable (each request gets a random UUID, and ties among its
+workers fall differently): ``--repeats N`` runs every cell N times and reports each figure's
+mean, sample sd, min and max, and sets the replay beside the mean.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import os
 import tempfile
 from collections import Counter
 from importlib import metadata
-from itertools import pairwise
+from itertools import pairwise, product
 from pathlib import Path
 from statistics import median
 
@@ -35,6 +38,7 @@ from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import capacity, default_slo_ms, load
 from thunderagent.bench.replay_args import param_value
+from thunderagent.bench.replay_spread import stats
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import TraceError, TraceRequest
@@ -150,24 +154,51 @@ def _entry(router: str, speed: float, trace_len: int, result, slo_ms: float) -> 
 
 
 def sweep(core, path: Path, trace_len: int, engine: dict, args, slo_ms: float) -> list[dict]:
-    """Every (router, speed) through Dynamo's replay."""
+    """Every (router, speed) through Dynamo's replay, ``--repeats`` times (``run``: which)."""
     out = []
-    for router in ROUTERS:
-        for speed in args.speed:
-            result = core.run_mocker_trace_replay(
-                [str(path)],
-                extra_engine_args={"engine": engine},
-                num_workers=args.workers,
-                router_mode=router,
-                router_config=core.KvRouterConfig(**args.kv_router_param)
-                if router == "kv_router"
-                else None,
-                arrival_speedup_ratio=speed,
-                trace_block_size=args.block_size,
-                capture_per_request=True,
-            )
-            out.append(_entry(router, speed, trace_len, result, slo_ms))
+    for run, router, speed in product(range(args.repeats), ROUTERS, args.speed):
+        result = core.run_mocker_trace_replay(
+            [str(path)],
+            extra_engine_args={"engine": engine},
+            num_workers=args.workers,
+            router_mode=router,
+            router_config=core.KvRouterConfig(**args.kv_router_param)
+            if router == "kv_router"
+            else None,
+            arrival_speedup_ratio=speed,
+            trace_block_size=args.block_size,
+            capture_per_request=True,
+        )
+        out.append(_entry(router, speed, trace_len, result, slo_ms) | {"run": run})
     return out
+
+
+def spread(results: list[dict]) -> dict:
+    """Each (router, speed) cell's hit ratio and TTFT p99 over the runs, and each run's
+    capacity."""
+    cells: dict[tuple[str, float], list[dict]] = {}
+    runs: dict[int, list[dict]] = {}
+    for e in results:
+        cells.setdefault((e["policy"], e["speed"]), []).append(e)
+        runs.setdefault(e["run"], []).append(e)
+    rows = [
+        {
+            "policy": router,
+            "speed": speed,
+            "runs": len(entries),
+            "prefix_hit_ratio": stats([e["prefix_hit_ratio"] for e in entries]),
+            "ttft_p99_all_ms": stats([e["ttft_p99_all_ms"] for e in entries]),
+            "slo_met_runs": sum(e["slo_met"] for e in entries),
+        }
+        for (router, speed), entries in cells.items()
+    ]
+    per_run = [capacity(entries, list(ROUTERS)) for entries in runs.values()]
+    return {
+        "cells": rows,
+        "max_speed_meeting_slo": {
+            r: [c[r]["max_speed_meeting_slo"] for c in per_run] for r in ROUTERS
+        },
+    }
 
 
 PEERS = {"kv_router": "dynamo_kv", "round_robin": "round_robin"}
@@ -221,6 +252,38 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _means(spread_doc: dict) -> list[dict]:
+    """Each cell's mean over the runs, shaped as a run's entry (the SLO met in every run)."""
+    return [
+        {
+            "policy": c["policy"],
+            "speed": c["speed"],
+            "prefix_hit_ratio": c["prefix_hit_ratio"]["mean"],
+            "ttft_p99_all_ms": c["ttft_p99_all_ms"]["mean"],
+            "slo_met": c["slo_met_runs"] == c["runs"],
+        }
+        for c in spread_doc["cells"]
+    ]
+
+
+def spread_table(spread_doc: dict) -> str:
+    lines = [
+        "Over the runs: mean ± sd (min-max); capacity in each run:",
+        "| router | speed | runs | hit | TTFT p99 s | SLO met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in spread_doc["cells"]:
+        h, t = c["prefix_hit_ratio"], c["ttft_p99_all_ms"]
+        lines.append(
+            f"| {c['policy']} | {c['speed']:g} | {c['runs']} | {h['mean']:.3f} ± {h['sd']:.3f} "
+            f"({h['min']:.3f}-{h['max']:.3f}) | {t['mean'] / 1000:.2f} ± {t['sd'] / 1000:.2f} "
+            f"({t['min'] / 1000:.2f}-{t['max'] / 1000:.2f}) | {c['slo_met_runs']} of {c['runs']} |"
+        )
+    for router, caps in spread_doc["max_speed_meeting_slo"].items():
+        lines.append(f"capacity {router}: {caps}")
+    return "\n".join(lines)
+
+
 def beside_table(rows: list[dict]) -> str:
     lines = [
         "Dynamo's simulator beside the replay (hit ratio; TTFT p99 s; SLO met):",
@@ -260,6 +323,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--limit", type=at_least(1), default=None)
     p.set_defaults(max_output=None)  # bench replay's loader reads it: the trace's own lengths
     p.add_argument("--slo-ttft-p99-ms", type=positive, default=None)
+    p.add_argument(
+        "--repeats", type=at_least(1), default=1,
+        help="run every cell N times (Dynamo's replay is not exactly repeatable): mean, sd, "
+        "min and max of each figure; the replay is set beside the mean",
+    )  # fmt: skip
     p.add_argument("--replay-json", type=Path, default=None)
     p.add_argument("--json", type=output_file, default=None)
     p.add_argument(
@@ -315,14 +383,22 @@ def main(argv: list[str] | None = None) -> None:
         "kv_router_params": args.kv_router_param,
         "timing": timing,
         "slo_ttft_p99_ms": round(slo_ms, 1),
+        "repeats": args.repeats,
         "results": results,
-        "capacity": capacity(results, list(ROUTERS)),
+        "capacity": capacity([e for e in results if e["run"] == 0], list(ROUTERS)),
     }
+    compared = [e for e in results if e["run"] == 0]
+    if args.repeats > 1:
+        doc["spread"] = spread(results)
+        compared = _means(doc["spread"])
     if args.replay_json:
-        doc["beside_replay"] = beside(results, _read_json(args.replay_json), args.trace)
+        doc["beside_replay"] = beside(compared, _read_json(args.replay_json), args.trace)
     if args.json:
         write_json(args.json, doc)
     print(table(doc))
+    if args.repeats > 1:
+        print()
+        print(spread_table(doc["spread"]))
     if args.replay_json:
         print()
         print(beside_table(doc["beside_replay"]))

@@ -157,3 +157,54 @@ def test_the_replays_dynamo_kv_finds_what_dynamos_router_finds(core, tmp_path: P
     for r in rows:
         assert r["hit"]["dynamo"] == pytest.approx(r["hit"]["replay"], abs=0.03), r
     assert min(r["hit"]["replay"] for r in rows if r["router"] == "kv_router") > 0.5
+
+
+def test_repeats_report_each_cells_spread_and_set_the_replay_beside_the_mean(
+    core, tmp_path: Path
+) -> None:
+    trace = _write_trace(tmp_path / "docs.jsonl")
+    ours = tmp_path / "replay.json"
+    ours.write_text(json.dumps({"trace": trace.name, "results": [
+        {"policy": p, "speed": 0.5, "prefix_hit_ratio": 0.5, "ttft_p99_all_ms": 900.0,
+         "slo_met": True} for p in ("dynamo_kv", "round_robin")]}))  # fmt: skip
+    out = tmp_path / "out.json"
+    argv = ["--trace", str(trace), "--limit", "40", "--speed", "0.5", "--repeats", "3"]
+    dynamo_sim.main([*argv, "--replay-json", str(ours), "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert sorted((e["policy"], e["run"]) for e in doc["results"]) == [
+        (router, run) for router in ("kv_router", "round_robin") for run in range(3)
+    ]
+    cells = {c["policy"]: c for c in doc["spread"]["cells"]}
+    for router, cell in cells.items():
+        hits = sorted(e["prefix_hit_ratio"] for e in doc["results"] if e["policy"] == router)
+        h = cell["prefix_hit_ratio"]
+        assert cell["runs"] == 3 and (h["min"], h["max"]) == (hits[0], hits[-1])
+        assert h["mean"] == pytest.approx(sum(hits) / 3)
+    assert all(len(c) == 3 for c in doc["spread"]["max_speed_meeting_slo"].values())
+    beside = {r["router"]: r for r in doc["beside_replay"]}
+    for router, cell in cells.items():
+        assert beside[router]["hit"]["dynamo"] == cell["prefix_hit_ratio"]["mean"]
+        assert beside[router]["hit"]["replay"] == 0.5
+
+
+def test_spread_and_the_means_the_replay_is_set_beside() -> None:
+    def run(run, policy, speed, hit, p99, met):
+        return {"run": run, "policy": policy, "speed": speed, "prefix_hit_ratio": hit,
+                "ttft_p99_all_ms": p99, "slo_met": met, "goodput_rps": 1.0}  # fmt: skip
+
+    results = [
+        run(0, "kv_router", 1.0, 0.30, 900.0, True), run(1, "kv_router", 1.0, 0.36, 1500.0, False),
+        run(0, "kv_router", 2.0, 0.20, 5000.0, False), run(1, "kv_router", 2.0, 0.20, 800.0, True),
+        run(0, "round_robin", 1.0, 0.0, 700.0, True), run(1, "round_robin", 1.0, 0.0, 700.0, True),
+        run(0, "round_robin", 2.0, 0.0, 9e9, False), run(1, "round_robin", 2.0, 0.0, 9e9, False),
+    ]  # fmt: skip
+    s = dynamo_sim.spread(results)
+    assert s["max_speed_meeting_slo"] == {"kv_router": [1.0, 2.0], "round_robin": [1.0, 1.0]}
+    means = {(m["policy"], m["speed"]): m for m in dynamo_sim._means(s)}
+    kv = means[("kv_router", 1.0)]
+    assert kv["prefix_hit_ratio"] == pytest.approx(0.33)
+    assert kv["ttft_p99_all_ms"] == pytest.approx(1200.0)
+    assert kv["slo_met"] is False  # met in one run of two
+    assert means[("round_robin", 1.0)]["slo_met"] is True
+    cell = next(c for c in s["cells"] if (c["policy"], c["speed"]) == ("kv_router", 1.0))
+    assert (cell["prefix_hit_ratio"]["min"], cell["prefix_hit_ratio"]["max"]) == (0.30, 0.36)
