@@ -88,36 +88,10 @@ class Executor:
             return report
 
     async def _move(self, action) -> MigrationReport:
-        offer = await self._ask(
-            "export",
-            subjects.worker_kv_export(action.source),
-            KvExportRequest(
-                migration_id=action.action_id,
-                prefix_hash=action.prefix_hash,
-                blocks=action.blocks,
-                hold_s=self.timeouts.hold_s,
-            ),
-            KvExportOffer,
-            self.timeouts.export_s,
-        )
-        if offer.blocks <= 0:
-            raise MoveFailed(f"source {action.source}: {offer.reason or 'nothing to export'}")
+        offer = await self._export(action)
         result: KvPullResult | None = None
         try:
-            result = await self._ask(
-                "pull",
-                subjects.worker_kv_pull(action.target),
-                KvPullRequest(
-                    migration_id=action.action_id,
-                    source_worker=action.source,
-                    offer=offer,
-                    timeout_s=max(0.5, self.timeouts.pull_s - 1.0),
-                ),
-                KvPullResult,
-                self.timeouts.pull_s,
-            )
-            if not result.ok:
-                raise MoveFailed(f"target {action.target}: {result.reason}")
+            result = await self._pull(action, offer)
         finally:
             drop = isinstance(action, Migrate) and result is not None and result.ok
             await self._release(action, drop)
@@ -133,6 +107,42 @@ class Executor:
             verified=result.verified,
             blocks=offer.blocks,
         )
+
+    async def _export(self, action) -> KvExportOffer:
+        """The source's offer of the prefix's pages, held for the pull."""
+        offer = await self._ask(
+            "export",
+            subjects.worker_kv_export(action.source),
+            KvExportRequest(
+                migration_id=action.action_id,
+                prefix_hash=action.prefix_hash,
+                blocks=action.blocks,
+                hold_s=self.timeouts.hold_s,
+            ),
+            KvExportOffer,
+            self.timeouts.export_s,
+        )
+        if offer.blocks <= 0:
+            raise MoveFailed(f"source {action.source}: {offer.reason or 'nothing to export'}")
+        return offer
+
+    async def _pull(self, action, offer: KvExportOffer) -> KvPullResult:
+        """The target pulls what the source offered; a failed pull raises ``MoveFailed``."""
+        result = await self._ask(
+            "pull",
+            subjects.worker_kv_pull(action.target),
+            KvPullRequest(
+                migration_id=action.action_id,
+                source_worker=action.source,
+                offer=offer,
+                timeout_s=max(0.5, self.timeouts.pull_s - 1.0),
+            ),
+            KvPullResult,
+            self.timeouts.pull_s,
+        )
+        if not result.ok:
+            raise MoveFailed(f"target {action.target}: {result.reason}")
+        return result
 
     async def _release(self, action, drop: bool) -> None:
         """Unpin at the source; a failure here only costs the pin's ``hold_s`` lease."""
