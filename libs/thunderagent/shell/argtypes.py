@@ -5,6 +5,7 @@ started (a block size of 0 divided by zero in the engine; a negative worker coun
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -168,3 +169,18 @@ def output_dir(text: str) -> Path:
     else:
         _writable_parent(path)
     return path
+
+
+def field_values(items: Iterable[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` items -> keyword parameters (VALUE as JSON, else the string itself);
+    ``ValueError`` names a malformed item."""
+    out: dict[str, object] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out

@@ -44,18 +44,12 @@ def _metrics_arg(p: argparse.ArgumentParser) -> None:
 
 def _params(items: list[str]) -> dict:
     """``FIELD=VALUE`` pairs (VALUE as JSON, else a string) -> keyword parameters."""
-    import json
+    from thunderagent.shell.argtypes import field_values
 
-    out: dict = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--param {item!r}: expected FIELD=VALUE")
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
-    return out
+    try:
+        return field_values(items)
+    except ValueError as err:
+        raise SystemExit(f"--param {err}") from None
 
 
 def _checked(command: str, build: Callable[[], object]) -> None:

@@ -19,6 +19,11 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
         help="router replicas (0 with --gateway-embed-router: only the gateways route; NATS "
         "clients then find no router)",
     )  # fmt: skip
+    p.add_argument(
+        "--sched-param", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a parameter of the scheduler (repeatable; VALUE is JSON or a string), "
+        "e.g. cold_shared_hits=true",
+    )  # fmt: skip
     p.add_argument("--run-dir", default=None, help="logs and data (default: a new temp folder)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics per service")
     _bus_arguments(p)

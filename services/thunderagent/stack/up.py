@@ -32,6 +32,7 @@ from thunderagent.embedded import (
     wait_for_port,
     write_credentials,
 )
+from thunderagent.shell.argtypes import field_values
 from thunderagent.stack.engine_flags import (
     DEFAULT_MODEL,
     adapter_names,
@@ -113,6 +114,7 @@ class StackConfig:
             raise ValueError("--prefill-workers must be below --workers (no decode worker left)")
         if args.prefill_workers and args.engine == "instant":
             raise ValueError("--prefill-workers needs timed engines (--engine instant has no PD)")
+        _check_sched_params(args.sched_param, "pd_uncapped" if args.prefill_workers else "thunder")
         return cls(
             workers=args.workers,
             nats_url=args.nats,
@@ -140,7 +142,18 @@ class StackConfig:
             lora_adapters=adapter_names(args.lora_paths),
             prefill_workers=args.prefill_workers,
             pd_via=args.pd_via,
+            scheduler_args=[f"--param={item}" for item in args.sched_param],
         )
+
+
+def _check_sched_params(items: list[str], scheduler: str) -> None:
+    """``--sched-param`` items as the stack's scheduler will build them (``ValueError``)."""
+    from thunderagent.scheduling import SCHEDULERS
+
+    try:
+        SCHEDULERS.create(scheduler, **field_values(items))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--sched-param {err}") from None
 
 
 @dataclass

@@ -76,3 +76,28 @@ def test_a_reader_that_leaves_stops_the_command_without_a_traceback() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr == ""
+
+
+def test_sched_params_reach_the_stacks_scheduler_and_bad_ones_stop_up(capsys) -> None:
+    from thunderagent.stack.arguments import add_stack_arguments
+    from thunderagent.stack.up import StackConfig
+
+    p = argparse.ArgumentParser()
+    add_stack_arguments(p)
+    args = p.parse_args(["--sched-param", "cold_shared_hits=true", "--sched-param", "order=fcfs"])
+    assert StackConfig.from_args(args).scheduler_args == [
+        "--param=cold_shared_hits=true",
+        "--param=order=fcfs",
+    ]
+    for item, words in [
+        ("nope=1", "scheduler 'thunder' has no parameter 'nope'"),
+        (
+            "cold_shared_hits=maybe",
+            "scheduler param cold_shared_hits='maybe': must be true or false",
+        ),
+        ("order", "'order': expected FIELD=VALUE"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(["up", "--sched-param", item])
+        assert info.value.code == 2
+        assert f"thunderagent up: error: --sched-param {words}" in capsys.readouterr().err
