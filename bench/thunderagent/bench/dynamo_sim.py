@@ -37,13 +37,18 @@ from statistics import median
 from thunderagent.bench.cli import bench_parser
 from thunderagent.bench.jsonfile import write_json
 from thunderagent.bench.replay import capacity, default_slo_ms, load
-from thunderagent.bench.replay_args import param_value
 from thunderagent.bench.replay_spread import stats
 from thunderagent.engine import TimingModel, get_profile
 from thunderagent.engine.profiles import PRESETS
 from thunderagent.replay import TraceError, TraceRequest
 from thunderagent.replay.summary import alone_ttft_s
-from thunderagent.shell.argtypes import at_least, output_file, positive, positive_list
+from thunderagent.shell.argtypes import (
+    at_least,
+    output_file,
+    param_value,
+    positive,
+    positive_list,
+)
 from thunderagent.stats import percentile
 
 ROUTERS = ("kv_router", "round_robin")

@@ -5,7 +5,6 @@ would use refused), so a bad one is a usage error, not a traceback mid-sweep."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
@@ -19,6 +18,7 @@ from thunderagent.shell.argtypes import (
     name_list,
     output_dir,
     output_file,
+    param_value,
     positive,
     positive_list,
 )
@@ -37,14 +37,6 @@ DESCRIPTION = (
 def _policies(text: str) -> list[str]:
     """``all``, or comma-separated routing policies (each once)."""
     return POLICIES.names() if text == "all" else name_list(POLICIES.names())(text)
-
-
-def param_value(raw: str) -> object:
-    """An override's VALUE: JSON (a number, true, null), else the string as given."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
 
 
 def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:

@@ -171,16 +171,21 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def param_value(raw: str) -> object:
+    """An override's VALUE: JSON (a number, true, null), else the string as given."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
 def field_values(items: Iterable[str]) -> dict[str, object]:
-    """``FIELD=VALUE`` items -> keyword parameters (VALUE as JSON, else the string itself);
-    ``ValueError`` names a malformed item."""
+    """``FIELD=VALUE`` items -> keyword parameters (``param_value``); ``ValueError`` names a
+    malformed item."""
     out: dict[str, object] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep or not name:
             raise ValueError(f"{item!r}: expected FIELD=VALUE")
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
+        out[name] = param_value(raw)
     return out
