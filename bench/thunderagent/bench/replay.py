@@ -34,7 +34,7 @@ from pathlib import Path
 
 from thunderagent.bench import replay_migration as migration_cli
 from thunderagent.bench import replay_spread
-from thunderagent.bench.jsonfile import write_json
+from thunderagent.bench.jsonfile import dumps, write_json
 from thunderagent.bench.replay_args import (
     ENGINE_PRICINGS,
     loads_seen_every,
@@ -148,6 +148,25 @@ def run(
             doc["results"].append(entry)
     doc["capacity"] = capacity(doc["results"], args.policy_list)
     return doc, results
+
+
+REQUEST_FIELDS = (
+    "request_id", "arrival", "prompt_tokens", "output_tokens", "routed_to", "dispatched",
+    "worker", "first_token", "finish", "cached_tokens", "predicted_tokens", "best_overlap_tokens",
+    "preemptions", "status", "reason",
+)  # fmt: skip
+"""What ``--requests-jsonl`` writes of each request (times in virtual seconds; workers by
+index, 0 for ``w00``; -1: none)."""
+
+
+def write_requests(path: Path, results: dict) -> None:
+    """One line per request of every (policy, speed) run of the first copy: to read a run
+    request by request (which waited where, behind what)."""
+    with path.open("w") as out:
+        for (policy, speed), result in results.items():
+            for r in result.records:
+                row = {f: getattr(r, f) for f in REQUEST_FIELDS}
+                out.write(dumps({"policy": policy, "speed": speed, **row}, None) + "\n")
 
 
 def priced(profile, pricing: str):
@@ -394,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     plots = write_plots(doc, results, args.plot) if args.plot else []
     if args.json:
         write_json(args.json, doc)
+    if args.requests_jsonl:
+        write_requests(args.requests_jsonl, results)
     if args.report:
         write_report(doc, args.report, plots, argv)
     print(table(doc))

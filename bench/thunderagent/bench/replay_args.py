@@ -131,6 +131,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=output_file, default=None, help="JSON results file")
+    p.add_argument(
+        "--requests-jsonl", type=output_file, default=None, metavar="FILE",
+        help="one JSON line per request of every run: where the router put it first, when and "
+        "where it ran, what it found cached, its first token",
+    )  # fmt: skip
     p.add_argument("--report", type=output_file, default=None, help="markdown report file")
     p.add_argument("--plot", type=output_dir, default=None, help="directory for PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -79,6 +79,10 @@ class SchedulerActions:
     def _dispatch(self, action: Dispatch, t: float) -> None:
         rec = self.records[action.request_id]
         rid, worker_id = rec.request_id, action.worker_id
+        if math.isnan(rec.dispatched):  # its first run: where the router had put it first
+            rec.dispatched = t
+            decision = self.decisions.get(rid)
+            rec.routed_to = self.slot.get(decision.worker_id, -1) if decision is not None else -1
         self.router.on_dispatched(rid, worker_id, t)
         overlaps = self.route_overlaps.pop(rid, {})
         run = rec.run

@@ -96,6 +96,11 @@ class Record:
     """Most prompt tokens any worker was indexed as holding at routing time (usable part)."""
     predicted_tokens: int = 0
     """Prompt tokens the chosen worker was indexed as holding at routing time (usable part)."""
+    routed_to: int = -1
+    """The router's first candidate for its first run, as ``worker`` (the scheduler may have
+    sent it on)."""
+    dispatched: float = math.nan
+    """When its first run went to a worker (the time before it: the scheduler's queue)."""
 
     @property
     def run(self) -> Run:

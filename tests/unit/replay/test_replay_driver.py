@@ -530,3 +530,30 @@ def test_cli_max_output_caps_what_each_request_generates(tmp_path: Path) -> None
         got = [r.completion_tokens for r in next(iter(results.values())).records]
         assert got == (expected or [min(3 + i % 5, 4) for i in range(12)])
         assert doc["max_output"] == (4 if flags else None)
+
+
+def test_cli_requests_jsonl_has_every_request_of_every_run(tmp_path: Path) -> None:
+    """``--requests-jsonl``: one line per request per (policy, speed), each request's life in
+    order (arrival, then its dispatch, then its first token), its records' own figures."""
+    from thunderagent.bench.replay import main
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 5 * i, "input_length": 28, "output_length": 4,
+             "hash_ids": [0, 1, 2, 3, 4, 5, 100 + i]} for i in range(10)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, doc = tmp_path / "req.jsonl", tmp_path / "r.json"
+    main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+          "--policies", "thunder,round_robin", "--speed", "1,4", "--quiet",
+          "--requests-jsonl", str(out), "--json", str(doc)])  # fmt: skip
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 4 * 10
+    runs = {(x["policy"], x["speed"]) for x in lines}
+    assert runs == {(p, s) for p in ("thunder", "round_robin") for s in (1.0, 4.0)}
+    for x in lines:
+        assert x["status"] == "completed" and x["worker"] in (0, 1) and x["routed_to"] in (0, 1)
+        assert x["arrival"] <= x["dispatched"] <= x["first_token"] <= x["finish"]
+    results = json.loads(doc.read_text())["results"]
+    for e in results:  # the lines are the runs' own records: the same hit ratio
+        mine = [x for x in lines if (x["policy"], x["speed"]) == (e["policy"], e["speed"])]
+        hit = sum(x["cached_tokens"] for x in mine) / sum(x["prompt_tokens"] for x in mine)
+        assert hit == pytest.approx(e["prefix_hit_ratio"])
