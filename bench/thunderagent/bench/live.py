@@ -298,10 +298,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-output", type=at_least(1), default=16, help="cap on output tokens per request"
     )
     p.add_argument("--policy", default="thunder")
-    p.add_argument(
-        "--sched-param", action="append", default=[], metavar="FIELD=VALUE",
-        help="override a parameter of the stack's scheduler (repeatable), as bench replay's",
-    )  # fmt: skip
+    p.add_argument("--sched-param", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a knob of the stack's scheduler (repeatable)")  # fmt: skip
     p.add_argument(
         "--via",
         choices=ENTRY_POINTS,
