@@ -139,9 +139,10 @@ def test_a_setting_dynamo_refuses_is_a_usage_error(core, tmp_path: Path, capsys)
 def test_the_replays_dynamo_kv_finds_what_dynamos_router_finds(core, tmp_path: Path) -> None:
     """The replay's model of Dynamo's router against the router itself, in Dynamo's own
     simulator, on a bursty trace of a seed no default was chosen on: the prefix hit ratios agree
-    (where the router sends each prompt). Dynamo's replay is not exactly repeatable (ten runs
-    of this trace: 0.572-0.584 at 1x, 0.541-0.555 at 4x against the replay's 0.569, 0.563);
-    the replay's model with ``assume_kv_reuse`` off lands 0.08 away."""
+    (where the router sends each prompt). Dynamo's replay is not exactly repeatable (sixteen
+    runs of this trace: 0.573-0.583 at 1x, 0.538-0.555 at 4x, against the replay's 0.569 and
+    0.563; one run in CI found 0.532 at 4x), so the mean of four runs is compared; the replay's
+    model with ``assume_kv_reuse`` off lands 0.08 away."""
     from thunderagent.bench.gen import main as gen
     from thunderagent.bench.replay import main as replay
 
@@ -149,8 +150,8 @@ def test_the_replays_dynamo_kv_finds_what_dynamos_router_finds(core, tmp_path: P
     assert gen(["--kind", "bursty", "--seed", "11", "--scale", "0.3", "--out", str(trace)]) == 0
     common = ["--trace", str(trace), "--speed", "1,4"]
     replay([*common, "--policies", "dynamo_kv,round_robin", "--quiet", "--json", str(ours)])
-    dynamo_sim.main([*common, "--replay-json", str(ours), "--json", str(out)])
-    rows = json.loads(out.read_text())["beside_replay"]
+    dynamo_sim.main([*common, "--repeats", "4", "--replay-json", str(ours), "--json", str(out)])
+    rows = json.loads(out.read_text())["beside_replay"]  # Dynamo's side: the mean of the four
     assert {(r["router"], r["speed"]) for r in rows} == {
         (router, speed) for router in ("kv_router", "round_robin") for speed in (1.0, 4.0)
     }
