@@ -390,14 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         "slo_ttft_p99_ms": round(slo_ms, 1),
         "repeats": args.repeats,
         "results": results,
-        "capacity": capacity([e for e in results if e["run"] == 0], list(ROUTERS)),
     }
-    compared = [e for e in results if e["run"] == 0]
-    if args.repeats > 1:
-        doc["spread"] = spread(results)
-        compared = _means(doc["spread"])
-    if args.replay_json:
-        doc["beside_replay"] = beside(compared, _read_json(args.replay_json), args.trace)
+    _summarize(doc, args)
     if args.json:
         write_json(args.json, doc)
     print(table(doc))
@@ -407,6 +401,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.replay_json:
         print()
         print(beside_table(doc["beside_replay"]))
+
+
+def _summarize(doc: dict, args) -> None:
+    """The capacity (the first run's), the spread over the runs, and the replay beside
+    Dynamo's figures (the first run's, or the runs' means)."""
+    results = doc["results"]
+    first = [e for e in results if e["run"] == 0]
+    doc["capacity"] = capacity(first, list(ROUTERS))
+    compared = first
+    if args.repeats > 1:
+        doc["spread"] = spread(results)
+        compared = _means(doc["spread"])
+    if args.replay_json:
+        doc["beside_replay"] = beside(compared, _read_json(args.replay_json), args.trace)
 
 
 def _read_json(path: Path) -> dict:

@@ -21,6 +21,7 @@ from thunderagent.shell.argtypes import (
     param_value,
     positive,
     positive_list,
+    sched_params,
 )
 
 ENGINE_PRICINGS = {
@@ -53,17 +54,10 @@ def _params(items: list[str], p: argparse.ArgumentParser) -> dict[str, dict]:
 
 def sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
     """``--sched-param FIELD=VALUE`` items -> SchedParams overrides, checked now."""
-    out: dict = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        if not (sep and name):
-            p.error(f"--sched-param {item!r}: expected FIELD=VALUE")
-        out[name] = param_value(raw)
-    try:  # the registry names an unknown parameter; the params validate the values
-        SCHEDULERS.create("thunder", **out)
-    except (ValueError, TypeError) as err:
-        p.error(f"--sched-param: {err}")
-    return out
+    try:
+        return sched_params(items)
+    except ValueError as err:
+        p.error(f"--sched-param {err}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

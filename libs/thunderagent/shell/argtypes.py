@@ -189,3 +189,16 @@ def field_values(items: Iterable[str]) -> dict[str, object]:
             raise ValueError(f"{item!r}: expected FIELD=VALUE")
         out[name] = param_value(raw)
     return out
+
+
+def sched_params(items: Iterable[str], scheduler: str = "thunder") -> dict[str, object]:
+    """``FIELD=VALUE`` items -> the knobs of ``scheduler``, built as it will build them:
+    ``ValueError`` names a malformed item, a knob it does not have or a bad value."""
+    from thunderagent.scheduling import SCHEDULERS
+
+    params = field_values(items)
+    try:
+        SCHEDULERS.create(scheduler, **params)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    return params

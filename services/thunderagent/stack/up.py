@@ -32,7 +32,7 @@ from thunderagent.embedded import (
     wait_for_port,
     write_credentials,
 )
-from thunderagent.shell.argtypes import field_values
+from thunderagent.shell.argtypes import sched_params
 from thunderagent.stack.engine_flags import (
     DEFAULT_MODEL,
     adapter_names,
@@ -114,7 +114,10 @@ class StackConfig:
             raise ValueError("--prefill-workers must be below --workers (no decode worker left)")
         if args.prefill_workers and args.engine == "instant":
             raise ValueError("--prefill-workers needs timed engines (--engine instant has no PD)")
-        _check_sched_params(args.sched_param, "pd_uncapped" if args.prefill_workers else "thunder")
+        try:  # as the stack's scheduler will build them
+            sched_params(args.sched_param, "pd_uncapped" if args.prefill_workers else "thunder")
+        except ValueError as err:
+            raise ValueError(f"--sched-param {err}") from None
         return cls(
             workers=args.workers,
             nats_url=args.nats,
@@ -144,16 +147,6 @@ class StackConfig:
             pd_via=args.pd_via,
             scheduler_args=[f"--param={item}" for item in args.sched_param],
         )
-
-
-def _check_sched_params(items: list[str], scheduler: str) -> None:
-    """``--sched-param`` items as the stack's scheduler will build them (``ValueError``)."""
-    from thunderagent.scheduling import SCHEDULERS
-
-    try:
-        SCHEDULERS.create(scheduler, **field_values(items))
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--sched-param {err}") from None
 
 
 @dataclass
