@@ -165,7 +165,7 @@ class ProgramSteps:
             self.programs.over_capacity(w, totals.get(w, 0))
         periodic = now >= self._next_idle_check
         if changed or periodic:
-            for pid in list(self.programs.pending):
+            for pid in self.programs.resume_order():
                 self._try_resume(pid, totals, now, None if periodic else changed)
         for pid in self.programs.parked_since(now - self.params.program_park_max_s):
             self._force_resume(pid, now)

@@ -1,4 +1,5 @@
-"""Agent programs: sticky placement, pausing smallest acting programs, resume, release."""
+"""Agent programs: sticky placement, pausing smallest acting programs, resume (fewest steps run
+first), release."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def test_over_capacity_pauses_smallest_acting_then_resumes_after_release() -> No
     s.release_program("D", 4.5)
     assert s.poll(4.5) == [Dispatch("A-1", "w0")]
     assert s.stats()["program_resumes"] == 1
+
+
+def test_room_goes_first_to_the_paused_program_with_the_fewest_steps_run() -> None:
+    """B (two steps run) parked before A (one step run); when room for one of them appears, A
+    resumes: it most likely has more steps left, and the last program to end sets when the
+    whole batch is done. B waits for more room."""
+    s = sched(total=100)  # pause above 95 blocks, resume under 75
+    for rid, pid, prompt in (
+        ("A-0", "A", 160),
+        ("B-0", "B", 160),
+        ("B-1", "B", 176),
+        ("C-0", "C", 880),
+    ):
+        assert len(run(s, step(rid, pid, prompt), 0.0)) == 1
+        s.on_finished(rid, "w0", 1.0)
+    assert run(s, step("D-0", "D", 480), 2.0) == [Dispatch("D-0", "w0")]  # 110 blocks > 95
+    s.poll(2.0)
+    assert [s.programs.programs[p].phase for p in "ABC"] == [PAUSED, PAUSED, ACTING]
+    assert run(s, step("B-2", "B", 192), 3.0) == []
+    assert run(s, step("A-1", "A", 176), 3.1) == []
+    assert s.programs.resume_order() == ["A", "B"]
+    s.on_finished("D-0", "w0", 4.0)
+    s.release_program("D", 4.0)  # C's 56 blocks left: room under 75 for A's 11 or B's 12
+    assert s.poll(4.0) == [Dispatch("A-1", "w0")]
+    assert s.programs.programs["B"].phase == PAUSED and s.waiting() == 1
 
 
 def test_paused_step_resumes_on_the_routers_next_candidate() -> None:
