@@ -390,7 +390,7 @@ def targets(doc: dict) -> dict:
     pg = doc.get("programs")
     if pg:
         x = pg["aware"]["steps_per_min"] / max(pg["unaware"]["steps_per_min"], 1e-9)
-        out["programs_steps_per_min_gain"] = {"x": round(x, 2), "met": x >= 1.5}
+        out["programs_steps_per_min_gain"] = {"x": round(x, 3), "met": x >= 1.5}
         x95 = pg["aware"]["steps_per_min_95"] / max(pg["unaware"]["steps_per_min_95"], 1e-9)
         out["programs_steps_per_min_95_gain"] = {"x": round(x95, 2)}
         ceiling = pg["aware"]["completed"] / pg["makespan_floor_s"] * 60.0
