@@ -65,7 +65,8 @@ def by_key(
 ) -> list[T]:
     """``items`` sorted by ``key``; exact ties in random order (one draw per item, in order)."""
     draws = [rng.random() for _ in items]
-    order = sorted(range(len(items)), key=lambda i: (*key(items[i]), draws[i]))
+    keys = [(*key(item), draw) for item, draw in zip(items, draws, strict=True)]
+    order = sorted(range(len(items)), key=keys.__getitem__)
     return [items[i] for i in order]
 
 

@@ -435,3 +435,47 @@ def test_reported_prefill_backlog_replaces_the_queue_estimate() -> None:
     reported = WorkerView("b", queued=2, prefill_tokens=500, pending=1)
     assert p.cost(query, estimated, min_outstanding=0) == pytest.approx(40 + 2 * 30)
     assert p.cost(query, reported, min_outstanding=0) == pytest.approx(40 + 500 + 1 * 30)
+
+
+views = st.builds(
+    WorkerView,
+    worker_id=st.sampled_from(["a", "b", "c", "d", "e"]),
+    running=st.integers(0, 40),
+    queued=st.integers(0, 8),
+    kv_used_blocks=st.integers(0, 5000),
+    kv_total_blocks=st.sampled_from([0, 5000]),
+    active_tokens=st.integers(0, 300_000),
+    pending=st.integers(0, 4),
+    pending_kv_tokens=st.integers(-1, 50_000),
+    pending_prefill_tokens=st.integers(-1, 50_000),
+    prefill_tokens=st.integers(-1, 90_000),
+    cached_blocks=st.integers(-1, 6000),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fleet=st.lists(views, min_size=1, max_size=5, unique_by=lambda w: w.worker_id),
+    gpu=st.dictionaries(st.sampled_from("abcde"), st.integers(0, 40)),
+    host=st.dictionaries(st.sampled_from("abcde"), st.integers(0, 40)),
+    bs=st.sampled_from([16, 512]),
+    seen=st.lists(st.integers(0, 20_000), max_size=4),
+)
+def test_rank_prices_every_worker_as_cost_alone_does(
+    fleet: list, gpu: dict, host: dict, bs: int, seen: list
+) -> None:
+    """``rank`` prices the whole fleet at once: what no worker changes is worked out once, and
+    the workers holding nothing of the prompt share one prefill price. Each score is exactly
+    ``-cost`` of that worker alone, priced the long way (every worker listed in the overlaps,
+    with 0 blocks where it holds nothing)."""
+    p = POLICIES.create("thunder")
+    for n in seen:
+        p._uncached.add(n)
+    host = {w: max(n, gpu.get(w, 0)) for w, n in host.items()}
+    query = RouteQuery("r", 40 * bs + 3, bs, list(range(40)), gpu, host, 256)
+    listed = {w.worker_id: 0 for w in fleet}
+    long_way = RouteQuery("r", 40 * bs + 3, bs, list(range(40)), listed | gpu, listed | host, 256)
+    least = min(w.outstanding for w in fleet)
+    recompute = p.recompute_weight(fleet, bs)
+    alone = {w.worker_id: -p.cost(long_way, w, least, recompute) for w in fleet}
+    assert {c.worker_id: c.score for c in p.rank(query, fleet, random.Random(0))} == alone
