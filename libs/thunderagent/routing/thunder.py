@@ -279,8 +279,8 @@ class _Pricing:
     """The cost of one decision (``Thunder.cost`` prices one worker with it, ``rank`` the
     fleet): what does not depend on the worker is worked out once, and the workers holding
     nothing of the prompt (most of a large fleet) share one prefill price, the one the long
-    way gives them. 22-25 % less CPU per decision than pricing each worker from scratch
-    (``bench route``: 8 / 256 workers 44-46 / 996-1,039 -> 39-40 / 757-805 µs)."""
+    way gives them. 13 / 19 / 19 % less CPU per decision at 8 / 64 / 256 workers than
+    pricing each worker from scratch (``bench route``, docs/benchmarks.md, stop 66)."""
 
     policy: Thunder
     query: RouteQuery
