@@ -273,7 +273,9 @@ class ProgramTracker:
         program is: the one that lost time to long tool calls or to an early pause would
         otherwise set the end. Against the oldest pause first (``bench sched``'s programs, stop
         66): steps per minute +2.3 % on the mean of twelve workload seeds (9 up, 3 down by at
-        most 5 %: one program's chain sets each end), +10.6 % at the default seed."""
+        most 5 %: one program's chain sets each end), +10.6 % at the default seed. The price is
+        fairness: under a long overload a program deep into its steps may wait longer than
+        one paused after it; ``program_park_max_s`` still bounds every parked step's wait."""
         progs, parked_at = self.programs, self.parked_at
         return sorted(
             self.pending,
