@@ -112,17 +112,28 @@ def role_permissions(role: str) -> Permissions:
     """Permissions of a service role (``worker``: any worker, see :func:`worker_permissions`)."""
     if role == "worker":
         return worker_permissions("*")
+    try:
+        return _SERVICE_ROLES[role]()
+    except KeyError:
+        raise ValueError(f"unknown NATS role {role!r} (roles: {', '.join(ROLES)})") from None
+
+
+_COMMON_PUBLISH: Final = (subjects.dead_letter("*"), INBOX)
+_COMMON_SUBSCRIBE: Final = (subjects.health("*"), INBOX)
+
+
+def _router() -> Permissions:
+    """Routers hand requests to the scheduler, or on credit straight to a worker (and tell the
+    scheduler they did); they announce themselves to get credit."""
     s = subjects
-    common_pub = (s.dead_letter("*"), INBOX)
-    common_sub = (s.health("*"), INBOX)
-    router = Permissions(
+    return Permissions(
         publish=(
             s.SCHED_SUBMIT_WILDCARD,
             s.SCHED_DIRECT_WILDCARD,
             s.ROUTER_PRESENCE,
             s.worker_generate("*"),
             s.ROUTE_DECISIONS,
-            *common_pub,
+            *_COMMON_PUBLISH,
             *JS_ALL,
         ),
         subscribe=(
@@ -132,80 +143,107 @@ def role_permissions(role: str) -> Permissions:
             s.PROGRESS_WILDCARD,
             s.router_dispatched("*"),
             s.router_credits("*"),
-            *common_sub,
+            *_COMMON_SUBSCRIBE,
         ),
     )
-    table = {
-        # Routers hand requests to the scheduler, or on credit straight to a worker (and tell
-        # the scheduler they did); they announce themselves to get credit.
-        "router": router,
-        "scheduler": Permissions(
-            publish=(
-                s.worker_generate("*"),
-                s.worker_abort("*"),
-                s.router_dispatched("*"),
-                s.router_credits("*"),
-                *common_pub,
-                *JS_ALL,
-            ),
-            subscribe=(
-                s.SCHED_SUBMIT_WILDCARD,
-                s.SCHED_DIRECT_WILDCARD,
-                s.ROUTER_PRESENCE,
-                s.SCHED_RUN_FAILED_WILDCARD,
-                s.SCHED_CANCEL,
-                s.PROGRESS_WILDCARD,
-                s.PROGRAM_RELEASE,
-                s.KV_EVENTS_WILDCARD,
-                s.WORKER_LOAD_WILDCARD,
-                *common_sub,
-            ),
+
+
+def _scheduler() -> Permissions:
+    s = subjects
+    return Permissions(
+        publish=(
+            s.worker_generate("*"),
+            s.worker_abort("*"),
+            s.router_dispatched("*"),
+            s.router_credits("*"),
+            *_COMMON_PUBLISH,
+            *JS_ALL,
         ),
-        "index": Permissions(
-            publish=(s.worker_resync("*"), *common_pub, *JS_ALL),
-            subscribe=(s.KV_EVENTS_WILDCARD, s.WORKER_LOAD_WILDCARD, s.INDEX_HOLDERS, *common_sub),
+        subscribe=(
+            s.SCHED_SUBMIT_WILDCARD,
+            s.SCHED_DIRECT_WILDCARD,
+            s.ROUTER_PRESENCE,
+            s.SCHED_RUN_FAILED_WILDCARD,
+            s.SCHED_CANCEL,
+            s.PROGRESS_WILDCARD,
+            s.PROGRAM_RELEASE,
+            s.KV_EVENTS_WILDCARD,
+            s.WORKER_LOAD_WILDCARD,
+            *_COMMON_SUBSCRIBE,
         ),
-        "migration": Permissions(
-            publish=(
-                s.worker_kv_export("*"),
-                s.worker_kv_pull("*"),
-                s.worker_kv_release("*"),
-                s.MIGRATION_EVENTS,
-                s.INDEX_HOLDERS,
-                *common_pub,
-                *JS_ALL,
-            ),
-            subscribe=(
-                s.WORKER_LOAD_WILDCARD,
-                s.ROUTE_DECISIONS,
-                s.MIGRATION_REQUEST,
-                s.MIGRATION_DRAIN,
-                *common_sub,
-            ),
+    )
+
+
+def _index() -> Permissions:
+    s = subjects
+    return Permissions(
+        publish=(s.worker_resync("*"), *_COMMON_PUBLISH, *JS_ALL),
+        subscribe=(
+            s.KV_EVENTS_WILDCARD,
+            s.WORKER_LOAD_WILDCARD,
+            s.INDEX_HOLDERS,
+            *_COMMON_SUBSCRIBE,
         ),
-        # A gateway may embed a router replica (``--embed-router``): it holds a router's
-        # permissions as well as its own.
-        "gateway": Permissions(
-            publish=(
-                s.REQUESTS_WILDCARD,
-                s.SCHED_CANCEL,
-                s.PROGRAM_RELEASE,
-                s.HEALTH_WILDCARD,
-                *router.publish,
-            ),
-            subscribe=router.subscribe,
+    )
+
+
+def _migration() -> Permissions:
+    s = subjects
+    return Permissions(
+        publish=(
+            s.worker_kv_export("*"),
+            s.worker_kv_pull("*"),
+            s.worker_kv_release("*"),
+            s.MIGRATION_EVENTS,
+            s.INDEX_HOLDERS,
+            *_COMMON_PUBLISH,
+            *JS_ALL,
         ),
-        # Clients send, cancel and release requests, probe health, read their inbox and may
-        # watch routing decisions and run ends. No JetStream, no worker subject.
-        "client": Permissions(
-            publish=(s.REQUESTS_WILDCARD, s.SCHED_CANCEL, s.PROGRAM_RELEASE, s.HEALTH_WILDCARD),
-            subscribe=(INBOX, s.ROUTE_DECISIONS, s.PROGRESS_WILDCARD),
+        subscribe=(
+            s.WORKER_LOAD_WILDCARD,
+            s.ROUTE_DECISIONS,
+            s.MIGRATION_REQUEST,
+            s.MIGRATION_DRAIN,
+            *_COMMON_SUBSCRIBE,
         ),
-    }
-    try:
-        return table[role]
-    except KeyError:
-        raise ValueError(f"unknown NATS role {role!r} (roles: {', '.join(ROLES)})") from None
+    )
+
+
+def _gateway() -> Permissions:
+    """A gateway may embed a router replica (``--embed-router``): it holds a router's
+    permissions as well as its own."""
+    s, router = subjects, _router()
+    return Permissions(
+        publish=(
+            s.REQUESTS_WILDCARD,
+            s.SCHED_CANCEL,
+            s.PROGRAM_RELEASE,
+            s.HEALTH_WILDCARD,
+            *router.publish,
+        ),
+        subscribe=router.subscribe,
+    )
+
+
+def _client() -> Permissions:
+    """Clients send, cancel and release requests, probe health, read their inbox and may watch
+    routing decisions and run ends. No JetStream, no worker subject."""
+    s = subjects
+    return Permissions(
+        publish=(s.REQUESTS_WILDCARD, s.SCHED_CANCEL, s.PROGRAM_RELEASE, s.HEALTH_WILDCARD),
+        subscribe=(INBOX, s.ROUTE_DECISIONS, s.PROGRESS_WILDCARD),
+    )
+
+
+_SERVICE_ROLES: Final = {
+    "router": _router,
+    "scheduler": _scheduler,
+    "index": _index,
+    "migration": _migration,
+    "gateway": _gateway,
+    "client": _client,
+}
+"""Every role of ``ROLES`` but ``worker``, and what it may do."""
 
 
 def new_password() -> str:
