@@ -60,19 +60,8 @@ def sched_overrides(items: list[str], p: argparse.ArgumentParser) -> dict:
         p.error(f"--sched-param {err}")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="thunderagent bench replay", description=DESCRIPTION)
-    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
-    p.add_argument("--workers", type=at_least(1), default=8)
-    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
-    p.add_argument(
-        "--policies", type=_policies, default="all",
-        help="comma list of routing policies, or all (default: all)",
-    )  # fmt: skip
-    p.add_argument(
-        "--speed", type=positive_list, default=[1.0],
-        help="arrival-rate multiplier(s), comma list (default: 1)",
-    )  # fmt: skip
+def _workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What of the trace is replayed, and how many jittered copies of it."""
     p.add_argument("--limit", type=at_least(1), default=None, help="first N requests only")
     p.add_argument(
         "--max-output", type=at_least(1), default=None,
@@ -89,6 +78,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="move each arrival by a uniform draw in ±J ms of trace time, seeded by the run's "
         "seed (a session keeps its order); with --repeats, each copy is jittered differently",
     )  # fmt: skip
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace's block size, the index's TTL and how the simulated engines price a step."""
+    p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
+    p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
+    p.add_argument(
+        "--engine-pricing", choices=sorted(ENGINE_PRICINGS), default="profile",
+        help="how the replay's engines price a step: profile (default: attention over the "
+        "cached prefix paid, each request reads its own KV) or dynamo-mocker (a what-if: a "
+        "prefill by its new tokens alone, a shared page read once per decode step, as Dynamo "
+        "1.6.1's mocker prices them); the SLO and the work ceiling stay the profile's",
+    )  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="thunderagent bench replay", description=DESCRIPTION)
+    p.add_argument("--trace", type=Path, required=True, help="Mooncake .jsonl or Azure .csv")
+    p.add_argument("--workers", type=at_least(1), default=8)
+    p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
+    p.add_argument(
+        "--policies", type=_policies, default="all",
+        help="comma list of routing policies, or all (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speed", type=positive_list, default=[1.0],
+        help="arrival-rate multiplier(s), comma list (default: 1)",
+    )  # fmt: skip
+    _workload_arguments(p)
     _output_arguments(p)
     p.add_argument(
         "--scheduler", default=None, choices=SCHEDULERS.names(),
@@ -108,15 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every "
         "report), llm_d every 0.05 s, llm-d's metrics scrape",
     )  # fmt: skip
-    p.add_argument("--block-size", type=at_least(1), default=512, help="tokens per trace block")
-    p.add_argument("--index-ttl", type=positive, default=None, help="prefix index TTL s (off)")
-    p.add_argument(
-        "--engine-pricing", choices=sorted(ENGINE_PRICINGS), default="profile",
-        help="how the replay's engines price a step: profile (default: attention over the "
-        "cached prefix paid, each request reads its own KV) or dynamo-mocker (a what-if: a "
-        "prefill by its new tokens alone, a shared page read once per decode step, as Dynamo "
-        "1.6.1's mocker prices them); the SLO and the work ceiling stay the profile's",
-    )  # fmt: skip
+    _engine_arguments(p)
     _kv_events_arguments(p)
     _override_arguments(p)
     migration_cli.add_arguments(p)
