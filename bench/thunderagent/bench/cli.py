@@ -48,7 +48,10 @@ BENCHES = {
         "thunderagent.bench.live_hot",
         "a hot-spot trace's hot period through the stack, KV moves off and with NIXL copies",
     ),
-    "gen": ("thunderagent.bench.gen", "write a generated Mooncake trace: agent, bursty, hotspot"),
+    "gen": (
+        "thunderagent.bench.gen",
+        "write a generated Mooncake trace: agent, bursty, hotspot, coding, rag",
+    ),
     "soak": (
         "thunderagent.bench.soak",
         "the stack at a steady rate for a long time: RSS, descriptors, no lost request",

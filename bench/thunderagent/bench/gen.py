@@ -1,6 +1,8 @@
-"""Generate a Mooncake-format trace (agent programs, bursty traffic or a hot spot) for replay.
+"""Generate a Mooncake-format trace (agent programs, bursty traffic, a hot spot, coding-assistant
+sessions or retrieval-augmented queries) for replay.
 
-    thunderagent bench gen --kind agent|bursty|hotspot --out FILE.jsonl [--seed N] [--scale X]
+    thunderagent bench gen --kind agent|bursty|hotspot|coding|rag --out FILE.jsonl [--seed N]
+        [--scale X]
         [--block-size 512] [--workers 8] [--profile NAME] [--param FIELD=VALUE ...]
         [kind options: --programs, --duration, --hot-start, ... (see --help)]
 
@@ -35,11 +37,15 @@ KIND_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--tool-prompts": ("tool_prompts", int, "agent: distinct shared tool prompts"),
     "--tool-prompt-tokens": ("tool_prompt_tokens", int, "agent: tokens per tool prompt"),
     "--pause-median": ("pause_median_s", float, "agent: median tool pause, s"),
-    "--duration": ("duration_s", float, "bursty, hotspot: seconds of traffic"),
+    "--duration": ("duration_s", float, "bursty, hotspot, coding, rag: seconds of traffic"),
     "--background-rate": ("background_rate_per_s", float, "bursty: background requests/s"),
     "--burst-rate": ("burst_rate_per_s", float, "bursty: bursts per second"),
     "--burst-size": ("burst_size_median", float, "bursty: median requests per burst"),
-    "--session-rate": ("session_rate_per_s", float, "hotspot: background sessions/s"),
+    "--session-rate": (
+        "session_rate_per_s",
+        float,
+        "hotspot: background sessions/s; coding: sessions/s",
+    ),
     "--hot-start": ("hot_start_s", float, "hotspot: hot window start, s"),
     "--hot-duration": ("hot_duration_s", float, "hotspot: hot window length, s"),
     "--hot-prefix-tokens": ("hot_prefix_tokens", int, "hotspot: hot prefix length"),
@@ -55,7 +61,7 @@ def meta_path(out: Path) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="thunderagent bench gen", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="thunderagent bench gen", description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--out", type=output_file, required=True, help="trace file to write (.jsonl)")
     p.add_argument("--seed", type=int, default=0)

@@ -5,9 +5,10 @@
   ``on_step_done(request_id, now)`` for every finished step.
 * ``MixedWorkload``: open-loop short/long mix with Poisson arrivals and optional shared
   prefixes; ``requests()`` returns the whole arrival list.
-* Trace generators (``tracegen.KINDS``: ``agent``, ``bursty``, ``hotspot``): open-loop
-  Mooncake-format rows (``mooncake.TraceRow``) for ``thunderagent bench gen``, which writes them
-  as JSONL for ``bench replay``; token-level lengths, block ids per ``block_size`` tokens.
+* Trace generators (``tracegen.KINDS``: ``agent``, ``bursty``, ``hotspot``, ``coding``, ``rag``):
+  open-loop Mooncake-format rows (``mooncake.TraceRow``) for ``thunderagent bench gen``, which
+  writes them as JSONL for ``bench replay``; token-level lengths, block ids per ``block_size``
+  tokens.
 
 Prompts are sequences of *block ids*: one id per full block of ``block_size`` tokens; equal ids
 mean equal content. ``block_tokens`` expands them into token ids for an engine or a hasher.

@@ -15,6 +15,7 @@ block is never shared: its id is fresh for every request (an engine does not cac
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -123,6 +124,11 @@ def est_service(
     """Seconds one request takes on an idle system: prefill of its uncached tokens, then decode.
     Open-loop exports place a conversation's next turn this long (plus a pause) after the turn."""
     return new_tokens / prefill_tokens_per_s + output * s_per_token
+
+
+def zipf_cum_weights(n: int, exponent: float) -> list[float]:
+    """Cumulative weights of ranks 1..n under a Zipf law (for ``random.choices``)."""
+    return list(itertools.accumulate(1.0 / (i + 1) ** exponent for i in range(n)))
 
 
 def lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> int:

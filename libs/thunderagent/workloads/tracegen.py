@@ -13,13 +13,17 @@ from typing import Any
 
 from thunderagent.workloads.agent_trace import AgentTraceParams, agent_trace
 from thunderagent.workloads.bursty import BurstyParams, bursty_trace
+from thunderagent.workloads.coding import CodingParams, coding_trace
 from thunderagent.workloads.hotspot import HotspotParams, hotspot_trace
 from thunderagent.workloads.mooncake import GeneratedTrace
+from thunderagent.workloads.rag import RagParams, rag_trace
 
 KINDS: dict[str, tuple[type, Callable[[Any, int], GeneratedTrace]]] = {
     "agent": (AgentTraceParams, agent_trace),
     "bursty": (BurstyParams, bursty_trace),
     "hotspot": (HotspotParams, hotspot_trace),
+    "coding": (CodingParams, coding_trace),
+    "rag": (RagParams, rag_trace),
 }
 
 
@@ -31,6 +35,8 @@ MAY_BE_ZERO = frozenset(
         "hot_lead_s",
         "system_prompt_tokens",
         "tool_prompt_tokens",
+        "rate_swing",
+        "think_min_s",
     }
 )
 """Fields where 0 means "none" (no hot spot, no shared prompt); every other number is > 0."""
@@ -84,7 +90,12 @@ def check(params: object) -> None:
 def _check_fit(params: object) -> None:
     ctx = params.max_context_tokens
     out = getattr(params, "output_tokens_max", 0)
-    for name in ("tool_prompt_tokens", "system_prompt_tokens", "hot_prefix_tokens"):
+    for name in (
+        "tool_prompt_tokens",
+        "system_prompt_tokens",
+        "hot_prefix_tokens",
+        "repo_tokens_max",
+    ):
         value = getattr(params, name, 0)
         if value + out + 2048 > ctx:
             raise ParamError(
@@ -98,9 +109,11 @@ def _check_fit(params: object) -> None:
                 f"the hot window ({params.hot_start_s:g}-{end:g} s) must end within "
                 f"duration_s ({params.duration_s:g} s)",
             )  # fmt: skip
-    lo = getattr(params, "steps_min", 1)
-    if lo > getattr(params, "steps_max", lo):
-        raise ParamError("steps_min", lo, "must be <= steps_max")
+    for f in dataclasses.fields(params):  # every range: steps, repository, question lengths
+        if f.name.endswith("_min") and hasattr(params, top := f.name[:-4] + "_max"):
+            lo = getattr(params, f.name)
+            if lo > getattr(params, top):
+                raise ParamError(f.name, lo, f"must be <= {top}")
 
 
 def generate(

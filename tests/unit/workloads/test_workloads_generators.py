@@ -17,7 +17,7 @@ from thunderagent.replay.metrics import cache_bounds
 from thunderagent.workloads.mooncake import TraceRow, est_service
 from thunderagent.workloads.tracegen import KINDS, ParamError, generate
 
-SMALL = {"agent": 0.15, "bursty": 0.25, "hotspot": 1.0}
+SMALL = {"agent": 0.15, "bursty": 0.25, "hotspot": 1.0, "coding": 0.25, "rag": 0.1}
 """Scales that keep each test fast (the hot spot needs its whole timeline)."""
 HOTSPOT_SMALL = {
     "duration_s": 200.0,
@@ -189,6 +189,10 @@ def test_hotspot_background_conversations_grow() -> None:
         ("bursty", {"duration_s": "long"}, "duration_s"),
         ("hotspot", {"duration_s": 5.0}, "hot_start_s"),  # the window ran to 360 s regardless
         ("hotspot", {"hot_start_s": 590.0}, "hot_start_s"),
+        ("coding", {"repo_tokens_min": 70000}, "repo_tokens_min"),
+        ("coding", {"repo_tokens_max": 130000}, "repo_tokens_max"),
+        ("rag", {"question_tokens_min": 500}, "question_tokens_min"),
+        ("rag", {"rate_swing": -0.5}, "rate_swing"),
         ("mystery", {}, "kind"),
     ],
 )
