@@ -24,10 +24,9 @@ from thunderagent.workloads.mooncake import (
     GeneratedTrace,
     Prompt,
     TraceRow,
-    est_service,
+    chat_rows,
     in_order,
     lognormal,
-    make_row,
     start_prompt,
     zipf_cum_weights,
 )
@@ -83,21 +82,11 @@ def _session(
     bs = p.block_size
     more = p.turns_mean - 1.0
     turns = 1 + (int(rng.expovariate(1.0 / more)) if more > 0 else 0)
-    prompt, cached = repo.extend(_message(p, rng), ids, bs), 0
-    out: list[TraceRow] = []
-    for _ in range(turns):
-        answer = lognormal(
-            rng, p.output_tokens_median, p.output_tokens_sigma, 1, p.output_tokens_max
-        )
-        if prompt.tokens + answer > p.max_context_tokens or at >= p.duration_s:
-            break
-        out.append(make_row(at, prompt, answer, ids, bs))
-        new = prompt.tokens - cached
-        at += est_service(new, answer, p.est_prefill_tokens_per_s, p.est_s_per_output_token)
-        at += p.think_min_s + rng.expovariate(1.0 / p.think_mean_s)
-        cached = len(prompt.full) * bs
-        prompt = prompt.extend(answer + _message(p, rng), ids, bs)
-    return out
+    return chat_rows(
+        p, rng, ids, repo.extend(_message(p, rng), ids, bs), 0, at, turns,
+        think=lambda: p.think_min_s + rng.expovariate(1.0 / p.think_mean_s),
+        message=lambda: _message(p, rng),
+    )  # fmt: skip
 
 
 def _message(p: CodingParams, rng: random.Random) -> int:

@@ -29,7 +29,7 @@ from thunderagent.workloads.mooncake import (
     GeneratedTrace,
     Prompt,
     TraceRow,
-    est_service,
+    chat_rows,
     in_order,
     lognormal,
     make_row,
@@ -113,22 +113,11 @@ def _session(
     first = lognormal(
         rng, p.first_message_tokens_median, p.first_message_tokens_sigma, 1, p.max_context_tokens
     )
-    prompt, cached = system.extend(first, ids, bs), len(system.full) * bs
-    out: list[TraceRow] = []
-    for _ in range(turns):
-        answer = lognormal(
-            rng, p.output_tokens_median, p.output_tokens_sigma, 1, p.output_tokens_max
-        )
-        if prompt.tokens + answer > p.max_context_tokens or at >= p.duration_s:
-            break
-        out.append(make_row(at, prompt, answer, ids, bs))
-        new = prompt.tokens - cached
-        at += est_service(new, answer, p.est_prefill_tokens_per_s, p.est_s_per_output_token)
-        at += p.think_median_s * math.exp(p.think_sigma * rng.gauss(0.0, 1.0))
-        message = lognormal(rng, p.message_tokens_median, p.message_tokens_sigma, 1, 8192)
-        cached = len(prompt.full) * bs
-        prompt = prompt.extend(answer + message, ids, bs)
-    return out
+    return chat_rows(
+        p, rng, ids, system.extend(first, ids, bs), len(system.full) * bs, at, turns,
+        think=lambda: p.think_median_s * math.exp(p.think_sigma * rng.gauss(0.0, 1.0)),
+        message=lambda: lognormal(rng, p.message_tokens_median, p.message_tokens_sigma, 1, 8192),
+    )  # fmt: skip
 
 
 def _hot(p: HotspotParams, rng: random.Random, ids: BlockIds, hot: Prompt) -> list[TraceRow]:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -116,6 +118,39 @@ def in_order(rows: list[TraceRow]) -> int:
     for r in rows:
         r.timestamp_ms -= t0
     return t0
+
+
+def chat_rows(
+    p: Any,
+    rng: random.Random,
+    ids: BlockIds,
+    prompt: Prompt,
+    cached: int,
+    at: float,
+    turns: int,
+    think: Callable[[], float],
+    message: Callable[[], int],
+) -> list[TraceRow]:
+    """A chat's turns from ``at`` (``cached``: the first prompt's tokens an idle system holds):
+    each turn's answer and the next ``message()`` extend its prompt, and the next turn comes
+    after the idle-system service time (``est_service``) and ``think()``; it stops after
+    ``turns``, at the context limit or past ``duration_s``. ``p``: the generator's parameters
+    (output lengths, ``max_context_tokens``, ``duration_s``, the service-time estimate,
+    ``block_size``)."""
+    bs, out = p.block_size, []
+    for _ in range(turns):
+        answer = lognormal(
+            rng, p.output_tokens_median, p.output_tokens_sigma, 1, p.output_tokens_max
+        )
+        if prompt.tokens + answer > p.max_context_tokens or at >= p.duration_s:
+            break
+        out.append(make_row(at, prompt, answer, ids, bs))
+        new = prompt.tokens - cached
+        at += est_service(new, answer, p.est_prefill_tokens_per_s, p.est_s_per_output_token)
+        at += think()
+        cached = len(prompt.full) * bs
+        prompt = prompt.extend(answer + message(), ids, bs)
+    return out
 
 
 def est_service(
