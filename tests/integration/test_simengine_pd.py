@@ -200,7 +200,9 @@ async def test_an_engine_out_of_pages_waits_for_the_import_without_spinning() ->
         cpu = time.process_time()
         await asyncio.sleep(0.5)  # the decode cannot get a page: retracted, the engine stalls
         assert not drained.done()
-        assert time.process_time() - cpu < 0.1  # waiting, not spinning
+        # waiting, not spinning: a spinning engine thread burns ~0.5 s of CPU here; the
+        # process's other threads took up to 0.103 s on a loaded 2-core VM (stop 67)
+        assert time.process_time() - cpu < 0.25
         release_kv(driver, held)
         last = await asyncio.wait_for(drained, 10)
         assert last.finished and last.completion_tokens == 300

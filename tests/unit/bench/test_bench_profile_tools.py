@@ -100,7 +100,9 @@ def test_cpu_meter_reads_this_process() -> None:
 
 
 def test_the_meter_counts_wake_ups() -> None:
-    """A thread woken 50 times is put on a CPU at least 50 times (the kernel's timeslice count)."""
+    """A thread woken 50 times is put on a CPU about 50 times (the kernel's timeslice count):
+    a count, not the nanoseconds waited. A wake-up may find the waker's set before the wait
+    and skip the sleep (49 seen on a loaded VM at stop 67), so the floor has room."""
     import threading
 
     ready, done = threading.Event(), threading.Event()
@@ -121,7 +123,7 @@ def test_the_meter_counts_wake_ups() -> None:
     meter.stop()
     t.join()
     # a count, not nanoseconds: ~50 wake-ups each side, not the thousands of ns they waited
-    assert 50 <= meter.runs["me"] < 1000, meter.runs
+    assert 40 <= meter.runs["me"] < 1000, meter.runs
 
 
 def _row(rate, p99, achieved=None, errors=0) -> dict:
