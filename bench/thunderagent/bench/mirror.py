@@ -152,7 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chain", type=at_least(1), default=64, help="blocks in the exported chain")
     p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
-    rows = [measure(max(int(n), CHAIN_LEN), args.chain) for n in args.blocks]
+    # what was alive before (a test runner's heap, say) is kept out of the collector's sight:
+    # each round's collection then scans only what this benchmark made (with six million objects
+    # alive before it: 39.5 s -> 5.4 s for the test's two sizes)
+    gc.freeze()
+    try:
+        rows = [measure(max(int(n), CHAIN_LEN), args.chain) for n in args.blocks]
+    finally:
+        gc.unfreeze()
     for row in rows:
         print(dumps(row, indent=None))
     if args.json:
