@@ -42,8 +42,18 @@ class InflightPrefixes:
         self.index = PrefixIndex(self.ttl_s)
 
     def record(self, worker: str, primary: Sequence[int], check: Sequence[int], now: float) -> None:
-        """``worker`` is about to hold these blocks (the router just sent it the prompt)."""
-        self.index.apply_stored(worker, self._next_seq(worker), (primary, check), None, now)
+        """``worker`` is about to hold these blocks (the router just sent it the prompt).
+
+        The prefix already recorded there (a conversation's earlier turns, a shared document)
+        is only re-confirmed; the rest is stored after it. Storing the whole prompt again cost
+        its every block a new entry built and a log item to compact later: 2.4 of the router's
+        ~10 ms per request for 32k-token prompts (``bench profile --prompt-tokens 32768``)."""
+        held = self.index.overlap(primary, check).get(worker, 0) if primary else 0
+        self.index.reconfirm(primary[:held], now)
+        if held < len(primary):
+            parent = primary[held - 1] if held else None
+            rest = (primary[held:], check[held:])
+            self.index.apply_stored(worker, self._next_seq(worker), rest, parent, now)
 
     def _next_seq(self, worker: str) -> int:
         last = self.index.worker_seq(worker)
