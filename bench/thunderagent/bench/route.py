@@ -3,13 +3,17 @@ in-flight overlay, the workers' views, the policy's ranking), the pure code the 
 and the replay both call; no I/O.
 
     thunderagent bench route [--workers 8] [--blocks 64] [--indexed 20000] [--policy thunder]
+                             [--new-blocks N]
 
 Each worker holds ``--indexed`` blocks of its own in the index and reports a moderate load; the
 prompt of ``--blocks`` blocks matches none of them, so the whole walk and every cost are paid.
 Prints the best of five rounds in µs: ``us_per_decision``, the decision alone (nothing changes
 between two decisions, so every worker's view is kept), and ``us_per_request``, the router
 core's whole work for a request as the router service does it (decision, dispatch booked,
-first token, end: the chosen worker's state changes at each, and its view is rebuilt).
+first token, end: the chosen worker's state changes at each, and its view is rebuilt). With
+``--new-blocks N`` each request's prompt has only its last N blocks of its own and shares the
+rest with every other (a conversation's earlier turns, a shared document): the prefix is then
+in the router's in-flight overlay, as it is in front of a real fleet.
 """
 
 from __future__ import annotations
@@ -52,15 +56,23 @@ def build_core(policy: str, workers: int, indexed: int) -> RouterCore:
 
 
 def time_decisions(
-    core: RouterCore, blocks: int, decisions: int, *, lifecycle: bool = False
+    core: RouterCore,
+    blocks: int,
+    decisions: int,
+    *,
+    lifecycle: bool = False,
+    new_blocks: int | None = None,
 ) -> float:
     """Best of five rounds, seconds per ``route`` call (``lifecycle``: per request, with its
     dispatch, first token and end; each request then has a prompt of its own, since a booked
-    dispatch puts its prompt in the in-flight overlay and the next one would hit it)."""
+    dispatch puts its prompt in the in-flight overlay and the next one would hit it, or with
+    ``new_blocks`` only its last ``new_blocks`` blocks, the rest shared by all)."""
     tokens = blocks * BLOCK_SIZE
     prompt = list(range(tokens))
     rounds = 5
-    if lifecycle:  # a namespace (salt) of its own each: no prefix of any other prompt
+    if lifecycle and new_blocks is not None and new_blocks < blocks:
+        prompts = _sharing_prompts(core, blocks, new_blocks, rounds * decisions)
+    elif lifecycle:  # a namespace (salt) of its own each: no prefix of any other prompt
         prompts = [core.hash_tokens(prompt, BLOCK_SIZE, salt=f"request-{k}")
                    for k in range(rounds * decisions)]  # fmt: skip
     else:
@@ -86,6 +98,15 @@ def time_decisions(
     return best
 
 
+def _sharing_prompts(core: RouterCore, blocks: int, new_blocks: int, n: int) -> list:
+    """``n`` prompts of ``blocks`` blocks: one shared prefix, then ``new_blocks`` of each
+    prompt's own (token ids from 2**30 up, apart from the prefix's and the workers' blocks)."""
+    shared = list(range((blocks - new_blocks) * BLOCK_SIZE))
+    own = new_blocks * BLOCK_SIZE
+    return [core.hash_tokens([*shared, *range(2**30 + k * own, 2**30 + (k + 1) * own)],
+                             BLOCK_SIZE) for k in range(n)]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p = bench_parser("route", __doc__)
     p.add_argument("--workers", type=at_least(1), default=8)
@@ -93,10 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--indexed", type=at_least(1), default=20000, help="blocks indexed per worker")
     p.add_argument("--policy", default="thunder", choices=POLICIES.names())
     p.add_argument("--decisions", type=at_least(1), default=5000)
+    p.add_argument("--new-blocks", type=at_least(1), default=None,
+                   help="blocks of each timed request's prompt no other prompt has (default: "
+                        "all); the rest is one prefix they all share")  # fmt: skip
     args = p.parse_args(argv)
     core = build_core(args.policy, args.workers, args.indexed)
     decision = time_decisions(core, args.blocks, args.decisions)
-    request = time_decisions(core, args.blocks, args.decisions, lifecycle=True)
+    request = time_decisions(
+        core, args.blocks, args.decisions, lifecycle=True, new_blocks=args.new_blocks
+    )
     report = vars(args) | {
         "us_per_decision": round(decision * 1e6, 1),
         "us_per_request": round(request * 1e6, 1),

@@ -44,3 +44,22 @@ def test_an_unknown_policy_is_a_usage_error(capsys) -> None:
         route.main(["--policy", "nosuch", "--decisions", "10"])
     assert info.value.code == 2
     assert "argument --policy: invalid choice: 'nosuch'" in capsys.readouterr().err
+
+
+def test_with_new_blocks_the_timed_prompts_share_the_rest_through_the_in_flight_overlay() -> None:
+    """``--new-blocks 2`` of 6: after the first request every prompt's shared 4 blocks are in
+    flight on a worker, so the requests after it are predicted hits of exactly those blocks."""
+    core = route.build_core("thunder", workers=3, indexed=50)
+    route.time_decisions(core, blocks=6, decisions=4, lifecycle=True, new_blocks=2)
+    assert core.window.predicted_tokens > 0, "the shared prefix was predicted cached"
+    prompts = route._sharing_prompts(core, blocks=6, new_blocks=2, n=3)
+    assert prompts[0].primary[:4] == prompts[2].primary[:4]
+    assert prompts[0].primary[4] != prompts[1].primary[4]
+    assert not core._routed and all(not s.assigned for s in core.fleet.all())
+
+
+def test_main_reports_new_blocks(capsys) -> None:
+    route.main(["--workers", "2", "--indexed", "20", "--decisions", "10", "--blocks", "8",
+                "--new-blocks", "2"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["new_blocks"] == 2 and report["us_per_request"] > 0
