@@ -309,11 +309,14 @@ class PrefixIndex(IndexImages):
             bucket, tail = self._bucket_list(now)
         else:
             bucket = self._tail_bucket
-        tail.extend(primary)  # expire skips an item whose entry was re-confirmed since
         get = self._entries.get
+        queued = array("Q")  # a block confirmed in this bucket already is queued in it
+        add = queued.append
         for p in primary:
-            if (e := get(p)) is not None:
+            if (e := get(p)) is not None and e.bucket != bucket:
                 e.bucket = bucket
+                add(p)
+        tail.extend(queued)  # expire skips an item whose entry was re-confirmed since
 
     def apply_removed(
         self, worker: str, seq: int, primary: Iterable[int], now: float
