@@ -46,8 +46,9 @@ class InflightPrefixes:
 
         The prefix already recorded there (a conversation's earlier turns, a shared document)
         is only re-confirmed; the rest is stored after it. Storing the whole prompt again cost
-        its every block a new entry built and a log item to compact later: 2.4 of the router's
-        ~10 ms per request for 32k-token prompts (``bench profile --prompt-tokens 32768``)."""
+        its every block a new entry built and a log item to compact later: with 32k-token prompts
+        the router took 10.9-11.5 ms of CPU per request, 8.1-8.4 since (``bench profile
+        --prompt-tokens 32768``, docs/benchmarks.md "Long prompts")."""
         held = self.index.overlap(primary, check).get(worker, 0) if primary else 0
         self.index.reconfirm(primary[:held], now)
         if held < len(primary):
