@@ -9,6 +9,7 @@ from thunderagent.hashing.blocks import (
     Namespace,
     kv_namespace,
     namespace_roots,
+    pack_tokens,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "Namespace",
     "kv_namespace",
     "namespace_roots",
+    "pack_tokens",
 ]

@@ -117,6 +117,13 @@ def namespace_roots(namespace: Namespace = 0) -> tuple[BlockHash, CheckHash]:
     return BlockHash(xxh3_64_intdigest(payload, 0)), CheckHash(xxh64_intdigest(payload, CHECK_SEED))
 
 
+def pack_tokens(tokens: Iterable[int]) -> array:
+    """Token ids as one native uint32 ``array``: ``BlockHasher.hash_tokens`` reads it without a
+    copy, and numpy reads it in one pass (``fleet.limits``). Raises ``OverflowError`` for an id
+    outside [0, 2**32)."""
+    return array(_U32, tokens)
+
+
 def _packed(values: object, code: str, formats: frozenset[str], itemsize: int) -> memoryview:
     """Little-endian bytes of ``values`` without a copy when they already are (array, numpy)."""
     if not isinstance(values, list | tuple):

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from msgspec import structs
@@ -23,6 +24,7 @@ from opentelemetry import trace
 from thunderagent.bus import Bus, BusError, Delivery, PayloadTooLarge
 from thunderagent.bus.batches import BatchSender
 from thunderagent.fleet import OfferIds, WorkerState, check_limits, progress_refusal
+from thunderagent.hashing import pack_tokens
 from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.router.metrics import RouterMetrics, watch_handoffs
@@ -148,32 +150,37 @@ class Router:
         except (OSError, RuntimeError, ValueError) as err:
             await self._fail(reply, req, ErrorCode.BAD_REQUEST, f"cannot tokenize: {err}")
             return
-        refused = check_limits(req.token_ids or [], req.max_tokens, workers)
+        tokens = pack_tokens(req.token_ids or ())  # once: the limits and the hashes read it
+        refused = check_limits(tokens, req.max_tokens, workers)
         if refused is not None:
             await self._fail(reply, req, *refused)
             return
-        await self._within_bound(req, reply, workers[0].registration.block_size)
+        await self._within_bound(req, tokens, reply, workers[0].registration.block_size)
 
-    async def _within_bound(self, req: GenerateRequest, reply: str, block_size: int) -> None:
+    async def _within_bound(
+        self, req: GenerateRequest, tokens: Sequence[int], reply: str, block_size: int
+    ) -> None:
         """Route and hand on while the hand-offs waiting for an ack are under their bound, else
         answer ``overloaded``. A resend is never refused: its first send may be running, and
         "overloaded" would have its client give up on it."""
         if req.retry:
-            await self._route_and_hand_on(req, reply, block_size)
+            await self._route_and_hand_on(req, tokens, reply, block_size)
             return
         if not self.handoffs.acquire():
             await self._shed(req, reply)
             return
         started = time.monotonic()
         try:
-            await self._route_and_hand_on(req, reply, block_size)
+            await self._route_and_hand_on(req, tokens, reply, block_size)
         finally:
             now = time.monotonic()
             self.handoffs.release(now - started, now)
 
-    async def _route_and_hand_on(self, req: GenerateRequest, reply: str, block_size: int) -> None:
+    async def _route_and_hand_on(
+        self, req: GenerateRequest, tokens: Sequence[int], reply: str, block_size: int
+    ) -> None:
         with child_span(_tracer, "router route") as span:
-            routed = self.route(req, reply, block_size)
+            routed = self.route(req, reply, block_size, tokens)
             if routed is None:  # the last worker left while we tokenized
                 await self._fail(reply, req, ErrorCode.UNKNOWN_MODEL, "no worker serves it now")
                 return
@@ -259,10 +266,15 @@ class Router:
         self.last_grant_at = time.monotonic()
 
     def route(
-        self, req: GenerateRequest, reply: str, block_size: int
+        self,
+        req: GenerateRequest,
+        reply: str,
+        block_size: int,
+        tokens: Sequence[int] | None = None,
     ) -> tuple[ScheduleRequest, Routed] | None:
-        """The core's decision wrapped for the scheduler (no I/O)."""
-        token_ids = req.token_ids or []
+        """The core's decision wrapped for the scheduler (no I/O); ``tokens``: the prompt's ids
+        packed (``pack_tokens``), else ``req.token_ids`` are read."""
+        token_ids = tokens if tokens is not None else req.token_ids or []
         hashes = self.core.hash_tokens(token_ids, block_size, req.cache_salt, req.lora_name)
         # ignore_eos: the engine generates exactly max_tokens, so that is the output length
         hint = req.expected_output_tokens or (req.max_tokens if req.sampling.ignore_eos else None)
