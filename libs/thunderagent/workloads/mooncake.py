@@ -20,7 +20,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -120,8 +120,30 @@ def in_order(rows: list[TraceRow]) -> int:
     return t0
 
 
+class ChatParams(Protocol):
+    """What ``chat_rows`` reads of a generator's parameters (the hot spot's and the coding
+    sessions' frozen dataclasses)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def duration_s(self) -> float: ...
+    @property
+    def max_context_tokens(self) -> int: ...
+    @property
+    def output_tokens_median(self) -> float: ...
+    @property
+    def output_tokens_sigma(self) -> float: ...
+    @property
+    def output_tokens_max(self) -> int: ...
+    @property
+    def est_prefill_tokens_per_s(self) -> float: ...
+    @property
+    def est_s_per_output_token(self) -> float: ...
+
+
 def chat_rows(
-    p: Any,
+    p: ChatParams,
     rng: random.Random,
     ids: BlockIds,
     prompt: Prompt,
@@ -134,9 +156,7 @@ def chat_rows(
     """A chat's turns from ``at`` (``cached``: the first prompt's tokens an idle system holds):
     each turn's answer and the next ``message()`` extend its prompt, and the next turn comes
     after the idle-system service time (``est_service``) and ``think()``; it stops after
-    ``turns``, at the context limit or past ``duration_s``. ``p``: the generator's parameters
-    (output lengths, ``max_context_tokens``, ``duration_s``, the service-time estimate,
-    ``block_size``)."""
+    ``turns``, at the context limit or past ``duration_s``."""
     bs, out = p.block_size, []
     for _ in range(turns):
         answer = lognormal(
