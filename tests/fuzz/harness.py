@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -41,6 +41,9 @@ class Target:
     kind: Kind
     services: tuple[str, ...]
     """Bus names of the services that subscribe (each dead-letters what it rejects)."""
+    decoded_as: Any = None
+    """The type the subscribers decode where it is not ``message_type``, the wire's (the
+    scheduler's relayed forms); None: ``message_type``."""
 
 
 @dataclass
@@ -141,7 +144,7 @@ async def fuzz_target(
         base = {s: observer.dead_count(s, target.subject) for s in target.services}
         for i, payload in enumerate(chunk, start):
             reply = "" if target.kind == "stream" or i % 5 == 4 else f"{INBOX_PREFIX}.{tag}.{i}"
-            if is_invalid(target.message_type, payload):
+            if is_invalid(target.decoded_as or target.message_type, payload):
                 result.invalid += 1
             if js is not None:
                 await js.publish(target.subject, payload, timeout=5)
@@ -153,8 +156,7 @@ async def fuzz_target(
         result.with_reply += len(inboxes)
         await nc.flush()
         want_dead = result.invalid - invalid_before
-        live = Target(target.subject, target.message_type, target.kind,
-                      tuple(s for s in target.services if alive(s)))  # fmt: skip
+        live = replace(target, services=tuple(s for s in target.services if alive(s)))
         if not await _settle(observer, live, inboxes, base, want_dead, settle_s):
             settle_s = 1.0  # once late, do not wait the full time for every later batch
         _account(observer, live, inboxes, base, want_dead, result)

@@ -62,6 +62,7 @@ from thunderagent.schemas import (
     RunFailed,
     ScheduleRequest,
     WorkerGenerate,
+    relayed,
     subjects,
 )
 from thunderagent.shell.runner import _answer_health
@@ -111,9 +112,21 @@ def targets(router_id: str) -> list[Target]:
     s = subjects
     return [
         Target(s.requests(MODEL), GenerateRequest, "request", ("router",)),
-        Target(s.sched_submit(MODEL), ScheduleRequest, "request", ("scheduler",)),
+        Target(
+            s.sched_submit(MODEL),
+            ScheduleRequest,
+            "request",
+            ("scheduler",),
+            decoded_as=relayed.ScheduleRequest,
+        ),
         Target(s.SCHED_CANCEL, CancelRequest, "event", ("scheduler",)),
-        Target(s.sched_direct(MODEL), DirectDispatch, "event", ("scheduler",)),
+        Target(
+            s.sched_direct(MODEL),
+            DirectDispatch,
+            "event",
+            ("scheduler",),
+            decoded_as=relayed.DirectDispatch,
+        ),
         Target(s.sched_run_failed(MODEL), RunFailed, "request", ("scheduler",)),
         Target(s.ROUTER_PRESENCE, RouterHello, "event", ("scheduler",)),
         Target(s.router_credits(router_id), CreditGrant, "event", ("router",)),

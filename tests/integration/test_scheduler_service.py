@@ -554,3 +554,37 @@ async def test_a_second_request_under_an_id_in_use_is_stopped_even_when_sent_on_
     assert replies["b"][-1].code == ErrorCode.BAD_REQUEST and "in use" in replies["b"][-1].message
     assert sum(len(c.token_ids) for c in replies["b"][:-1]) < 300  # stopped, not run to its end
     assert "dup-1" not in second.running
+
+
+async def test_an_id_past_32_bits_the_scheduler_passed_on_is_refused_by_the_worker(nats_server):
+    """The scheduler keeps a prompt's ids unparsed (``schemas.relayed``): it checks they are
+    non-negative integers, not their bound. An id past 32 bits, which only a publisher other
+    than the router could send, is refused by the adapter in front of the engine, and the
+    request ends with an error its client hears; nothing stays booked."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1)
+        sched = stack.services["scheduler"].runtime
+        nc = await connect(nats_server.url, name="test-bound")
+        replies: list[bytes] = []
+
+        async def on_reply(msg) -> None:
+            replies.append(msg.data)
+
+        await nc.subscribe("_INBOX.test.bound", cb=on_reply)
+        decision = RouteDecision(
+            request_id="big-1", model=MODEL, worker_id="w0", overlap_blocks=0, prompt_blocks=0,
+            candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
+        )  # fmt: skip
+        submit = ScheduleRequest(
+            request=GenerateRequest(request_id="big-1", model=MODEL, token_ids=[5], max_tokens=2),
+            reply_subject="_INBOX.test.bound", decision=decision, router_id="r1",
+        )  # fmt: skip
+        payload = encode(submit).replace(b'"token_ids":[5]', b'"token_ids":[5,4294967296]')
+        ack = await nc.request(subjects.sched_submit(MODEL), payload, timeout=5)
+        assert msgspec.json.decode(ack.data, type=Ack).accepted
+        await wait_for(lambda: replies, what="the client's answer")
+        await wait_for(lambda: "big-1" not in sched.pending, what="the request forgotten")
+        await nc.close()
+    answer = msgspec.json.decode(replies[-1])
+    assert answer["type"] == "error", answer
+    assert "<= 4294967295" in answer["message"], answer  # the adapter's refusal, passed on

@@ -59,11 +59,8 @@ def continuation(request: GenerateRequest, output: Sequence[int]) -> GenerateReq
     own output equals resuming the original after all of it."""
     if not output:
         return request
-    return structs.replace(
-        request,
-        token_ids=[*(request.token_ids or []), *output],
-        max_tokens=max(1, request.max_tokens - len(output)),
-    )
+    resumed = request.extended(output)
+    return structs.replace(resumed, max_tokens=max(1, request.max_tokens - len(output)))
 
 
 def client_output(run_prompt: Sequence[int], output_offset: int, new: Sequence[int]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
@@ -87,6 +88,14 @@ class GenerateRequest(Struct, frozen=True, kw_only=True, omit_defaults=True):
             raise ValueError("exactly one of token_ids, text or messages must be given")
         if not given[0]:
             raise ValueError("the prompt is empty")
+
+    def prompt_len(self) -> int:
+        """Prompt tokens (0 before the router tokenized a text or chat prompt)."""
+        return len(self.token_ids or ())
+
+    def extended(self, output: Sequence[int]) -> GenerateRequest:
+        """This request with ``output`` appended to its prompt (a continuation's prompt)."""
+        return msgspec.structs.replace(self, token_ids=[*(self.token_ids or ()), *output])
 
 
 class TokenChunk(Struct, frozen=True, kw_only=True, tag="token", tag_field="type"):

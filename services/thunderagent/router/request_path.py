@@ -48,6 +48,7 @@ from thunderagent.schemas import (
     ScheduleRequest,
     UnansweredOffer,
     WorkerGenerate,
+    relayed,
     subjects,
 )
 from thunderagent.telemetry.propagation import child_span
@@ -189,7 +190,9 @@ class Router:
             span.set_attribute("thunderagent.worker_id", decision.worker_id)
             span.set_attribute("thunderagent.overlap_blocks", decision.overlap_blocks)
             self.decisions.add(decision)
-            rest = await self._dispatch_directly(*routed)
+            # the ids encoded once, for the worker's hand-off and the scheduler's message alike
+            submit = structs.replace(routed[0], request=relayed.GenerateRequest.of(req))
+            rest = await self._dispatch_directly(submit, routed[1])
             if rest is not None:
                 await self._submit(rest)
 

@@ -150,7 +150,7 @@ class Handoff:
     def _pull(self, submit: ScheduleRequest, worker_id: str) -> PullHint | None:
         if self.pulls is None:
             return None
-        prompt = len(submit.request.token_ids or ())
+        prompt = submit.request.prompt_len()
         return self.pulls.hint(submit.decision.candidates, worker_id, submit.block_hashes,
                                prompt, submit.block_size, time.monotonic())  # fmt: skip
 

@@ -64,7 +64,7 @@ class Pending:
         return sched_request(
             request_id=req.request_id,
             arrival=submit.decision.decided_at,
-            run=Run(len(req.token_ids or []), req.max_tokens, len(self.output)),
+            run=Run(req.prompt_len(), req.max_tokens, len(self.output)),
             expected_output_tokens=submit.expected_output_tokens or req.max_tokens,
             decision=decision,
             block_size=submit.block_size,

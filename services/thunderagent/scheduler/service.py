@@ -46,6 +46,7 @@ from thunderagent.schemas import (
     RouterHello,
     RunFailed,
     ScheduleRequest,
+    relayed,
     subjects,
 )
 from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
@@ -469,9 +470,9 @@ class SchedulerService:
                 else subjects.SCHED_RUN_FAILED_WILDCARD
             )
             queue = subjects.SCHEDULER_QUEUE
-            await bus.subscribe(submits, ScheduleRequest, self.on_submit, queue=queue)
+            await bus.subscribe(submits, relayed.ScheduleRequest, self.on_submit, queue=queue)
             await bus.subscribe(failures, RunFailed, self.on_run_failed)
-            await bus.subscribe(directs, DirectDispatch, self.on_direct)
+            await bus.subscribe(directs, relayed.DirectDispatch, self.on_direct)
         await bus.subscribe(subjects.PROGRESS_WILDCARD, ProgressBatch, self.on_progress)
         await bus.subscribe(subjects.SCHED_CANCEL, CancelRequest, self.on_cancel)
         await bus.subscribe(subjects.ROUTER_PRESENCE, RouterHello, self.on_hello)
