@@ -14,6 +14,9 @@ import numpy as np
 from thunderagent.fleet.workers import WorkerState
 from thunderagent.schemas import ErrorCode
 
+_NUMPY_FROM = 256
+"""Ids from which ``_largest`` reads a packed prompt with numpy."""
+
 
 def check_limits(
     token_ids: Sequence[int], max_tokens: int, workers: Sequence[WorkerState]
@@ -41,9 +44,12 @@ def check_limits(
 
 
 def _largest(token_ids: Sequence[int]) -> int:
-    """The largest id: one numpy pass over a packed uint32 array (``hashing.pack_tokens``),
+    """The largest id: one numpy pass over a long packed uint32 array (``hashing.pack_tokens``),
     ``max`` over anything else (for a 32k-token list ~0.9 ms, a tenth of the router's CPU per
-    request; over the packed array ~10 µs)."""
-    if isinstance(token_ids, array) and token_ids.itemsize == 4 and token_ids.typecode in "IL":
+    request; over the packed array ~10 µs). Below ``_NUMPY_FROM`` ids numpy's call costs more
+    than the loop: at 64 ids ~4 µs against ~3 µs in a micro-benchmark, and 6.5 % of the
+    router's py-spy samples under load at 200 req/s."""
+    packed = isinstance(token_ids, array) and token_ids.itemsize == 4
+    if packed and token_ids.typecode in "IL" and len(token_ids) >= _NUMPY_FROM:
         return int(np.frombuffer(token_ids, dtype=np.uint32).max())
     return max(token_ids)

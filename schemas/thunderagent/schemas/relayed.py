@@ -23,7 +23,18 @@ _SHORT_ARRAY_BYTES = 4096
 _NOT_INTEGERS = (b"-", b".", b"e", b"E", b'"', b"[", b"{", b"n")
 """Bytes that only a value other than a non-negative integer puts inside a JSON array (a sign, a
 fraction, an exponent, a string, a nested array or object, true, false, null)."""
+_INTEGER_BYTES = b"0123456789, \t\r\n"
 _NOT_GIVEN = msgspec.Raw(b"")
+
+
+def _integers_only(inside: bytes) -> bool:
+    """Whether what is between a JSON array's brackets holds non-negative integers only: a
+    short one deletes its digits, commas and white space and must leave nothing (~0.3 µs at 64
+    ids), a long one is searched for each byte another value needs (~47 µs at 32k ids, where
+    the deletion takes 0.12-0.35 ms)."""
+    if len(inside) <= _SHORT_ARRAY_BYTES:
+        return not inside.translate(None, _INTEGER_BYTES)
+    return not any(b in inside for b in _NOT_INTEGERS)
 
 
 class GenerateRequest(generate.GenerateRequest, frozen=True, kw_only=True, omit_defaults=True):
@@ -38,8 +49,7 @@ class GenerateRequest(generate.GenerateRequest, frozen=True, kw_only=True, omit_
         if self.text is not None or self.messages is not None or not len(self.token_ids):
             raise ValueError("a relayed request carries token ids (the router tokenizes)")
         array = bytes(self.token_ids)
-        inside = array[1:-1]
-        if array[:1] != b"[" or any(b in inside for b in _NOT_INTEGERS):
+        if array[:1] != b"[" or not _integers_only(array[1:-1]):
             raise ValueError("token_ids is not an array of non-negative integers")
         if self.prompt_len() == 0:
             raise ValueError("the prompt is empty")

@@ -24,9 +24,10 @@ def test_packed_ids_hash_as_the_list_does() -> None:
     assert hasher.hash_tokens(pack_tokens(ids)) == hasher.hash_tokens(ids)
 
 
+@pytest.mark.parametrize("copies", [1, 100])  # 3 ids read by a loop, 300 by numpy
 @pytest.mark.parametrize("top", [0, 127, 128, 2**32 - 1])
-def test_the_vocabulary_check_reads_the_packed_array_as_the_list(top: int) -> None:
-    ids = [3, top, 5] * 100
+def test_the_vocabulary_check_reads_the_packed_array_as_the_list(top: int, copies: int) -> None:
+    ids = [3, top, 5] * copies
     workers = [worker(vocab=128, context=10_000)]
     assert check_limits(pack_tokens(ids), 1, workers) == check_limits(ids, 1, workers)
     refused = check_limits(pack_tokens(ids), 1, workers)
