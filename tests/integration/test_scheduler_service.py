@@ -382,13 +382,10 @@ async def test_a_direct_dispatch_of_text_is_dead_lettered_not_booked(nats_server
             dead.append(msgspec.json.decode(msg.data, type=DeadLetter))
 
         await nc.subscribe(subjects.dead_letter("scheduler"), cb=on_dead)
-        decision = RouteDecision(
-            request_id="text-1", model=MODEL, worker_id="w0", overlap_blocks=0, prompt_blocks=1,
-            candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
-        )  # fmt: skip
         submit = ScheduleRequest(
             request=GenerateRequest(request_id="text-1", model=MODEL, token_ids=[5], max_tokens=4),
-            reply_subject="_INBOX.test.1", decision=decision, block_hashes=[1], router_id="r1",
+            reply_subject="_INBOX.test.1", decision=_decision("text-1"), block_hashes=[1],
+            router_id="r1",
         )  # fmt: skip
         notice = msgspec.to_builtins(DirectDispatch(submit=submit, worker_id="w0"))
         del notice["submit"]["request"]["token_ids"]  # what a publisher that skipped it sends
@@ -571,13 +568,9 @@ async def test_an_id_past_32_bits_the_scheduler_passed_on_is_refused_by_the_work
             replies.append(msg.data)
 
         await nc.subscribe("_INBOX.test.bound", cb=on_reply)
-        decision = RouteDecision(
-            request_id="big-1", model=MODEL, worker_id="w0", overlap_blocks=0, prompt_blocks=0,
-            candidates=[Candidate(worker_id="w0", score=1.0)], policy="thunder", decided_at=0.0,
-        )  # fmt: skip
         submit = ScheduleRequest(
             request=GenerateRequest(request_id="big-1", model=MODEL, token_ids=[5], max_tokens=2),
-            reply_subject="_INBOX.test.bound", decision=decision, router_id="r1",
+            reply_subject="_INBOX.test.bound", decision=_decision("big-1"), router_id="r1",
         )  # fmt: skip
         payload = encode(submit).replace(b'"token_ids":[5]', b'"token_ids":[5,4294967296]')
         ack = await nc.request(subjects.sched_submit(MODEL), payload, timeout=5)
