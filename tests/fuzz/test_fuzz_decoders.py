@@ -43,6 +43,7 @@ from thunderagent.schemas import (
     ScheduleRequest,
     WorkerGenerate,
     WorkerRegistration,
+    relayed,
 )
 from thunderagent.sglang import kv_wire
 
@@ -54,7 +55,10 @@ TYPES = [
     KvRelease, LoadReport, KvEventBatch, RouteDecision, RouteDecisionBatch,
     MigrationOrder, DrainNotice,
     WorkerRegistration, DirectDispatch, RouterHello, CreditGrant, RunFailed,
+    relayed.ScheduleRequest, relayed.DirectDispatch,
 ]  # fmt: skip
+WIRE = {relayed.ScheduleRequest: ScheduleRequest, relayed.DirectDispatch: DirectDispatch}
+"""The wire type a relayed decoder reads (the shape its fuzzed messages take)."""
 EXPECTED = DECODE_ERRORS
 """Exactly what the bus (and the JetStream consumer, and the fleet watcher) catch."""
 
@@ -63,6 +67,11 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
     max_leaves=30,
 )
+
+
+def _type_id(message_type) -> str:
+    relayed_form = message_type.__module__ == relayed.__name__
+    return f"relayed.{message_type.__name__}" if relayed_form else message_type.__name__
 
 
 def _field_names(message_type) -> list[str]:
@@ -76,14 +85,14 @@ def _decode_or_refuse(message_type, data: bytes) -> None:
         pass
 
 
-@pytest.mark.parametrize("message_type", TYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("message_type", TYPES, ids=_type_id)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=512))
 def test_random_bytes(message_type, data):
     _decode_or_refuse(message_type, data)
 
 
-@pytest.mark.parametrize("message_type", TYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("message_type", TYPES, ids=_type_id)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_objects_with_the_fields_and_any_values(message_type, data):
@@ -93,11 +102,11 @@ def test_objects_with_the_fields_and_any_values(message_type, data):
     _decode_or_refuse(message_type, raw)
 
 
-@pytest.mark.parametrize("message_type", TYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("message_type", TYPES, ids=_type_id)
 def test_schema_shaped_extremes(message_type):
     shaper = Shaper(random.Random(message_type.__name__), big=2_000)
     for _ in range(100):
-        _decode_or_refuse(message_type, shaper.message(message_type))
+        _decode_or_refuse(message_type, shaper.message(WIRE.get(message_type, message_type)))
 
 
 @settings(max_examples=500, deadline=None)
