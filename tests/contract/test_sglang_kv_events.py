@@ -45,13 +45,16 @@ from thunderagent.sglang.zmq_subscriber import (
 from thunderagent.worker.adapter import AdapterConfig, WorkerAdapter
 
 _installed = sglang_version()
-pytestmark = pytest.mark.skipif(
-    _installed != SGLANG_VERSION,
-    reason=(
-        f"needs sglang=={SGLANG_VERSION} (found {_installed}): "
-        f"pip install --no-deps sglang=={SGLANG_VERSION} pydantic psutil"
+pytestmark = [
+    pytest.mark.skipif(
+        _installed != SGLANG_VERSION,
+        reason=(
+            f"needs sglang=={SGLANG_VERSION} (found {_installed}): "
+            f"pip install --no-deps sglang=={SGLANG_VERSION} pydantic psutil"
+        ),
     ),
-)
+    pytest.mark.integration,  # SGLang's publisher and ours on free loopback ports
+]
 
 WAIT = 5.0  # seconds any single wait may take before the test fails
 

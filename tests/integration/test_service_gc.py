@@ -5,8 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.integration.metrics_probe import scrape_after
 from thunderagent.embedded.ports import free_port
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_service_with_metrics_exports_its_gc_pauses() -> None:

@@ -30,6 +30,8 @@ from thunderagent.sglang.zmq_subscriber import (
     ZmqKvEventSubscriber,
 )
 
+pytestmark = pytest.mark.integration  # ZMQ sockets on free loopback ports
+
 WAIT = 5.0
 
 

@@ -9,6 +9,8 @@ import pytest
 from thunderagent.embedded import ports
 from thunderagent.embedded.ports import _ephemeral_start, free_port, port_is_free
 
+pytestmark = pytest.mark.integration  # binds the ports it checks: one test process at a time
+
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
     top = _ephemeral_start()
