@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import aiohttp
 import msgspec
@@ -108,6 +109,25 @@ async def test_shared_prefix_lands_on_the_same_worker_with_cached_tokens(nats_se
     assert second.final.worker_id == first.final.worker_id
     assert second.final.usage.cached_tokens == 12 * PAGE
     assert second.final.predicted_cached_tokens == 12 * PAGE
+
+
+async def test_a_burst_of_new_prompts_spreads_evenly_over_the_fleet(nats_server):
+    """Sixteen distinct prompts sent at once to a fleet nobody has used: the router decides
+    each before the first hand-off is answered, so it must count its own decisions to spread
+    them four to a worker. It booked a request on its worker only once the hand-off was
+    answered: here the seeded tie-breaks then gave 3/4/4/5, and in the demo, where one worker's
+    load report had come first (it alone showed free KV), all sixteen went to that one."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=4, policy="thunder", profile="llama-3.1-8b-h100")
+        client = await ThunderClient.connect(nats_server.url, idle_timeout_s=20)
+        burst = [  # 4k tokens: ~0.2 s of prefill each, longer than routing all sixteen
+            GenerateRequest(model=MODEL, token_ids=conversation(k, 256), max_tokens=2)
+            for k in range(16)
+        ]
+        done = await asyncio.gather(*(client.generate(r) for r in burst))
+        await client.close()
+    places = Counter(d.final.worker_id for d in done)
+    assert sorted(places.values()) == [4, 4, 4, 4], places
 
 
 async def test_llm_d_sends_a_shared_prefix_where_its_own_record_of_picks_says(nats_server):

@@ -54,9 +54,17 @@ def worker_view(state: WorkerState, cached_blocks: int = -1) -> WorkerView:
 def _build_view(state: WorkerState, cached_blocks: int) -> WorkerView:
     load = state.load
     if load is None:
+        # Just registered, no report yet: an empty engine with its registered pool, plus what
+        # this process sent or booked there. Unknown figures priced as estimates instead made
+        # it look fuller or emptier than a reported worker, and a burst at start-up went
+        # to one side.
         return WorkerView(
             worker_id=state.worker_id,
-            pending=state.assigned_since_report,
+            kv_total_blocks=state.registration.kv_capacity_blocks,
+            pending=state.assigned_since_report + len(state.booked),
+            pending_prefill_tokens=state.assigned_prefill_since_report + state.booked_prefill,
+            pending_kv_tokens=state.assigned_kv_since_report + state.booked_kv,
+            prefill_tokens=0,
             cached_blocks=cached_blocks,
         )
     return WorkerView(
@@ -67,9 +75,11 @@ def _build_view(state: WorkerState, cached_blocks: int) -> WorkerView:
         kv_used_blocks=load.kv_used_blocks,
         kv_total_blocks=load.kv_total_blocks or state.registration.kv_capacity_blocks,
         active_tokens=load.num_tokens,
-        pending=state.assigned_since_report,
-        pending_prefill_tokens=state.assigned_prefill_since_report,
-        pending_kv_tokens=state.assigned_kv_since_report + state.started_kv_since_report,
+        pending=state.assigned_since_report + len(state.booked),
+        pending_prefill_tokens=state.assigned_prefill_since_report + state.booked_prefill,
+        pending_kv_tokens=(
+            state.assigned_kv_since_report + state.started_kv_since_report + state.booked_kv
+        ),
         prefill_tokens=load.prefill_backlog_tokens,
         prefill_started_tokens=state.started_since_report,
         cached_blocks=cached_blocks,

@@ -46,6 +46,13 @@ class WorkerState:
     looks busy with work it has done."""
     carried_running: dict[str, int] = field(default_factory=dict)
     """request id -> KV tokens of those started since the report and still running."""
+    booked: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """request id -> (prefill, KV tokens) of requests this process routed here that no worker
+    has taken yet (their hand-off awaits its ack, or they wait in the scheduler's queue). A
+    burst is routed before the first of its hand-offs is answered: without these it would all
+    go to the worker that looked idle. Reports do not clear them (nothing was sent yet)."""
+    booked_prefill: int = 0
+    booked_kv: int = 0
     taken_at: float | None = None
     """When ``load`` was taken (a poller's registry takes fewer reports than it gets)."""
     view: WorkerView | None = field(default=None, repr=False)
@@ -69,6 +76,21 @@ class WorkerState:
         self.assigned_since_report += 1
         self.assigned_prefill_since_report += prefill_tokens
         self.assigned_kv_since_report += kv_tokens
+
+    def book(self, request_id: str, prefill_tokens: int, kv_tokens: int) -> None:
+        """Routed here, not taken yet (``assign`` once a worker takes it, here or elsewhere)."""
+        self.view = None
+        self.unbook(request_id)
+        self.booked[request_id] = (prefill_tokens, kv_tokens)
+        self.booked_prefill += prefill_tokens
+        self.booked_kv += kv_tokens
+
+    def unbook(self, request_id: str) -> None:
+        got = self.booked.pop(request_id, None)
+        if got is not None:
+            self.view = None
+            self.booked_prefill -= got[0]
+            self.booked_kv -= got[1]
 
     def started(self, request_id: str) -> None:
         """The request's first token is out: the engine has prefilled its prompt, so it is no

@@ -13,9 +13,11 @@ One ``RouterCore`` holds everything a router replica knows and learns:
 * the routing policy and its rng, the lazy verifier, the running mean of output lengths and the
   feedback window the online tuner learns from.
 
-Life of a request: ``route`` (hash, overlaps, rank: no state changes) -> ``on_dispatched`` with
+Life of a request: ``route`` (hash, overlaps, rank; the request is booked as load on its first
+candidate, so the next decisions see it before any worker takes it) -> ``on_dispatched`` with
 the worker that actually took the run (the scheduler's choice, which may not be the first
-candidate) -> ``on_finished`` when the run ends (verification, policy bookings, output mean).
+candidate; the booking moves there) -> ``on_finished`` when the run ends (verification, policy
+bookings, output mean).
 ``tick`` expires TTLs and, once per ``feedback_interval_s``, gives the policy its feedback.
 Every method takes the caller's clock; nothing here does I/O.
 """
@@ -70,6 +72,10 @@ class RouterParams:
     """EMA weight of finished output lengths (~50 requests of memory)."""
     verify_capacity: int = 50_000
     """Dispatched runs remembered for verification (and routed ones awaiting dispatch)."""
+    booking_ttl_s: float = 30.0
+    """How long a routed request no worker has taken counts as load on its first candidate: a
+    request the scheduler drops while it waits (its deadline passed) is never dispatched, and
+    no router hears of it."""
 
 
 @dataclass(slots=True)
@@ -96,6 +102,18 @@ class Routed:
             confirmed_blocks=self.confirmed.get(first, 0),
             predicted_blocks=self.expected.get(first, 0),
         )
+
+
+def _usable_blocks(query: RouteQuery) -> int:
+    """Blocks of the prompt an engine can serve from cache (the last token is always computed)."""
+    return max(0, (query.prompt_tokens - 1) // query.block_size)
+
+
+def _uncached_tokens(routed: Routed, worker_id: str) -> int:
+    """Prompt tokens ``worker_id`` is expected to prefill for the request."""
+    query = routed.query
+    predicted = min(routed.expected.get(worker_id, 0), _usable_blocks(query))
+    return query.prompt_tokens - predicted * query.block_size
 
 
 def _expecting(candidate: Candidate, expected: dict[str, int]) -> Candidate:
@@ -141,6 +159,9 @@ class RouterCore:
         self.window = FeedbackWindow()
         self.outputs = RunningMean(p.output_alpha, prior=float(p.prior_output_tokens))
         self._routed: OrderedDict[str, Routed] = OrderedDict()
+        self._booked: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """request id -> (the worker it is booked on, when), oldest first, until a worker takes
+        it (``WorkerState.book``)."""
         self._hashers: dict[int, BlockHasher] = {}
         self._next_feedback: float | None = None
 
@@ -221,8 +242,9 @@ class RouterCore:
         lora_name: str | None = None,
     ) -> Routed | None:
         """Rank the workers serving ``model`` (with LoRA adapter ``lora_name`` loaded, if named)
-        for this prompt; None when none serves it. Only remembers the answer until
-        ``on_dispatched``: ranking itself changes no state."""
+        for this prompt; None when none serves it. Remembers the answer and books the request
+        on its first candidate until ``on_dispatched`` (or ``forget``); the policy's state is
+        not changed."""
         states = self.fleet.for_model(model, lora_name)
         if not states:
             return None
@@ -248,6 +270,7 @@ class RouterCore:
         decision = self._decision(query, model, hashes, ranked, expected, started, lora_name)
         routed = Routed(decision, query, hashes, model, confirmed, expected)
         self._remember(routed)
+        self._book(routed, decision.worker_id, now)
         return routed
 
     def _decision(
@@ -290,7 +313,40 @@ class RouterCore:
         """Keep the answer until its dispatch notice; the oldest go past ``verify_capacity``."""
         self._routed[routed.decision.request_id] = routed
         if len(self._routed) > self.params.verify_capacity:
-            self._routed.popitem(last=False)
+            self._release(self._routed.popitem(last=False)[0])
+
+    def _book(self, routed: Routed, worker_id: str, now: float) -> None:
+        """Count the request as load on ``worker_id`` from the decision on, not from its
+        dispatch: the next decisions must see it (``WorkerState.booked``), and the policy's
+        own counts take it now, as every peer's router counts a request at selection."""
+        request_id = routed.decision.request_id
+        self._release(request_id)
+        state = self.fleet.get(worker_id)
+        if state is not None:
+            state.book(request_id, _uncached_tokens(routed, worker_id), routed.query.prompt_tokens)
+        self._booked[request_id] = (worker_id, now)
+        self.policy.on_dispatched(routed.query, worker_id)
+
+    def _unbook(self, request_id: str) -> str | None:
+        """The worker the request was booked on, its booking taken off there (None: none)."""
+        booked = self._booked.pop(request_id, None)
+        if booked is None:
+            return None
+        if (state := self.fleet.get(booked[0])) is not None:
+            state.unbook(request_id)
+        return booked[0]
+
+    def _release(self, request_id: str) -> None:
+        """No worker will take the request on this booking: the policy's counts let it go."""
+        at = self._booked.get(request_id, (None, 0.0))[1]
+        worker_id = self._unbook(request_id)
+        if worker_id is not None:
+            self.policy.on_finished(request_id, worker_id, at)
+
+    def _expire_bookings(self, now: float) -> None:
+        ttl, booked = self.params.booking_ttl_s, self._booked
+        while booked and now - next(iter(booked.values()))[1] > ttl:
+            self._release(next(iter(booked)))
 
     def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict]:
         """(The GPU prefix the engines have confirmed, or this router recorded for an
@@ -326,23 +382,24 @@ class RouterCore:
     def on_dispatched(self, request_id: str, worker_id: str, now: float) -> bool:
         """A run of the request went to ``worker_id``: book it there. False when this replica
         did not route the request (another replica did, or it was forgotten)."""
+        booked_on = self._unbook(request_id)
         routed = self._routed.pop(request_id, None)
         if routed is None:
             return False
         query, hashes = routed.query, routed.hashes
-        self.policy.on_dispatched(query, worker_id)
+        if booked_on != worker_id:  # taken elsewhere (or its booking lapsed): a re-dispatch
+            self.policy.on_dispatched(query, worker_id)
         if hashes.primary:
             self.inflight.record(worker_id, hashes.primary, hashes.check, now)
             if self._approximates and self._eventless(worker_id):
                 self._prefilling[request_id] = (worker_id, hashes)
                 if len(self._prefilling) > self.params.verify_capacity:
                     self._prefilling.popitem(last=False)
-        usable = max(0, (query.prompt_tokens - 1) // query.block_size)
+        usable = _usable_blocks(query)
         predicted = min(routed.expected.get(worker_id, 0), usable)
         state = self.fleet.get(worker_id)
         if state is not None:
-            uncached = query.prompt_tokens - predicted * query.block_size
-            state.assign(request_id, uncached, query.prompt_tokens)
+            state.assign(request_id, _uncached_tokens(routed, worker_id), query.prompt_tokens)
         best = min(max(query.overlaps.values(), default=0), usable)
         self.verifier.remember(
             request_id,
@@ -415,6 +472,7 @@ class RouterCore:
         """The request will not be dispatched (rejected, failed before any worker took it)."""
         self._routed.pop(request_id, None)
         self._prefilling.pop(request_id, None)
+        self._release(request_id)
 
     # ---- time ----------------------------------------------------------------------------
 
@@ -426,6 +484,7 @@ class RouterCore:
             return False
         self._next_feedback = now + self.params.feedback_interval_s
         self.feeder.expire(now)
+        self._expire_bookings(now)
         depths = {s.worker_id: (v := worker_view(s)).running + v.queued for s in self.fleet.all()}
         feedback = RoutingFeedback(queue_depths=depths, false_hit_rate=self.window.false_hit_rate())
         self.policy.observe(feedback)

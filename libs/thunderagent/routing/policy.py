@@ -99,8 +99,10 @@ class RoutingPolicy(Protocol):
         ...
 
     def on_dispatched(self, query: RouteQuery, worker_id: str) -> None:
-        """The request was handed to ``worker_id`` (the scheduler's choice, which may not be
-        the first candidate): stateful policies book it there."""
+        """The request counts on ``worker_id`` from now: called at the decision with the first
+        candidate (a peer's router counts a request at selection, and a burst is decided before
+        its first hand-off is answered), and again with the worker that took it when that is
+        another (the scheduler's choice): stateful policies move it there."""
         ...
 
     def on_started(self, request_id: str, worker_id: str, now: float) -> None:
