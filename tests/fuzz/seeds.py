@@ -78,6 +78,7 @@ def _examples() -> dict[type, Any]:
             ],
         ),
         s.Dispatched: s.Dispatched(request_id="fuzz-1", worker_id="w0"),
+        s.Dropped: s.Dropped(request_id="fuzz-1"),
         s.DirectDispatch: s.DirectDispatch(submit=_schedule(), worker_id="w0"),
         s.RouterHello: s.RouterHello(router_id="r-fuzz"),
         s.CreditGrant: s.CreditGrant(

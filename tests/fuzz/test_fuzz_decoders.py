@@ -25,6 +25,7 @@ from thunderagent.schemas import (
     DirectDispatch,
     Dispatched,
     DrainNotice,
+    Dropped,
     GenerateRequest,
     KvEventBatch,
     KvExportRequest,
@@ -51,8 +52,8 @@ pytestmark = pytest.mark.fuzz
 
 TYPES = [
     GenerateRequest, ScheduleRequest, CancelRequest, ProgramRelease, ProgressBatch, Dispatched,
-    WorkerGenerate, AbortRequest, KvTransfer, ResyncRequest, KvExportRequest, KvPullRequest,
-    KvRelease, LoadReport, KvEventBatch, RouteDecision, RouteDecisionBatch,
+    Dropped, WorkerGenerate, AbortRequest, KvTransfer, ResyncRequest, KvExportRequest,
+    KvPullRequest, KvRelease, LoadReport, KvEventBatch, RouteDecision, RouteDecisionBatch,
     MigrationOrder, DrainNotice,
     WorkerRegistration, DirectDispatch, RouterHello, CreditGrant, RunFailed,
     relayed.ScheduleRequest, relayed.DirectDispatch,

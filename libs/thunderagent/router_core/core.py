@@ -73,9 +73,9 @@ class RouterParams:
     verify_capacity: int = 50_000
     """Dispatched runs remembered for verification (and routed ones awaiting dispatch)."""
     booking_ttl_s: float = 30.0
-    """How long a routed request no worker has taken counts as load on its first candidate: a
-    request the scheduler drops while it waits (its deadline passed) is never dispatched, and
-    no router hears of it."""
+    """How long a routed request no worker has taken counts as load on its first candidate at
+    most: the scheduler tells the router of one it drops (``Dropped``), but a message can be
+    lost."""
 
 
 @dataclass(slots=True)

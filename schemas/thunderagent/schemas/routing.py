@@ -122,6 +122,16 @@ class Dispatched(Struct, frozen=True, kw_only=True):
     """The worker that accepted the run (the prefill worker under PD)."""
 
 
+class Dropped(Struct, frozen=True, kw_only=True):
+    """Scheduler -> the routing replica: the request leaves the scheduler with no run on a
+    worker (refused at its deadline, cancelled while it waited, taken by no worker). The router
+    counts a request as load on its first candidate from the decision until a worker takes it;
+    this lets that go at once."""
+
+    request_id: str
+    """The request."""
+
+
 class DirectDispatch(Struct, frozen=True, kw_only=True):
     """Router -> scheduler: the router dispatched this request itself, on credit, and the
     worker accepted it. The scheduler books it as one of its own runs (room, prefix leader,

@@ -132,6 +132,12 @@ def router_dispatched(router_id: str) -> str:
     return f"{PREFIX}.router.{router_id}.dispatched"
 
 
+def router_dropped(router_id: str) -> str:
+    """Scheduler -> the router replica that routed a request: ``Dropped`` (no worker will run
+    it)."""
+    return f"{PREFIX}.router.{router_id}.dropped"
+
+
 def worker_generate(worker_id: str) -> str:
     """Scheduler -> adapter hand-off (``WorkerGenerate`` -> ``Ack``)."""
     return f"{PREFIX}.worker.{worker_id}.generate"

@@ -37,6 +37,7 @@ from thunderagent.schemas import (
     CreditGrant,
     DirectDispatch,
     Dispatched,
+    Dropped,
     ErrorCode,
     ErrorReply,
     GenerateRequest,
@@ -311,6 +312,9 @@ class Router:
 
     async def on_dispatched(self, dispatched: Dispatched, _: Delivery) -> None:
         self.core.on_dispatched(dispatched.request_id, dispatched.worker_id, time.time())
+
+    async def on_dropped(self, dropped: Dropped, _: Delivery) -> None:
+        self.core.forget(dropped.request_id)
 
     async def on_progress(self, batch: ProgressBatch, delivery: Delivery) -> None:
         refusal = progress_refusal(batch, delivery.subject)

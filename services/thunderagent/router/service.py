@@ -2,7 +2,8 @@
 
 This shell feeds the router's pure ``RouterCore`` what NATS brings: registrations and load
 reports (the fleet watcher), KV-event batches (the index follower: Redis snapshot, then the
-stream), where the scheduler sent each request (``Dispatched``), how runs ended
+stream), where the scheduler sent each request (``Dispatched``) or that it ran none
+(``Dropped``), how runs ended
 (``ProgressBatch``), and the requests themselves. Any number of replicas share the ``router``
 queue group; each keeps its own index replica.
 """
@@ -22,6 +23,7 @@ from thunderagent.router.request_path import Router, RouterConfig
 from thunderagent.schemas import (
     CreditGrant,
     Dispatched,
+    Dropped,
     GenerateRequest,
     ProgressBatch,
     RouterHello,
@@ -101,6 +103,9 @@ class RouterService:
         await self.follower.start()
         await bus.subscribe(
             subjects.router_dispatched(router.config.router_id), Dispatched, router.on_dispatched
+        )
+        await bus.subscribe(
+            subjects.router_dropped(router.config.router_id), Dropped, router.on_dropped
         )
         await bus.subscribe(
             subjects.router_credits(router.config.router_id), CreditGrant, router.on_credits

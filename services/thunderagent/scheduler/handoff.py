@@ -20,6 +20,7 @@ from thunderagent.schemas import (
     Ack,
     DirectDispatch,
     Dispatched,
+    Dropped,
     ErrorCode,
     ErrorReply,
     Preempted,
@@ -189,7 +190,18 @@ class Handoff:
             await self.bus.publish(direct.submit.reply_subject, error)
 
     async def fail(self, pending: Pending, code: ErrorCode, message: str) -> None:
+        """Tell the client its request ended here with an error, and its router that no
+        worker will run it."""
         rid = pending.submit.request.request_id
         log.info("request %s: %s: %s", rid, code.value, message)
         error = ErrorReply(code=code, message=message, request_id=rid, service="scheduler")
         await self.bus.publish(pending.submit.reply_subject, error)
+        await self.dropped(pending)
+
+    async def dropped(self, pending: Pending) -> None:
+        """The request leaves here with no run: its router lets go of what it booked for it
+        (it would otherwise count as load on its first candidate until the booking lapses)."""
+        submit = pending.submit
+        if submit.router_id:
+            notice = Dropped(request_id=submit.request.request_id)
+            await self.bus.publish(subjects.router_dropped(submit.router_id), notice)

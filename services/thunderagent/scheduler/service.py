@@ -324,6 +324,7 @@ class SchedulerService:
         waiting = self.core.cancel(cancel.request_id, self.clock())
         if waiting:
             self._leaves_queue(pending)
+            await self.handoff.dropped(pending)
         log.info("request %s cancelled (%s)", cancel.request_id, cancel.reason or "client")
         if not waiting and pending.worker_id:
             self._spawn(self.handoff.abort(pending.worker_id, cancel.request_id, "cancelled"))
