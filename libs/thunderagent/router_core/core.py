@@ -243,8 +243,8 @@ class RouterCore:
     ) -> Routed | None:
         """Rank the workers serving ``model`` (with LoRA adapter ``lora_name`` loaded, if named)
         for this prompt; None when none serves it. Remembers the answer and books the request
-        on its first candidate until ``on_dispatched`` (or ``forget``); the policy's state is
-        not changed."""
+        on its first candidate (the fleet's view and the policy's counts, ``_book``) until
+        ``on_dispatched`` or ``forget``; ranking itself changes nothing."""
         states = self.fleet.for_model(model, lora_name)
         if not states:
             return None
