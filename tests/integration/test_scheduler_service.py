@@ -28,6 +28,7 @@ from thunderagent.schemas import (
     PdBootstrap,
     ProgramRelease,
     RouteDecision,
+    SamplingParams,
     ScheduleRequest,
     TokenChunk,
     WorkerGenerate,
@@ -109,6 +110,30 @@ async def test_deadline_in_the_past_is_answered_at_once(nats_server):
     assert info.value.error.code == ErrorCode.DEADLINE
     assert events["rejected"] == 1 and events["submitted"] >= 1
     assert "waiting" not in events  # a level, not a count
+
+
+async def test_a_request_cancelled_while_it_waits_stops_counting_on_its_worker(nats_server):
+    """The router counts a request as load on its first candidate from the decision until a
+    worker takes it. One the scheduler holds (its worker is full) and the client then cancels
+    never reaches a worker: the scheduler's ``Dropped`` lets the router's booking go."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=1, profile="tiny", scheduler="fcfs",
+                               scheduler_params={"max_running": 1})  # fmt: skip
+        client = await routable(nats_server.url, 1)
+        slow = SamplingParams(ignore_eos=True)
+        running = asyncio.create_task(client.generate(
+            GenerateRequest(model=MODEL, token_ids=[11] * 8, max_tokens=300, sampling=slow)
+        ))  # fmt: skip
+        await asyncio.sleep(0.3)  # it holds the only slot
+        held = GenerateRequest(request_id="held-1", model=MODEL, token_ids=[12] * 8, max_tokens=2)
+        waiting = asyncio.create_task(client.generate(held))
+        fleet = stack.services["router"].runtime.router.core.fleet
+        await wait_for(lambda: "held-1" in fleet.get("w0").booked, 5.0, "its booking")
+        waiting.cancel()  # the client stops waiting (and will not resend it)
+        await client.nc.publish(subjects.SCHED_CANCEL, encode(CancelRequest(request_id="held-1")))
+        await wait_for(lambda: not fleet.get("w0").booked, 2.0, "the booking gone")
+        await running
+        await client.close()
 
 
 async def test_a_hand_off_that_raises_is_answered_and_forgotten(nats_server):
