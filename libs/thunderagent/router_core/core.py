@@ -242,9 +242,8 @@ class RouterCore:
         lora_name: str | None = None,
     ) -> Routed | None:
         """Rank the workers serving ``model`` (with LoRA adapter ``lora_name`` loaded, if named)
-        for this prompt; None when none serves it. Remembers the answer and books the request
-        on its first candidate (the fleet's view and the policy's counts, ``_book``) until
-        ``on_dispatched`` or ``forget``; ranking itself changes nothing."""
+        for this prompt; None when none serves it. The answer is kept, and the request booked
+        on its first candidate, until ``on_dispatched`` or ``forget`` (``_remember``)."""
         states = self.fleet.for_model(model, lora_name)
         if not states:
             return None
@@ -269,8 +268,7 @@ class RouterCore:
             ranked = [_expecting(c, expected) for c in ranked]
         decision = self._decision(query, model, hashes, ranked, expected, started, lora_name)
         routed = Routed(decision, query, hashes, model, confirmed, expected)
-        self._remember(routed)
-        self._book(routed, decision.worker_id, now)
+        self._remember(routed, now)
         return routed
 
     def _decision(
@@ -309,9 +307,11 @@ class RouterCore:
             held = {w: held.get(w, 0) + guessed.get(w, 0) for w in held.keys() | guessed.keys()}
         return [worker_view(s, held.get(s.worker_id, 0)) for s in states]
 
-    def _remember(self, routed: Routed) -> None:
-        """Keep the answer until its dispatch notice; the oldest go past ``verify_capacity``."""
+    def _remember(self, routed: Routed, now: float) -> None:
+        """Keep the answer, and the request booked on its first candidate, until its dispatch
+        notice; the oldest go past ``verify_capacity``."""
         self._routed[routed.decision.request_id] = routed
+        self._book(routed, routed.decision.worker_id, now)
         if len(self._routed) > self.params.verify_capacity:
             self._release(self._routed.popitem(last=False)[0])
 
