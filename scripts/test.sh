@@ -2,9 +2,10 @@
 # Set up, then run every test: unit, property, contract (SGLang's own classes), integration
 # (real nats-server and redis-server on free loopback ports) and process tests.
 # With no arguments: the tests that open no port (pure logic, properties, decoders) on both
-# cores, then those that do (marked integration, docker, soak or chaos) one at a time, alone on
-# the machine: they start servers on free ports and time real processes. With arguments: one
-# pytest run with them, one test at a time.
+# cores, then those that do (marked integration, docker, soak or chaos) on two runners as well,
+# apart from the CPU-bound ones: they mostly wait on servers and processes (alone on the machine
+# they kept 0.7 of its 2 cores busy), and each runner takes its ports from its own range
+# (tests/conftest.py). With arguments: one pytest run with them, one test at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,6 +20,6 @@ SERIAL="integration or docker or soak or chaos"
 echo "== tests that open no port, on 2 processes"
 status=0
 "${PYTEST[@]}" -n 2 -m "not ($SERIAL)" tests || status=$?
-echo "== tests that open ports or start processes, one at a time"
-"${PYTEST[@]}" -m "$SERIAL" tests || status=$?
+echo "== tests that open ports or start processes, on 2 runners"
+"${PYTEST[@]}" -n 2 -m "$SERIAL" tests || status=$?
 exit $status

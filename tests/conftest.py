@@ -11,6 +11,24 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from thunderagent.embedded import NatsServer, RedisServer
+from thunderagent.embedded.ports import PORTS_ENV, ports_allowed
+
+
+def _own_ports_per_runner() -> None:
+    """Under pytest-xdist each runner picks ports from its own slice of the range (stacks it
+    starts inherit it): a port one runner picked, not yet bound, looks free to the other."""
+    runner = os.environ.get("PYTEST_XDIST_WORKER")
+    runners = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not runner or not runners or os.environ.get(PORTS_ENV):
+        return
+    low, high = 10_000, 32_768  # below the kernel's usual ephemeral range
+    width = (high - low) // int(runners)
+    first = low + int(runner.removeprefix("gw")) * width
+    os.environ[PORTS_ENV] = f"{first}-{first + width}"
+    ports_allowed()  # a malformed value fails here, not in the first test
+
+
+_own_ports_per_runner()
 
 # CI machines are small and shared: no per-example deadline, a fixed example budget.
 settings.register_profile(

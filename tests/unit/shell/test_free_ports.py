@@ -45,3 +45,29 @@ class _Draw:
 
     def randrange(self, low: int, high: int) -> int:
         return next(self.draws)
+
+
+def test_ports_come_from_the_range_the_environment_names(monkeypatch) -> None:
+    """THUNDERAGENT_PORTS confines every pick, the usual ports included (two test runners on one
+    machine, each with its own slice)."""
+    monkeypatch.setenv(ports.PORTS_ENV, "23000-23100")
+    picked = [free_port() for _ in range(20)]
+    assert all(23_000 <= p < 23_100 for p in picked)
+    assert len(set(picked)) == len(picked)
+    assert 23_000 <= ports.preferred_port(4222) < 23_100
+    inside = free_port()
+    assert ports.preferred_port(inside) == inside
+
+
+@pytest.mark.parametrize("value", ["23000", "a-b", "23100-23000", "80-90", "1-2-3"])
+def test_a_malformed_range_is_a_clear_error(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(ports.PORTS_ENV, value)
+    with pytest.raises(ValueError, match=ports.PORTS_ENV):
+        free_port()
+
+
+def test_a_full_range_is_an_error_not_a_port_outside_it(monkeypatch) -> None:
+    monkeypatch.setenv(ports.PORTS_ENV, "23000-23002")
+    monkeypatch.setattr(ports, "port_is_free", lambda port, host="127.0.0.1": False)
+    with pytest.raises(RuntimeError, match="no free port in THUNDERAGENT_PORTS=23000-23002"):
+        free_port()
