@@ -16,6 +16,7 @@ from thunderagent.bus.bus import encode
 from thunderagent.client import RequestFailed
 from thunderagent.scheduler.metrics import events_by_kind
 from thunderagent.schemas import (
+    REPLY_DECODER,
     Ack,
     CancelRequest,
     Candidate,
@@ -24,6 +25,7 @@ from thunderagent.schemas import (
     ErrorCode,
     FinalReply,
     GenerateRequest,
+    HeldReply,
     ProgramRelease,
     RouteDecision,
     SamplingParams,
@@ -127,6 +129,42 @@ async def test_a_request_cancelled_while_it_waits_stops_counting_on_its_worker(n
         await wait_for(lambda: not fleet.get("w0").booked, 2.0, "the booking gone")
         await running
         await client.close()
+
+
+async def test_a_resend_of_a_running_request_stops_counting_as_new_load(nats_server):
+    """A client resends a request that is running (it heard nothing in time): its router routes
+    the resend and books it on a worker, and the scheduler answers that the run it holds is the
+    request's one. The resend is no new load: the scheduler's ``Dropped`` lets that booking go
+    while the run goes on (else it counted on its worker until the run ended)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, speedup=0.05)  # a run of seconds
+        client = await routable(nats_server.url, 2)
+        await client.close()
+        nc = await connect(nats_server.url, name="resender")
+        inbox, replies = nc.new_inbox(), asyncio.Queue()
+
+        async def on_reply(msg) -> None:
+            replies.put_nowait(REPLY_DECODER.decode(msg.data))
+
+        await nc.subscribe(inbox, cb=on_reply)
+        slow = SamplingParams(ignore_eos=True)
+        request = GenerateRequest(request_id="resent-1", model=MODEL, token_ids=[13] * 40,
+                                  max_tokens=300, sampling=slow)  # fmt: skip
+        subject = subjects.requests(MODEL)
+        await nc.publish(subject, encode(request), reply=inbox)
+        assert isinstance(await asyncio.wait_for(replies.get(), 10), TokenChunk)
+        fleet = stack.services["router"].runtime.router.core.fleet
+        await nc.publish(subject, encode(msgspec.structs.replace(request, retry=1)), reply=inbox)
+        got = []
+        while not any(isinstance(r, HeldReply) for r in got):
+            got.append(await asyncio.wait_for(replies.get(), 10))
+        await wait_for(lambda: not any(s.booked for s in fleet.all()), 2.0, "the booking gone")
+        got.append(await asyncio.wait_for(replies.get(), 10))
+        assert isinstance(got[-1], TokenChunk)  # the run goes on
+        await nc.publish(subjects.SCHED_CANCEL, encode(CancelRequest(request_id="resent-1")))
+        sched = stack.services["scheduler"].runtime
+        await wait_for(lambda: not sched.pending, 5.0, "the run stopped")  # the client left
+        await nc.close()
 
 
 async def test_a_hand_off_that_raises_is_answered_and_forgotten(nats_server):

@@ -469,9 +469,10 @@ class RouterCore:
             self.approximate.record(worker_id, hashes.primary, hashes.check, now)
 
     def forget(self, request_id: str) -> None:
-        """The request will not be dispatched (rejected, failed before any worker took it)."""
+        """This routing of the request will not be dispatched (rejected, failed before any
+        worker took it, or a client's resend of a request that runs already: a run dispatched
+        before keeps its record until it ends)."""
         self._routed.pop(request_id, None)
-        self._prefilling.pop(request_id, None)
         self._release(request_id)
 
     # ---- time ----------------------------------------------------------------------------

@@ -124,9 +124,10 @@ class Dispatched(Struct, frozen=True, kw_only=True):
 
 class Dropped(Struct, frozen=True, kw_only=True):
     """Scheduler -> the routing replica: the request leaves the scheduler with no run on a
-    worker (refused at its deadline, cancelled while it waited, taken by no worker). The router
-    counts a request as load on its first candidate from the decision until a worker takes it;
-    this lets that go at once."""
+    worker (refused at its deadline, cancelled while it waited, taken by no worker), or the
+    replica routed a client's resend of a request that runs already, or that another replica
+    routed. The router counts a request as load on its first candidate from the decision until
+    a worker takes it; this lets that go at once."""
 
     request_id: str
     """The request."""

@@ -201,7 +201,17 @@ class Handoff:
     async def dropped(self, pending: Pending) -> None:
         """The request leaves here with no run: its router lets go of what it booked for it
         (it would otherwise count as load on its first candidate until the booking lapses)."""
-        submit = pending.submit
+        await self._drop_booking(pending.submit)
+
+    async def resent(self, pending: Pending, resend: ScheduleRequest) -> None:
+        """The client resent a request held here: the router that routed the resend booked it
+        as new load, but the request runs once, as ``pending``. That router lets the booking go,
+        unless it routed the request before and it still waits: it then hears of its dispatch
+        (its booking moved to the resend's first candidate when it routed it again)."""
+        if pending.worker_id or resend.router_id != pending.submit.router_id:
+            await self._drop_booking(resend)
+
+    async def _drop_booking(self, submit: ScheduleRequest) -> None:
         if submit.router_id:
             notice = Dropped(request_id=submit.request.request_id)
             await self.bus.publish(subjects.router_dropped(submit.router_id), notice)

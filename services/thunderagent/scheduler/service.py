@@ -117,6 +117,7 @@ class SchedulerService:
             if same:  # the client's retry of a request that is here: it runs once
                 if delivery.reply:
                     await self.bus.publish(delivery.reply, Ack(accepted=True))
+                await self.handoff.resent(self.pending[rid], submit)
                 return
             refusal = Ack(accepted=False, reason=in_use(rid), code=ErrorCode.BAD_REQUEST)
         elif self.finished.get(rid) == submit.reply_subject:

@@ -180,3 +180,16 @@ def test_a_prefix_counts_as_cached_only_where_it_was_prefilled_within_the_ttl(ru
             if held:
                 expected[w] = held
         assert route(c, f"probe{p}", prompt, probe).confirmed == expected
+
+
+def test_a_resend_while_the_run_prefills_keeps_the_run_recorded() -> None:
+    """A client resends a request whose run is still prefilling; the router routes the resend
+    and the scheduler tells it to let that routing go (``forget``). The run it already sent
+    still enters the record at its first token."""
+    c = core()
+    route(c, "a", PROMPT, 1.0)
+    c.on_dispatched("a", "w1", 1.0)
+    route(c, "a", PROMPT, 2.0)  # the resend
+    c.forget("a")
+    c.on_started("a", "w1", 2.5)
+    assert route(c, "b", PROMPT, 60.0).confirmed == {"w1": 8}
