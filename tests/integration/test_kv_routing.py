@@ -130,6 +130,49 @@ async def test_a_burst_of_new_prompts_spreads_evenly_over_the_fleet(nats_server)
     assert sorted(places.values()) == [4, 4, 4, 4], places
 
 
+async def test_a_prompt_offered_a_moment_ago_counts_before_its_worker_answers(nats_server):
+    """On the credit path the router offers a request to its worker and waits for the ack; the
+    next decisions see the prompt there from the offer, as the replay, which hands over at
+    once, always did. Here each ack is held back 0.5 s (a busy machine's): a second question on
+    the same document, decided meanwhile, finds the whole document on the first one's worker
+    (before, nothing: it was priced as a full prefill everywhere)."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, policy="thunder", profile="llama-3.1-8b-h100",
+                               speedup=50)  # fmt: skip
+        client = await routable(nats_server.url, 2)
+        router = stack.services["router"].runtime.router
+        await wait_for(lambda: all(router.wallet.available(w) for w in ("w0", "w1")), 10.0,
+                       "credit for both workers")  # fmt: skip
+        offer, decided = router._offer, {}
+
+        async def late_offer(worker_id, work):
+            await asyncio.sleep(0.5)
+            return await offer(worker_id, work)
+
+        route = router.core.route
+
+        def remembered(**kwargs):
+            decided[kwargs["request_id"]] = routed = route(**kwargs)
+            return routed
+
+        router._offer, router.core.route = late_offer, remembered
+        document = conversation(5, 32)
+        first = asyncio.create_task(client.generate(
+            GenerateRequest(request_id="q1", model=MODEL, token_ids=document + [1] * 8,
+                            max_tokens=2)
+        ))  # fmt: skip
+        await wait_for(lambda: len(router.core.bookings.offered) == 1, 5.0, "the first offer")
+        second = await client.generate(
+            GenerateRequest(request_id="q2", model=MODEL, token_ids=document + [2] * 8,
+                            max_tokens=2)
+        )  # fmt: skip
+        await first
+        await client.close()
+    holder = decided["q1"].decision.worker_id
+    assert decided["q2"].expected.get(holder) == 32
+    assert second.final.worker_id in ("w0", "w1")
+
+
 async def test_llm_d_sends_a_shared_prefix_where_its_own_record_of_picks_says(nats_server):
     """The llm-d peer, as it ships (its direct dispatch), in the running router: it reads no
     index, only the blocks it recorded at each pick, and the second request finds its prefix

@@ -189,6 +189,7 @@ def _config(args: argparse.Namespace, profile, policy: str, seed: int) -> Replay
         index_ttl=args.index_ttl,
         kv_events=args.kv_events == "on",
         approximate_ttl=args.approximate_ttl,
+        handoff_s=(args.handoff_ms or 0.0) / 1e3,
         scheduler_params=_sched_params(args.sched_params, policy, args.scheduler),
     )
 
@@ -225,6 +226,7 @@ def _document(args: argparse.Namespace, profile, trace, slo_ms: float, window, s
         "hot_window_s": list(window) if window else None,
         "seed": seed,
         "arrival_jitter_ms": args.arrival_jitter_ms or 0.0,
+        "handoff_ms": args.handoff_ms or 0.0,
         "code_version": code_version(),
         "results": [],
     }

@@ -126,6 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--load-monitor-interval (--param smg_cache_aware.load_monitor_interval_s=0: every "
         "report), llm_d every 0.05 s, llm-d's metrics scrape",
     )  # fmt: skip
+    p.add_argument(
+        "--handoff-ms", type=positive, default=None,
+        help="virtual ms from a router's offer on the credit path to its worker's ack (default: "
+        "at once; live, a NATS request/reply to the adapter: ~1 ms idle, tens under load)",
+    )  # fmt: skip
     _engine_arguments(p)
     _kv_events_arguments(p)
     _override_arguments(p)

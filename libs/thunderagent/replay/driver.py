@@ -250,7 +250,10 @@ class Replay(SchedulerActions):
         heapq.heappush(self.timers, (t, self._timer_seq, kind, payload))
 
     def _timer(self, kind: str, payload: object, t: float) -> None:
-        if kind == "arrive":
+        if kind == "handoff":
+            assert isinstance(payload, Dispatch)
+            self._dispatch(payload, t)
+        elif kind == "arrive":
             assert isinstance(payload, TraceRequest)
             self.extra.append(payload.request_id)
             self._arrive(payload, t)
@@ -344,7 +347,11 @@ class Replay(SchedulerActions):
             self.scheduler.admitted(request, first, t)
             self.issuer.book(ROUTER_ID, first)
             self.direct_dispatches += 1
-            self._dispatch(Dispatch(rid, first), t)
+            self.router.on_offered(rid, first)
+            if self.cfg.handoff_s > 0:  # the worker's ack is on its way
+                self._push_timer(t + self.cfg.handoff_s, "handoff", Dispatch(rid, first))
+            else:
+                self._dispatch(Dispatch(rid, first), t)
         else:
             self.scheduler.submit(request, t)
 

@@ -14,7 +14,9 @@ One ``RouterCore`` holds everything a router replica knows and learns:
   feedback window the online tuner learns from.
 
 Life of a request: ``route`` (hash, overlaps, rank; the request is booked as load on its first
-candidate, so the next decisions see it before any worker takes it) -> ``on_dispatched`` with
+candidate, so the next decisions see it before any worker takes it; ``bookings.py``) ->
+``on_offered`` when the caller hands it to that worker itself, on credit (its prompt counts as
+in flight there until the answer; ``on_offer_refused`` if none takes it) -> ``on_dispatched`` with
 the worker that actually took the run (the scheduler's choice, which may not be the first
 candidate; the booking moves there) -> ``on_finished`` when the run ends (verification, policy
 bookings, output mean).
@@ -36,6 +38,7 @@ from thunderagent.prefix_index import DEFAULT_TTL_S, PrefixIndex
 from thunderagent.prefix_index.feed import FeedOutcome, IndexFeeder
 from thunderagent.prefix_index.inflight import INFLIGHT_TTL_S, InflightPrefixes, longer_matches
 from thunderagent.prefix_index.prefilled import APPROXIMATE_TTL_S, PrefilledPrefixes
+from thunderagent.router_core.bookings import Bookings
 from thunderagent.router_core.verification import Dispatch, Verdict, Verifier
 from thunderagent.routing import POLICIES, RouteQuery, RoutingFeedback, WorkerView
 from thunderagent.routing.cost import RunningMean
@@ -159,9 +162,7 @@ class RouterCore:
         self.window = FeedbackWindow()
         self.outputs = RunningMean(p.output_alpha, prior=float(p.prior_output_tokens))
         self._routed: OrderedDict[str, Routed] = OrderedDict()
-        self._booked: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """request id -> (the worker it is booked on, when), oldest first, until a worker takes
-        it (``WorkerState.book``)."""
+        self.bookings = Bookings(self.fleet, self.policy, p.booking_ttl_s)
         self._hashers: dict[int, BlockHasher] = {}
         self._next_feedback: float | None = None
 
@@ -311,42 +312,10 @@ class RouterCore:
         """Keep the answer, and the request booked on its first candidate, until its dispatch
         notice; the oldest go past ``verify_capacity``."""
         self._routed[routed.decision.request_id] = routed
-        self._book(routed, routed.decision.worker_id, now)
+        first = routed.decision.worker_id
+        self.bookings.book(routed.query, first, _uncached_tokens(routed, first), now)
         if len(self._routed) > self.params.verify_capacity:
-            self._release(self._routed.popitem(last=False)[0])
-
-    def _book(self, routed: Routed, worker_id: str, now: float) -> None:
-        """Count the request as load on ``worker_id`` from the decision on, not from its
-        dispatch: the next decisions must see it (``WorkerState.booked``), and the policy's
-        own counts take it now, as every peer's router counts a request at selection."""
-        request_id = routed.decision.request_id
-        self._release(request_id)
-        state = self.fleet.get(worker_id)
-        if state is not None:
-            state.book(request_id, _uncached_tokens(routed, worker_id), routed.query.prompt_tokens)
-        self._booked[request_id] = (worker_id, now)
-        self.policy.on_dispatched(routed.query, worker_id)
-
-    def _unbook(self, request_id: str) -> str | None:
-        """The worker the request was booked on, its booking taken off there (None: none)."""
-        booked = self._booked.pop(request_id, None)
-        if booked is None:
-            return None
-        if (state := self.fleet.get(booked[0])) is not None:
-            state.unbook(request_id)
-        return booked[0]
-
-    def _release(self, request_id: str) -> None:
-        """No worker will take the request on this booking: the policy's counts let it go."""
-        at = self._booked.get(request_id, (None, 0.0))[1]
-        worker_id = self._unbook(request_id)
-        if worker_id is not None:
-            self.policy.on_finished(request_id, worker_id, at)
-
-    def _expire_bookings(self, now: float) -> None:
-        ttl, booked = self.params.booking_ttl_s, self._booked
-        while booked and now - next(iter(booked.values()))[1] > ttl:
-            self._release(next(iter(booked)))
+            self.bookings.release(self._routed.popitem(last=False)[0])
 
     def _overlaps(self, hashes: BlockHashes, now: float) -> tuple[dict, dict]:
         """(The GPU prefix the engines have confirmed, or this router recorded for an
@@ -358,7 +327,10 @@ class RouterCore:
         confirmed = self.feeder.gpu_index.overlap(primary, check)
         if self.approximate.holds_any():  # all a router knows of an eventless worker's cache
             confirmed = self.approximate.merge(confirmed, primary, check, now)
-        return confirmed, self.inflight.matches(primary, check, now)
+        flying = self.inflight.matches(primary, check, now)
+        if offered := self.bookings.offered:
+            flying = longer_matches(flying, offered.matches(primary, check))
+        return confirmed, flying
 
     def _recorded(self, flying: dict[str, int]) -> dict[str, int]:
         """For a policy shown no in-flight overlay: the part of it that stands in for its own
@@ -379,10 +351,22 @@ class RouterCore:
 
     # ---- what happened to it -------------------------------------------------------------
 
+    def on_offered(self, request_id: str, worker_id: str) -> None:
+        """The caller handed the request to ``worker_id`` itself (the credit path) and waits
+        for its answer: its prompt counts as in flight there from now (``offered.py``).
+        ``on_dispatched`` (taken) or ``on_offer_refused`` ends the wait."""
+        routed = self._routed.get(request_id)
+        if routed is not None:
+            self.bookings.offered.add(request_id, worker_id, routed.hashes)
+
+    def on_offer_refused(self, request_id: str) -> None:
+        """The worker refused the offer, or gave no answer: the scheduler will place it."""
+        self.bookings.offered.remove(request_id)
+
     def on_dispatched(self, request_id: str, worker_id: str, now: float) -> bool:
         """A run of the request went to ``worker_id``: book it there. False when this replica
         did not route the request (another replica did, or it was forgotten)."""
-        booked_on = self._unbook(request_id)
+        booked_on = self.bookings.take(request_id)
         routed = self._routed.pop(request_id, None)
         if routed is None:
             return False
@@ -473,7 +457,7 @@ class RouterCore:
         worker took it, or a client's resend of a request that runs already: a run dispatched
         before keeps its record until it ends)."""
         self._routed.pop(request_id, None)
-        self._release(request_id)
+        self.bookings.release(request_id)
 
     # ---- time ----------------------------------------------------------------------------
 
@@ -485,7 +469,7 @@ class RouterCore:
             return False
         self._next_feedback = now + self.params.feedback_interval_s
         self.feeder.expire(now)
-        self._expire_bookings(now)
+        self.bookings.expire(now)
         depths = {s.worker_id: (v := worker_view(s)).running + v.queued for s in self.fleet.all()}
         feedback = RoutingFeedback(queue_depths=depths, false_hit_rate=self.window.false_hit_rate())
         self.policy.observe(feedback)

@@ -239,8 +239,10 @@ class Router:
             pull=pull,
             offer=self.offer_ids.next(),
         )
+        self.core.on_offered(req.request_id, first)
         ack = await self._offer(first, work)
         if ack is None or not ack.accepted:  # the scheduler will find it another worker
+            self.core.on_offer_refused(req.request_id)
             self.wallet.give_back(first)
             if ack is None:
                 late = UnansweredOffer(worker_id=first, offer=work.offer)

@@ -1,5 +1,6 @@
 """``bench replay``'s options that shape a run's engines, answers and per-request output:
-``--engine-pricing``, ``--max-output``, ``--requests-jsonl``, on a tiny Mooncake trace."""
+``--engine-pricing``, ``--max-output``, ``--requests-jsonl``, ``--handoff-ms``, on a tiny Mooncake
+trace."""
 
 import json
 from pathlib import Path
@@ -78,3 +79,28 @@ def test_cli_requests_jsonl_has_every_request_of_every_run(tmp_path: Path) -> No
         mine = [x for x in lines if (x["policy"], x["speed"]) == (e["policy"], e["speed"])]
         hit = sum(x["cached_tokens"] for x in mine) / sum(x["prompt_tokens"] for x in mine)
         assert hit == pytest.approx(e["prefix_hit_ratio"])
+
+
+def test_cli_handoff_ms_delays_the_credit_paths_hand_off(tmp_path: Path) -> None:
+    """``--handoff-ms``: a request the router hands to its worker on credit reaches the engine,
+    and the router hears it was taken, that much later (live: the adapter's ack); the router
+    counts the prompt as in flight there from the offer. Every request is still accounted."""
+    from thunderagent.bench.replay import main
+
+    rows = [{"timestamp": 5 * i, "input_length": 28, "output_length": 4,
+             "hash_ids": [0, 1, 2, 3, 4, 5, 100 + i]} for i in range(12)]  # fmt: skip
+    trace = tiny_trace(tmp_path, rows)
+    waits = {}
+    for handoff in ("0", "50"):
+        out, doc = tmp_path / f"req{handoff}.jsonl", tmp_path / f"r{handoff}.json"
+        extra = ["--handoff-ms", handoff] if handoff != "0" else []
+        main(["--trace", str(trace), "--profile", "tiny", "--block-size", "4", "--workers", "2",
+              "--policies", "thunder", "--speed", "1", "--quiet", *extra,
+              "--requests-jsonl", str(out), "--json", str(doc)])  # fmt: skip
+        result = json.loads(doc.read_text())["results"][0]
+        assert result["requests"] == result["completed"] == 12
+        assert json.loads(doc.read_text())["handoff_ms"] == float(handoff)
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        waits[handoff] = [x["dispatched"] - x["arrival"] for x in lines]
+    assert min(waits["0"]) == 0.0  # the first ones go at once
+    assert min(waits["50"]) >= 0.05 - 1e-9
