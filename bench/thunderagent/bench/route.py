@@ -91,6 +91,7 @@ def time_decisions(
                 continue
             assert routed is not None
             worker = routed.decision.worker_id
+            core.on_offered(rid, worker)  # the credit path, as the router service hands over
             core.on_dispatched(rid, worker, 1.0)
             core.on_started(rid, worker, 1.0)
             core.on_finished(rid, worker, 1.0, cached_tokens=0, completion_tokens=16)
