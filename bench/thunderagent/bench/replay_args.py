@@ -128,8 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--handoff-ms", type=positive, default=None,
-        help="virtual ms from a router's offer on the credit path to its worker's ack (default: "
-        "at once; live, a NATS request/reply to the adapter: ~1 ms idle, tens under load)",
+        help="virtual ms from a hand-off to a worker (the router's on credit, the scheduler's) "
+        "to the worker's ack (default: at once; live, a NATS request/reply to the adapter: "
+        "~1 ms idle, tens under load)",
     )  # fmt: skip
     _engine_arguments(p)
     _kv_events_arguments(p)

@@ -5,7 +5,7 @@ in-flight overlay (``inflight.py``) records the prompt there once the worker too
 is decided within that wait: before this record, a request sharing a new prefix with one
 offered a moment earlier saw none of it and went wherever load sent it, prefilling the prefix
 again. The replay, which hands over at once, never had that gap (at 20 ms per hand-off its
-bursty trace lost 0.06 of its hit ratio). An offer is kept per request, so a refusal takes it
+bursty trace lost 0.09 of its hit ratio). An offer is kept per request, so a refusal takes it
 back exactly; offers in flight are few (the router bounds its hand-offs), so a query compares
 itself with each, from the first block.
 """

@@ -64,7 +64,7 @@ class SchedulerActions:
     def _act(self, t: float) -> None:
         for action in self.scheduler.poll(t):
             if isinstance(action, Dispatch):
-                self._dispatch(action, t)
+                self._hand_off(action, t)
             elif isinstance(action, Preempt):
                 self._preempt(action, t)
             elif isinstance(action, Reject):
@@ -75,6 +75,14 @@ class SchedulerActions:
         rec.status, rec.finish, rec.reason = "rejected", t, reason
         self.router.forget(rec.request_id)
         self._ended(rec, t)
+
+    def _hand_off(self, action: Dispatch, t: float) -> None:
+        """The run reaches its engine, and the router hears it was taken, ``handoff_s`` later
+        (live: the worker's ack to the router's or the scheduler's offer; 0: at once)."""
+        if self.cfg.handoff_s > 0:
+            self._push_timer(t + self.cfg.handoff_s, "handoff", action)
+        else:
+            self._dispatch(action, t)
 
     def _dispatch(self, action: Dispatch, t: float) -> None:
         rec = self.records[action.request_id]

@@ -348,10 +348,7 @@ class Replay(SchedulerActions):
             self.issuer.book(ROUTER_ID, first)
             self.direct_dispatches += 1
             self.router.on_offered(rid, first)
-            if self.cfg.handoff_s > 0:  # the worker's ack is on its way
-                self._push_timer(t + self.cfg.handoff_s, "handoff", Dispatch(rid, first))
-            else:
-                self._dispatch(Dispatch(rid, first), t)
+            self._hand_off(Dispatch(rid, first), t)
         else:
             self.scheduler.submit(request, t)
 

@@ -26,9 +26,10 @@ class ReplayConfig:
     feedback_interval: float = 1.0
     """Virtual seconds between ``observe`` calls on the policy (and index TTL expiry)."""
     handoff_s: float = 0.0
-    """Virtual seconds from the router's offer on the credit path to the worker's answer: the
-    run starts there, and the router hears it was taken, that much later (0: at once). Live it
-    is a NATS request/reply to the adapter, ~1 ms on an idle machine, tens under load."""
+    """Virtual seconds from a hand-off to a worker (the router's on credit, the scheduler's) to
+    the worker's answer: the run starts there, and the router hears it was taken, that much
+    later (0: at once). Live it is a NATS request/reply to the adapter, ~1 ms on an idle
+    machine, tens under load."""
     timeline_interval: float = 10.0
     """Virtual seconds between per-worker load samples kept for plots."""
     index_ttl: float | None = None

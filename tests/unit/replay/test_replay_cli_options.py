@@ -81,10 +81,11 @@ def test_cli_requests_jsonl_has_every_request_of_every_run(tmp_path: Path) -> No
         assert hit == pytest.approx(e["prefix_hit_ratio"])
 
 
-def test_cli_handoff_ms_delays_the_credit_paths_hand_off(tmp_path: Path) -> None:
-    """``--handoff-ms``: a request the router hands to its worker on credit reaches the engine,
-    and the router hears it was taken, that much later (live: the adapter's ack); the router
-    counts the prompt as in flight there from the offer. Every request is still accounted."""
+def test_cli_handoff_ms_delays_every_hand_off_to_a_worker(tmp_path: Path) -> None:
+    """``--handoff-ms``: a request handed to its worker (on credit or by the scheduler) reaches
+    the engine, and the router hears it was taken, that much later (live: the adapter's ack);
+    the router counts an offer's prompt as in flight there from the offer. Every request is
+    still accounted."""
     from thunderagent.bench.replay import main
 
     rows = [{"timestamp": 5 * i, "input_length": 28, "output_length": 4,
