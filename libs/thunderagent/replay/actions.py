@@ -4,9 +4,10 @@
 carries out what ``Scheduler.poll`` returns, as ``thunderagent/scheduling/README.md`` asks and as
 the scheduler service does live:
 
-* ``Dispatch``: the router core books the run on the chosen worker (``on_dispatched``), the
-  worker accepts it (``AcceptedRuns``) and its engine queues it; with a decode worker it is a PD
-  run (``pd.py``): prefill with one output token, KV transfer, decode on the other worker.
+* ``Dispatch``: after the hand-off's delay (``ReplayConfig.handoff_s``, the worker's ack; 0 by
+  default) the router core books the run on the chosen worker (``on_dispatched``), the worker
+  accepts it (``AcceptedRuns``) and its engine queues it; with a decode worker it is a PD run
+  (``pd.py``): prefill with one output token, KV transfer, decode on the other worker.
 * ``Preempt``: the run is aborted keeping its computed blocks cached, the router core is told
   it ended, and a continuation (prompt + generated tokens, same id, original arrival) is
   re-routed and re-submitted.
@@ -18,6 +19,7 @@ at the current instant.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TYPE_CHECKING
 
@@ -75,6 +77,10 @@ class SchedulerActions:
         rec.status, rec.finish, rec.reason = "rejected", t, reason
         self.router.forget(rec.request_id)
         self._ended(rec, t)
+
+    def _push_timer(self, t: float, kind: str, payload: object) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self.timers, (t, self._timer_seq, kind, payload))
 
     def _hand_off(self, action: Dispatch, t: float) -> None:
         """The run reaches its engine, and the router hears it was taken, ``handoff_s`` later

@@ -245,10 +245,6 @@ class Replay(SchedulerActions):
             in_flight=len(open_),
         )
 
-    def _push_timer(self, t: float, kind: str, payload: object) -> None:
-        self._timer_seq += 1
-        heapq.heappush(self.timers, (t, self._timer_seq, kind, payload))
-
     def _timer(self, kind: str, payload: object, t: float) -> None:
         if kind == "handoff":
             assert isinstance(payload, Dispatch)
