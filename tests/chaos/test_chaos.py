@@ -520,6 +520,12 @@ async def test_a_frozen_router_replica_costs_a_resend_not_the_idle_timeout(nats_
     timeout before: 120 s at the gateway). Thawed, the replica serves again."""
     settings = {"idle_timeout_s": 60, "retries": 3, "retry_after_s": 1.0}
     async with two_router_replicas(nats_server.url, **settings) as (client, second, starts):
+        # Its share of the demand earns the replica credit, granted within a second: it could
+        # then dispatch, on waking, what its clients have since resent and seen run (2-4 of 40
+        # ran twice before its stall guard); without credit that went through the scheduler.
+        for i in range(30):
+            await client.generate(GenerateRequest(model=MODEL, token_ids=[6, i], max_tokens=1))
+        await asyncio.sleep(1.5)
         os.kill(second.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
         outcomes = await asyncio.wait_for(

@@ -22,6 +22,7 @@ NATS; the replay passes them by hand, with no delay.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -29,6 +30,13 @@ from typing import Final
 ROUTER_TTL_S: Final = 3.0
 """A router replica that has not said hello for this long gets no more credit (its share goes
 to the others); it says hello every second."""
+
+CREDIT_LEASE_S: Final = 3.0
+"""A grant lends nothing once this old on the router's clock (the scheduler re-grants every
+second): credit is a lease. A router that stalled (a frozen or starved process) reads, when it
+wakes, requests its clients have since resent elsewhere and seen run; only the scheduler's queue
+checks a request id against those that ran, so they must go there, not out on the old room. If
+the scheduler is gone, requests likewise queue for it."""
 
 REGRANT_SLACK: Final = 4
 """A router's share of a worker is re-sent at once when it falls below what the router still
@@ -189,21 +197,35 @@ class CreditWallet:
     """worker id -> direct dispatches this router made (ever)."""
     grants: dict[str, Grant] = field(default_factory=dict)
     """scheduler id -> its latest grant."""
+    received: dict[str, float] = field(default_factory=dict)
+    """scheduler id -> when its latest grant came, on the caller's clock (``update``'s ``now``)."""
+    lenders: dict[str, str] = field(default_factory=dict)
+    """worker id -> the scheduler whose grant lends room there."""
 
-    def update(self, grant: Grant, scheduler_id: str = "") -> None:
+    def update(self, grant: Grant, scheduler_id: str = "", now: float | None = None) -> None:
         self.grants[scheduler_id] = grant
-        self.credits, self.booked = {}, {}
-        for g in self.grants.values():
+        if now is not None:
+            self.received[scheduler_id] = now
+        self.credits, self.booked, self.lenders = {}, {}, {}
+        for lender, g in self.grants.items():
             self.credits.update(g.credits)
             self.booked.update(g.booked)
+            self.lenders.update(dict.fromkeys(g.credits, lender))
 
-    def available(self, worker_id: str) -> int:
+    def available(self, worker_id: str, now: float | None = None) -> int:
+        """Dispatches ``worker_id`` may still take on this router's credit; with ``now``,
+        none on a grant older than ``CREDIT_LEASE_S``."""
+        if now is not None:
+            lent_at = self.received.get(self.lenders.get(worker_id, ""), now)
+            if now - lent_at > CREDIT_LEASE_S:
+                return 0
         unbooked = max(0, self.dispatched.get(worker_id, 0) - self.booked.get(worker_id, 0))
         return max(0, self.credits.get(worker_id, 0) - unbooked)
 
-    def take(self, worker_id: str) -> bool:
-        """Use one credit for ``worker_id``; False (nothing taken) when none is left."""
-        if self.available(worker_id) <= 0:
+    def take(self, worker_id: str, now: float | None = None) -> bool:
+        """Use one credit for ``worker_id``; False (nothing taken) when none is left (or, with
+        ``now``, its grant is older than ``CREDIT_LEASE_S``)."""
+        if self.available(worker_id, now) <= 0:
             return False
         self.dispatched[worker_id] = self.dispatched.get(worker_id, 0) + 1
         return True
@@ -216,6 +238,34 @@ class CreditWallet:
         """The schedulers are gone or restarted: dispatch nothing by ourselves until they
         grant again."""
         self.credits, self.grants = {}, {}
+
+
+@dataclass(slots=True)
+class StallGuard:
+    """Closes a router's credit path for ``hold_s`` after its process stalled (a freeze, a
+    starved event loop): the requests it reads on waking may have been resent meanwhile and run
+    elsewhere, and only the scheduler's queue checks an id against those that ran. Grants read
+    on waking look fresh (they were queued while it slept), so the lease alone cannot tell. A
+    stall is a gap of more than ``stall_s`` between beats (the router's tick: every 0.25 s), seen
+    at the next beat or at the next use, whichever comes first."""
+
+    stall_s: float = 1.0
+    hold_s: float = CREDIT_LEASE_S
+    last_beat: float | None = None
+    hold_until: float = -math.inf
+
+    def beat(self, now: float) -> None:
+        self._check(now)
+        self.last_beat = now
+
+    def allows(self, now: float) -> bool:
+        """Whether the router may dispatch on credit now."""
+        self._check(now)
+        return now >= self.hold_until
+
+    def _check(self, now: float) -> None:
+        if self.last_beat is not None and now - self.last_beat > self.stall_s:
+            self.hold_until = max(self.hold_until, now + self.hold_s)
 
 
 def may_dispatch_directly(

@@ -29,7 +29,7 @@ from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.router.metrics import RouterMetrics, watch_handoffs
 from thunderagent.router_core import Routed, RouterCore, RouterParams, Verdict
-from thunderagent.scheduling.credits import CreditWallet, Grant
+from thunderagent.scheduling.credits import CreditWallet, Grant, StallGuard
 from thunderagent.scheduling.handoff_limit import HandoffLimit
 from thunderagent.schemas import (
     RUN_END_PHASES,
@@ -104,6 +104,8 @@ class Router:
         self._shed_logged = (0.0, 0)
         """When refusals were last logged, and the count then."""
         self.last_grant_at = 0.0
+        self.stalls = StallGuard()
+        """Beaten by the service's tick; after a stall, requests go through the scheduler."""
         self.served_models: set[str] = set()
         """Models some worker registered since start (the fleet watcher adds them): asked for
         one with no worker now is ``unavailable`` (its workers left), not ``unknown_model``."""
@@ -225,7 +227,8 @@ class Router:
         first = submit.decision.worker_id
         if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
             return submit
-        if not self.wallet.take(first):
+        now = time.monotonic()
+        if not self.stalls.allows(now) or not self.wallet.take(first, now):
             return submit
         overlap = submit.decision.overlap_blocks
         pull = self.pulls.hint(
@@ -268,8 +271,8 @@ class Router:
         return None
 
     async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
-        self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id)
-        self.last_grant_at = time.monotonic()
+        self.last_grant_at = now = time.monotonic()
+        self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id, now)
 
     def route(
         self,

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from thunderagent.bus import BusError
 from thunderagent.router.request_path import Router, RouterConfig
+from thunderagent.scheduling.credits import CREDIT_LEASE_S
 from thunderagent.schemas import (
     CreditGrant,
     Dispatched,
@@ -38,9 +39,6 @@ TICK_S = 0.25
 """How often the core's periodic work runs (TTL expiry; feedback every ``feedback_interval_s``)."""
 HELLO_S = 1.0
 """The replica tells the scheduler it is alive this often (its credit share depends on it)."""
-GRANT_TTL_S = 3.0
-"""Credit older than this (the scheduler re-grants every second) is dropped: if the scheduler
-is gone, requests queue for it instead of going out on stale room."""
 
 
 class RouterService:
@@ -85,13 +83,14 @@ class RouterService:
         while not stop.is_set():
             self.core.tick(time.time())
             now = time.monotonic()
+            self.router.stalls.beat(now)
             if now >= next_hello:
                 next_hello = now + HELLO_S
                 try:
                     await self.ctx.bus.publish(subjects.ROUTER_PRESENCE, hello)
                 except BusError as err:  # NATS away: say hello again next time
                     log.warning("router presence not published: %s", err)
-            if now - self.router.last_grant_at > GRANT_TTL_S:
+            if now - self.router.last_grant_at > CREDIT_LEASE_S:
                 self.router.wallet.drop()  # no word from a scheduler: queue everything
             try:
                 await asyncio.wait_for(stop.wait(), TICK_S)

@@ -7,10 +7,12 @@ from hypothesis import strategies as st
 
 from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest, WorkerRoom
 from thunderagent.scheduling.credits import (
+    CREDIT_LEASE_S,
     DEMAND_HALF_LIFE_S,
     REGRANT_SLACK,
     CreditIssuer,
     CreditWallet,
+    StallGuard,
     may_dispatch_directly,
     split,
 )
@@ -208,3 +210,44 @@ def test_demand_goes_with_an_expired_router() -> None:
     assert issuer.demand == {} and issuer.weights == {}
     issuer.hello("a", 10.0)  # back, with no memory of before: the whole room
     assert issuer.grants({"w0": 6})["a"].credits == {"w0": 6}
+
+
+def test_credit_is_a_lease_that_lapses_on_the_routers_clock() -> None:
+    """A router that stalled (frozen, starved) past ``CREDIT_LEASE_S`` spends nothing of the
+    room lent before: the requests it read meanwhile may have been resent elsewhere and run,
+    and only the scheduler's queue checks an id against those that ran. Each scheduler's grant
+    lapses on its own; a fresh grant lends again."""
+    a, b = CreditIssuer(), CreditIssuer()
+    a.hello("r", 0.0)
+    b.hello("r", 0.0)
+    wallet = CreditWallet()
+    wallet.update(a.grants({"w0": 2})["r"], "a", now=10.0)
+    wallet.update(b.grants({"w1": 2})["r"], "b", now=12.0)
+    assert wallet.take("w0", now=10.0 + CREDIT_LEASE_S)
+    assert not wallet.take("w0", now=10.1 + CREDIT_LEASE_S)  # a's grant is past its lease
+    assert wallet.available("w0", now=14.0) == 0 and wallet.available("w0") == 1
+    assert wallet.take("w1", now=14.0)  # b's is not
+    wallet.update(a.grants({"w0": 2}, force=True)["r"], "a", now=14.5)
+    assert wallet.take("w0", now=14.5)
+
+
+def test_after_a_stall_the_credit_path_stays_closed_for_a_lease() -> None:
+    """The router's tick beats every 0.25 s. A gap over ``stall_s`` (a frozen process waking)
+    closes the credit path for ``hold_s`` from when it is seen, at the next use as well as at
+    the next beat: the requests read on waking go through the scheduler's id check."""
+    guard = StallGuard(stall_s=1.0, hold_s=3.0)
+    assert guard.allows(0.0)  # never beaten (no tick yet): nothing to judge by
+    for t in (0.0, 0.25, 0.5, 0.75):
+        guard.beat(t)
+        assert guard.allows(t + 0.1)
+    assert not guard.allows(5.0)  # first use after a 4.25 s gap: closed until 8.0
+    for k in range(12):  # the ticks go on as usual
+        guard.beat(5.0 + 0.25 * k)
+    assert not guard.allows(7.9)
+    guard.beat(8.0)
+    assert guard.allows(8.0)
+    guard.beat(10.0)  # a late beat is a stall too
+    assert not guard.allows(10.1)
+    for k in range(13):
+        guard.beat(10.0 + 0.25 * k)
+    assert guard.allows(13.0)
