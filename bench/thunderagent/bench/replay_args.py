@@ -118,6 +118,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TTFT SLO for capacity and goodput (default: the trace's p99 no-cache prefill "
         "time + 3 s)",
     )  # fmt: skip
+    _message_timing_arguments(p)
+    _engine_arguments(p)
+    _kv_events_arguments(p)
+    _override_arguments(p)
+    migration_cli.add_arguments(p)
+    return _checked(p.parse_args(argv), p)
+
+
+def _message_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """How late the fleet's messages come: load reports, and workers' acks of hand-offs."""
     p.add_argument(
         "--load-interval", type=positive, default=None,
         help="virtual s between the engines' load reports (default: "
@@ -132,11 +142,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "to the worker's ack (default: at once; live, a NATS request/reply to the adapter: "
         "~1 ms idle, tens under load)",
     )  # fmt: skip
-    _engine_arguments(p)
-    _kv_events_arguments(p)
-    _override_arguments(p)
-    migration_cli.add_arguments(p)
-    return _checked(p.parse_args(argv), p)
 
 
 def _output_arguments(p: argparse.ArgumentParser) -> None:

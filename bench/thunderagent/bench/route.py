@@ -67,16 +67,8 @@ def time_decisions(
     dispatch, first token and end; each request then has a prompt of its own, since a booked
     dispatch puts its prompt in the in-flight overlay and the next one would hit it, or with
     ``new_blocks`` only its last ``new_blocks`` blocks, the rest shared by all)."""
-    tokens = blocks * BLOCK_SIZE
-    prompt = list(range(tokens))
-    rounds = 5
-    if lifecycle and new_blocks is not None and new_blocks < blocks:
-        prompts = _sharing_prompts(core, blocks, new_blocks, rounds * decisions)
-    elif lifecycle:  # a namespace (salt) of its own each: no prefix of any other prompt
-        prompts = [core.hash_tokens(prompt, BLOCK_SIZE, salt=f"request-{k}")
-                   for k in range(rounds * decisions)]  # fmt: skip
-    else:
-        prompts = [core.hash_tokens(prompt, BLOCK_SIZE)] * (rounds * decisions)
+    tokens, rounds = blocks * BLOCK_SIZE, 5
+    prompts = _timed_prompts(core, blocks, rounds * decisions, lifecycle, new_blocks)
     best = float("inf")
     for r in range(rounds):
         started = time.perf_counter()
@@ -90,13 +82,30 @@ def time_decisions(
                 core.forget(rid)
                 continue
             assert routed is not None
-            worker = routed.decision.worker_id
-            core.on_offered(rid, worker)  # the credit path, as the router service hands over
-            core.on_dispatched(rid, worker, 1.0)
-            core.on_started(rid, worker, 1.0)
-            core.on_finished(rid, worker, 1.0, cached_tokens=0, completion_tokens=16)
+            _serve(core, rid, routed.decision.worker_id)
         best = min(best, (time.perf_counter() - started) / decisions)
     return best
+
+
+def _timed_prompts(
+    core: RouterCore, blocks: int, n: int, lifecycle: bool, new_blocks: int | None
+) -> list:
+    """``time_decisions``'s ``n`` prompts of ``blocks`` blocks (see its docstring)."""
+    prompt = list(range(blocks * BLOCK_SIZE))
+    if lifecycle and new_blocks is not None and new_blocks < blocks:
+        return _sharing_prompts(core, blocks, new_blocks, n)
+    if lifecycle:  # a namespace (salt) of its own each: no prefix of any other prompt
+        return [core.hash_tokens(prompt, BLOCK_SIZE, salt=f"request-{k}") for k in range(n)]
+    return [core.hash_tokens(prompt, BLOCK_SIZE)] * n
+
+
+def _serve(core: RouterCore, rid: str, worker: str) -> None:
+    """The rest of a routed request's life, as the router service sees it on the credit path:
+    offered, taken, first token, end."""
+    core.on_offered(rid, worker)
+    core.on_dispatched(rid, worker, 1.0)
+    core.on_started(rid, worker, 1.0)
+    core.on_finished(rid, worker, 1.0, cached_tokens=0, completion_tokens=16)
 
 
 def _sharing_prompts(core: RouterCore, blocks: int, new_blocks: int, n: int) -> list:

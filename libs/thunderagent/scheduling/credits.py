@@ -234,11 +234,6 @@ class CreditWallet:
         """The worker refused the dispatch: it never happened."""
         self.dispatched[worker_id] = max(0, self.dispatched.get(worker_id, 0) - 1)
 
-    def drop(self) -> None:
-        """The schedulers are gone or restarted: dispatch nothing by ourselves until they
-        grant again."""
-        self.credits, self.grants = {}, {}
-
 
 @dataclass(slots=True)
 class StallGuard:

@@ -103,7 +103,6 @@ class Router:
         watch_handoffs(self)
         self._shed_logged = (0.0, 0)
         """When refusals were last logged, and the count then."""
-        self.last_grant_at = 0.0
         self.stalls = StallGuard()
         """Beaten by the service's tick; after a stall, requests go through the scheduler."""
         self.served_models: set[str] = set()
@@ -225,10 +224,11 @@ class Router:
         which the worker may still take late."""
         req = submit.request
         first = submit.decision.worker_id
-        if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
-            return submit
-        now = time.monotonic()
-        if not self.stalls.allows(now) or not self.wallet.take(first, now):
+        if (
+            req.retry
+            or not routed.may_dispatch_directly(submit_deadline(req), req.program_id)
+            or not self._take_credit(first)
+        ):
             return submit
         overlap = submit.decision.overlap_blocks
         pull = self.pulls.hint(
@@ -258,6 +258,12 @@ class Router:
         await self.bus.publish(subjects.sched_direct(req.model), notice)
         return None
 
+    def _take_credit(self, worker_id: str) -> bool:
+        """One credit for ``worker_id``, if this replica may spend any now: none after a stall
+        (``StallGuard``), none on a grant past its lease (``CREDIT_LEASE_S``)."""
+        now = time.monotonic()
+        return self.stalls.allows(now) and self.wallet.take(worker_id, now)
+
     async def _offer(self, worker_id: str, work: WorkerGenerate) -> Ack | None:
         """``worker_id``'s answer to the hand-off, or None when it gave none in time."""
         for _ in range(2):  # a late ack is not a refusal: ask again (the adapter is idempotent)
@@ -271,7 +277,7 @@ class Router:
         return None
 
     async def on_credits(self, grant: CreditGrant, _: Delivery) -> None:
-        self.last_grant_at = now = time.monotonic()
+        now = time.monotonic()  # a grant lends for CREDIT_LEASE_S: no word since, no credit
         self.wallet.update(Grant(grant.credits, grant.booked), grant.scheduler_id, now)
 
     def route(

@@ -20,7 +20,6 @@ import redis.asyncio as aioredis
 
 from thunderagent.bus import BusError
 from thunderagent.router.request_path import Router, RouterConfig
-from thunderagent.scheduling.credits import CREDIT_LEASE_S
 from thunderagent.schemas import (
     CreditGrant,
     Dispatched,
@@ -90,8 +89,6 @@ class RouterService:
                     await self.ctx.bus.publish(subjects.ROUTER_PRESENCE, hello)
                 except BusError as err:  # NATS away: say hello again next time
                     log.warning("router presence not published: %s", err)
-            if now - self.router.last_grant_at > CREDIT_LEASE_S:
-                self.router.wallet.drop()  # no word from a scheduler: queue everything
             try:
                 await asyncio.wait_for(stop.wait(), TICK_S)
             except TimeoutError:
