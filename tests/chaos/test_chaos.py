@@ -250,8 +250,10 @@ async def test_scheduler_killed_with_requests_queued(nats_server):
         sched = ["scheduler", "--nats", nats_server.url, "--policy", "fcfs",
                  "--param", "max_running=1"]  # fmt: skip
         first = thunderagent(*sched)
+        # ten resends 2 s apart: a scheduler process starts in seconds on a loaded 2-core
+        # machine (beside another test runner), longer than the default three cover
         client = await ThunderClient.connect(nats_server.url, idle_timeout_s=30,
-                                             retry_after_s=2.0)  # fmt: skip
+                                             retry_after_s=2.0, retries=10)  # fmt: skip
         try:
             await client.generate(GenerateRequest(model=MODEL, token_ids=[3], max_tokens=1))
             tasks = [asyncio.create_task(run(client, slow(200 + i, out=60))) for i in range(6)]

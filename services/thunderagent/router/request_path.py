@@ -224,11 +224,7 @@ class Router:
         which the worker may still take late."""
         req = submit.request
         first = submit.decision.worker_id
-        if (
-            req.retry
-            or not routed.may_dispatch_directly(submit_deadline(req), req.program_id)
-            or not self._take_credit(first)
-        ):
+        if not self._spend_credit(req, routed, first):
             return submit
         overlap = submit.decision.overlap_blocks
         pull = self.pulls.hint(
@@ -258,11 +254,15 @@ class Router:
         await self.bus.publish(subjects.sched_direct(req.model), notice)
         return None
 
-    def _take_credit(self, worker_id: str) -> bool:
-        """One credit for ``worker_id``, if this replica may spend any now: none after a stall
-        (``StallGuard``), none on a grant past its lease (``CREDIT_LEASE_S``)."""
+    def _spend_credit(self, req: GenerateRequest, routed: Routed, first: str) -> bool:
+        """Whether to hand ``req`` to ``first`` ourselves, one credit spent: not a resend (its
+        first send may be running), nothing the scheduler must check first (a deadline, a
+        program, a prefix follower), and credit this replica may spend now (none after a stall,
+        ``StallGuard``, or on a grant past its lease, ``CREDIT_LEASE_S``)."""
+        if req.retry or not routed.may_dispatch_directly(submit_deadline(req), req.program_id):
+            return False
         now = time.monotonic()
-        return self.stalls.allows(now) and self.wallet.take(worker_id, now)
+        return self.stalls.allows(now) and self.wallet.take(first, now)
 
     async def _offer(self, worker_id: str, work: WorkerGenerate) -> Ack | None:
         """``worker_id``'s answer to the hand-off, or None when it gave none in time."""
