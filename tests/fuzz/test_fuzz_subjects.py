@@ -105,6 +105,7 @@ NOT_SUBSCRIBED = {
     "worker_key": "a bucket key, not a subject",
     "model_token": "helper",
     "model_from_token": "helper",
+    "scheduler_inbound": "helper: sched_submit, sched_direct and sched_run_failed, fuzzed",
     "REDIS_INDEX_SNAPSHOT": "a Redis key",
 }
 

@@ -136,7 +136,9 @@ class Dropped(Struct, frozen=True, kw_only=True):
 class DirectDispatch(Struct, frozen=True, kw_only=True):
     """Router -> scheduler: the router dispatched this request itself, on credit, and the
     worker accepted it. The scheduler books it as one of its own runs (room, prefix leader,
-    preemption, cancellation, lifecycle)."""
+    preemption, cancellation, lifecycle), or stops it when the id's request holds another run:
+    another client's, or this client's resend that ran or runs (a router read the first send
+    late). A resend still waiting in the queue is served by this run instead."""
 
     submit: ScheduleRequest
     """What the router would otherwise have submitted."""

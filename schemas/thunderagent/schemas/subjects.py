@@ -111,6 +111,14 @@ def sched_run_failed(model: str) -> str:
     return f"{PREFIX}.sched.run_failed.{model_token(model)}"
 
 
+def scheduler_inbound(model: str | None) -> tuple[str, str, str]:
+    """What a scheduler owning ``model`` (None: every model) hears on: submissions, routers'
+    dispatches on credit, failed runs."""
+    if model is None:
+        return SCHED_SUBMIT_WILDCARD, SCHED_DIRECT_WILDCARD, SCHED_RUN_FAILED_WILDCARD
+    return sched_submit(model), sched_direct(model), sched_run_failed(model)
+
+
 def progress(worker_id: str, *, ended: bool) -> str:
     """One adapter's ``ProgressBatch``es: ``ended`` for a batch that ends a run, else
     ``running`` (starts and PD hand-offs), so an observer that counts only ends reads less."""

@@ -176,15 +176,20 @@ class Handoff:
             log.warning("aborting %s on %s failed (%s): it keeps running", rid, worker_id, err)
             return None
 
-    async def stop_duplicate(self, direct: DirectDispatch) -> None:
-        """Another client's request holds this id: a router dispatched this one on credit
-        without knowing (the id check is the scheduler's). Stop it on its worker and tell its
-        client why; the first keeps running."""
+    async def stop_direct_run(self, direct: DirectDispatch, other_client: bool) -> None:
+        """Stop a run a router made on credit under an id whose request holds another run
+        (``pending.DirectRun``); the other runs on. ``other_client``: another client's request
+        holds the id (neither router could know), and this run's client is told why. Else the
+        client resent it and a router read the first send late: its answer comes from the
+        other run, and what this one streamed sits at output positions the client has had (its
+        stream keeps one copy, ``client.mux``), so it hears nothing from here."""
         rid = direct.submit.request.request_id
-        stopped = await self.abort(direct.worker_id, rid, "its request id is in use")
-        if stopped is not None and stopped.found:
-            log.info("request %s: a second request with this id stopped on %s",
-                     rid, direct.worker_id)  # fmt: skip
+        why = "its request id is in use" if other_client else "the request runs elsewhere"
+        stopped = await self.abort(direct.worker_id, rid, why)
+        if stopped is None or not stopped.found:
+            return
+        log.warning("request %s: a second run of it stopped on %s (%s)", rid, direct.worker_id, why)
+        if other_client:
             error = ErrorReply(code=ErrorCode.BAD_REQUEST, message=in_use(rid), request_id=rid,
                                service="scheduler")  # fmt: skip
             await self.bus.publish(direct.submit.reply_subject, error)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from msgspec import structs
 from opentelemetry import context as otel_context
 
 from thunderagent.fleet import Run, sched_request
 from thunderagent.scheduling import SchedRequest
-from thunderagent.schemas import RequestProgress, ScheduleRequest
+from thunderagent.schemas import DirectDispatch, RequestProgress, ScheduleRequest
 
 EARLY_PROGRESS_S = 5.0
 """A run's progress may beat the router's report of its direct dispatch; it is kept this long
@@ -73,6 +74,41 @@ class Pending:
             program_id=req.program_id,
             deadline=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
         )
+
+
+class DirectRun(Enum):
+    """What a router's report of a run it dispatched on credit is, against what the scheduler
+    holds under the id."""
+
+    NEW = "new"
+    """Nothing here under the id: the scheduler books the run."""
+    TOLD_TWICE = "told twice"
+    """The run the scheduler already tracks, on the same worker."""
+    OTHER_CLIENT = "other client"
+    """Another client's request holds the id: this run is stopped and its client told why."""
+    SECOND_RUN = "second run"
+    """The client resent the request and the resend ran or runs: a router that read the first
+    send late (a long inbox) ran it again. Stopped without a word to the client, whose answer
+    comes from the first run."""
+    TAKES_OVER = "takes over"
+    """The client's resend waits in the queue with no output yet: the run on credit serves it,
+    and the queued copy leaves without a run."""
+
+
+def direct_run(direct: DirectDispatch, pending: Pending | None, ran_for: str | None) -> DirectRun:
+    """Classify ``direct`` given the request held under its id (``pending``) and the reply
+    subject of the request that last ended under it (``ran_for``). Only the scheduler sees every
+    run of an id, so only it can tell a resend's second run from a new request."""
+    client = direct.submit.reply_subject
+    if pending is not None:
+        if pending.submit.reply_subject != client:
+            return DirectRun.OTHER_CLIENT
+        if pending.worker_id == direct.worker_id:
+            return DirectRun.TOLD_TWICE
+        if pending.worker_id or pending.output:
+            return DirectRun.SECOND_RUN
+        return DirectRun.TAKES_OVER
+    return DirectRun.SECOND_RUN if ran_for == client else DirectRun.NEW
 
 
 class EarlyProgress:

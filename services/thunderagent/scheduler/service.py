@@ -29,7 +29,7 @@ from thunderagent.migration.pull import PullPlanner
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.scheduler.handoff import Handoff, in_use
 from thunderagent.scheduler.metrics import register_metrics
-from thunderagent.scheduler.pending import EarlyProgress, Pending
+from thunderagent.scheduler.pending import DirectRun, EarlyProgress, Pending, direct_run
 from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject
 from thunderagent.scheduling.credits import CreditIssuer
 from thunderagent.schemas import (
@@ -96,6 +96,8 @@ class SchedulerService:
         """Recently ended request ids (a late retry of one must not run it twice)."""
         self.waiting = Counter[str]()
         """model -> requests not on a worker yet (the bounded global queue)."""
+        self.second_runs = 0
+        """Runs on credit of a request whose resend ran or runs, stopped (``DirectRun``)."""
         self.dispatches: deque[float] = deque(maxlen=1024)
         """Recent dispatch times: the drain rate behind a retry hint."""
         self.registry = WorkerRegistry()
@@ -148,14 +150,23 @@ class SchedulerService:
         self.poll_now()  # no loop hop: a request with room goes out in this same callback
 
     async def on_direct(self, direct: DirectDispatch, _: Delivery) -> None:
-        """A router dispatched on credit: book the run as one of ours."""
+        """A router dispatched on credit: book the run as one of ours, unless the id's request
+        holds another run (``DirectRun``)."""
         submit = direct.submit
         rid = submit.request.request_id
         self.issuer.book(submit.router_id, direct.worker_id)
-        if rid in self.pending:
-            if self.pending[rid].submit.reply_subject != submit.reply_subject:
-                self._spawn(self.handoff.stop_duplicate(direct))
-            return  # else told twice
+        kind = direct_run(direct, self.pending.get(rid), self.finished.get(rid))
+        if kind in (DirectRun.OTHER_CLIENT, DirectRun.SECOND_RUN):
+            self.second_runs += kind is DirectRun.SECOND_RUN
+            self._spawn(self.handoff.stop_direct_run(direct, kind is DirectRun.OTHER_CLIENT))
+        if kind not in (DirectRun.NEW, DirectRun.TAKES_OVER):
+            return
+        if kind is DirectRun.TAKES_OVER:  # the queued resend leaves without a run
+            queued = self.pending.pop(rid)
+            self.core.cancel(rid, self.clock())
+            self._leaves_queue(queued)
+            if queued.submit.router_id != submit.router_id:  # one router: the run keeps it
+                self._spawn(self.handoff.dropped(queued))
         self.handoff.book_pull(direct.pull, direct.worker_id)
         self.issuer.routed(submit.router_id, self.clock())
         pending = self.pending[rid] = Pending(
@@ -459,18 +470,8 @@ class SchedulerService:
         fleet = FleetWatcher(
             bus, self.registry, on_change=self.on_fleet_change, on_load=self.on_load
         )
-        for model in self.config.models or ("*",):
-            submits = (
-                subjects.sched_submit(model) if model != "*" else subjects.SCHED_SUBMIT_WILDCARD
-            )
-            directs = (
-                subjects.sched_direct(model) if model != "*" else subjects.SCHED_DIRECT_WILDCARD
-            )
-            failures = (
-                subjects.sched_run_failed(model)
-                if model != "*"
-                else subjects.SCHED_RUN_FAILED_WILDCARD
-            )
+        for model in self.config.models or (None,):
+            submits, directs, failures = subjects.scheduler_inbound(model)
             queue = subjects.SCHEDULER_QUEUE
             await bus.subscribe(submits, relayed.ScheduleRequest, self.on_submit, queue=queue)
             await bus.subscribe(failures, RunFailed, self.on_run_failed)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from opentelemetry import context as otel_context
 
 from thunderagent import schemas as s
-from thunderagent.scheduler.pending import EARLY_PROGRESS_S, EarlyProgress, Pending
+from thunderagent.scheduler.pending import (
+    EARLY_PROGRESS_S,
+    DirectRun,
+    EarlyProgress,
+    Pending,
+    direct_run,
+)
 
 
 def _pending() -> Pending:
@@ -41,6 +48,28 @@ def test_a_request_resumed_elsewhere_keeps_its_output_and_loses_the_failed_candi
     again = pending.sched_request()
     assert [c for c, _ in again.candidates] == ["w1"]
     assert again.generated_tokens == 3
+
+
+def test_a_run_on_credit_is_classified_against_every_run_of_its_id() -> None:
+    """Only the scheduler sees every run of an id: a router's run on credit is new, the one it
+    tracks, another client's, a second run of a resent request, or the run that serves a
+    resend still waiting in the queue."""
+    pending = _pending()
+    mine = s.DirectDispatch(submit=pending.submit, worker_id="w1")
+    submit = pending.submit
+    other_client = msgspec.structs.replace(submit, reply_subject="_INBOX.y")
+    other = s.DirectDispatch(submit=other_client, worker_id="w1")
+    assert direct_run(mine, None, None) is DirectRun.NEW
+    assert direct_run(mine, None, "_INBOX.y") is DirectRun.NEW, "another client may reuse an id"
+    assert direct_run(mine, None, "_INBOX.x") is DirectRun.SECOND_RUN, "its resend ran"
+    assert direct_run(other, pending, None) is DirectRun.OTHER_CLIENT
+    assert direct_run(mine, pending, None) is DirectRun.TAKES_OVER, "its resend waits"
+    pending.output = [7]
+    assert direct_run(mine, pending, None) is DirectRun.SECOND_RUN, "a continuation waits"
+    pending.output, pending.worker_id = [], "w0"
+    assert direct_run(mine, pending, None) is DirectRun.SECOND_RUN, "its resend runs on w0"
+    pending.worker_id = "w1"
+    assert direct_run(mine, pending, None) is DirectRun.TOLD_TWICE
 
 
 def _progress(rid: str, ts: float) -> s.RequestProgress:
