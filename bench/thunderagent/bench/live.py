@@ -309,6 +309,11 @@ def _parser() -> argparse.ArgumentParser:
         "gateway routes in its own process (--embed-router)",
     )
     p.add_argument(
+        "--routers", type=at_least(1), default=1,
+        help="router replicas (one queue group; each keeps its own view of the requests it "
+        "routed); none with --via gateway-embedded, whose gateway routes itself",
+    )  # fmt: skip
+    p.add_argument(
         "--baseline",
         type=parse_baselines,
         default=[],
@@ -355,7 +360,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         workers=args.workers, speedup=args.speedup, policy=args.policy, profile=args.profile,
         dp_size=args.dp_size, kv_events=args.kv_events == "on",
         scheduler_args=[f"--param={item}" for item in args.sched_param],
-        **entry_point_settings(args.via),
+        **entry_point_settings(args.via, args.routers),
     )  # fmt: skip
 
 

@@ -118,3 +118,15 @@ def test_sched_params_reach_the_stacks_scheduler_and_bad_ones_are_refused(capsys
     with pytest.raises(SystemExit):
         live.parse_args(["--trace", "t.jsonl", "--sched-param", "no_such_knob=1"])
     assert "no parameter 'no_such_knob'" in capsys.readouterr().err
+
+
+def test_router_replicas_reach_the_stack_unless_the_gateway_routes(capsys) -> None:
+    two = live.parse_args(["--trace", "t.jsonl", "--routers", "2"])
+    assert live.stack_config(two).routers == 2
+    embedded = live.parse_args(
+        ["--trace", "t.jsonl", "--routers", "2", "--via", "gateway-embedded"]
+    )
+    assert live.stack_config(embedded).routers == 0 and live.stack_config(embedded).gateways == 1
+    with pytest.raises(SystemExit):
+        live.parse_args(["--trace", "t.jsonl", "--routers", "0"])
+    assert "--routers" in capsys.readouterr().err
