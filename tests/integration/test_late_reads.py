@@ -17,6 +17,7 @@ from tests.integration.inproc import MODEL, inproc_stack, start_full_stack
 from tests.integration.test_kv_routing import routable, wait_for
 from thunderagent.bus import connect
 from thunderagent.bus.bus import encode
+from thunderagent.scheduler.metrics import events_by_kind
 from thunderagent.schemas import (
     REPLY_DECODER,
     Ack,
@@ -106,7 +107,8 @@ async def test_a_first_send_read_after_its_resend_ran_is_stopped(nats_server):
     assert not inbox.of(ErrorReply), "the client's answer came from the resend: no error"
     late_tokens = sum(len(c.token_ids) for c in inbox.of(TokenChunk)) - 300
     assert late_tokens < 300, "the late run was stopped, not run to its end"
-    assert sched.second_runs == 1
+    events = {o.attributes["event"]: o.value for o in events_by_kind(sched)}
+    assert sched.second_runs == 1 and events["second_runs_stopped"] == 1
 
 
 async def test_a_first_send_read_while_its_resend_waits_serves_it_once(nats_server):

@@ -48,4 +48,7 @@ def events_by_kind(service: SchedulerService) -> list[Observation]:
     stats = getattr(service.core, "stats", None)  # the core's own counters, where it keeps them
     counts = stats() if stats is not None else {}
     skip = ("waiting", "running", "pd_inflight")  # levels, not counts
-    return [Observation(n, {"event": k}) for k, n in counts.items() if k not in skip]
+    out = [Observation(n, {"event": k}) for k, n in counts.items() if k not in skip]
+    # the service's own: runs on credit of a request whose resend ran or runs, stopped
+    out.append(Observation(service.second_runs, {"event": "second_runs_stopped"}))
+    return out
