@@ -9,6 +9,7 @@ engines; the late router is played by the test, which sends what a router sends.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -27,6 +28,8 @@ from thunderagent.schemas import (
     ErrorReply,
     FinalReply,
     GenerateRequest,
+    ProgressBatch,
+    RequestProgress,
     RouteDecision,
     SamplingParams,
     ScheduleRequest,
@@ -150,3 +153,39 @@ async def test_a_first_send_read_while_its_resend_waits_serves_it_once(nats_serv
     assert len(final) == 1 and final[0].usage.completion_tokens == 20
     assert sum(len(c.token_ids) for c in inbox.of(TokenChunk)) == 20, "one run streamed"
     assert not ran_on_w0 and not inbox.of(ErrorReply)
+
+
+async def test_a_run_on_credit_that_ends_before_its_report_ends_its_resend_too(nats_server):
+    """The run on credit's progress and the router's report of it travel apart: a short run
+    can end before the report reaches the scheduler. Its progress is kept for the report, so
+    the resend it serves ends with it instead of being booked as running for good."""
+    async with inproc_stack(nats_server.url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0,
+                               scheduler_params={"max_running": 1})  # fmt: skip
+        await routable(nats_server.url, 2)
+        sched = stack.services["scheduler"].runtime
+        nc = await connect(nats_server.url, name="late-router")
+        blocker_inbox = await _Inbox(nc, "_INBOX.late.blocker3").start()
+        inbox = await _Inbox(nc, "_INBOX.late.c").start()
+        blocker = GenerateRequest(model=MODEL, request_id="blocker-3", token_ids=[6] * 20,
+                                  max_tokens=100, sampling=SLOW)  # fmt: skip
+        await _schedule(nc, blocker, blocker_inbox.subject, "r-b")
+        await wait_for(lambda: blocker_inbox.of(TokenChunk), 10.0, "w0 busy")
+        request = GenerateRequest(model=MODEL, request_id="late-3", token_ids=[5] * 20,
+                                  max_tokens=4)  # fmt: skip
+        await _schedule(nc, msgspec.structs.replace(request, retry=1), inbox.subject, "r-b")
+        now = time.time()
+        events = [RequestProgress(request_id="late-3", worker_id="w1", phase=phase, ts=now)
+                  for phase in ("started", "finished")]  # fmt: skip
+        batch = ProgressBatch(worker_id="w1", events=events)
+        await nc.publish(subjects.progress("w1", ended=True), encode(batch))
+        await asyncio.sleep(0.2)  # the report comes after the run's end
+        notice = DirectDispatch(submit=_submit(request, inbox.subject, "r-a", "w1"),
+                                worker_id="w1")  # fmt: skip
+        await nc.publish(subjects.sched_direct(MODEL), encode(notice))
+        await wait_for(lambda: "late-3" not in sched.pending, 5.0, "the request's end")
+        assert sched.waiting[MODEL] == 0
+        await wait_for(lambda: blocker_inbox.of(FinalReply), 30.0, "w0 free again")
+        await asyncio.sleep(0.5)  # a queued copy would start on w0 now
+        await nc.close()
+    assert not inbox.replies, "the resend never ran: the run on credit served it"

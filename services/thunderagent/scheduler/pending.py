@@ -111,6 +111,14 @@ def direct_run(direct: DirectDispatch, pending: Pending | None, ran_for: str | N
     return DirectRun.SECOND_RUN if ran_for == client else DirectRun.NEW
 
 
+def may_be_unreported(pending: Pending | None) -> bool:
+    """Progress of this request may be of a run a router made on credit and has not reported
+    yet: the id is unknown here, or its request waits with no output (a resend that such a run
+    serves, ``DirectRun.TAKES_OVER``). It is kept for the report (``EarlyProgress``); else a
+    run that ended before its report came would be booked and never end here."""
+    return pending is None or (not pending.worker_id and not pending.output)
+
+
 class EarlyProgress:
     """Progress of runs the service does not know yet: a router's report of a direct dispatch
     and the worker's progress travel separately, and the progress may come first."""

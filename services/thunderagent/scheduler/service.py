@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
@@ -27,9 +27,16 @@ from thunderagent.fleet import WorkerRegistry, progress_refusal, worker_room
 from thunderagent.migration import MigrationParams
 from thunderagent.migration.pull import PullPlanner
 from thunderagent.prefix_index.feed import stored_hashes
+from thunderagent.scheduler.drain import DrainRate
 from thunderagent.scheduler.handoff import Handoff, in_use
 from thunderagent.scheduler.metrics import register_metrics
-from thunderagent.scheduler.pending import DirectRun, EarlyProgress, Pending, direct_run
+from thunderagent.scheduler.pending import (
+    DirectRun,
+    EarlyProgress,
+    Pending,
+    direct_run,
+    may_be_unreported,
+)
 from thunderagent.scheduling import SCHEDULERS, Dispatch, Preempt, Reject
 from thunderagent.scheduling.credits import CreditIssuer
 from thunderagent.schemas import (
@@ -52,7 +59,6 @@ from thunderagent.schemas import (
 from thunderagent.shell import FleetWatcher, ServiceContext, TaskSet
 
 log = logging.getLogger(__name__)
-DRAIN_WINDOW_S = 10.0
 GRANT_EVERY_S = 1.0
 """Every router gets a fresh grant this often even when nothing changed: its credits expire
 when a scheduler falls silent."""
@@ -98,8 +104,7 @@ class SchedulerService:
         """model -> requests not on a worker yet (the bounded global queue)."""
         self.second_runs = 0
         """Runs on credit of a request whose resend ran or runs, stopped (``DirectRun``)."""
-        self.dispatches: deque[float] = deque(maxlen=1024)
-        """Recent dispatch times: the drain rate behind a retry hint."""
+        self.drain = DrainRate()
         self.registry = WorkerRegistry()
         self.issuer = CreditIssuer()
         self._tasks = TaskSet("scheduler")
@@ -135,7 +140,7 @@ class SchedulerService:
                 accepted=False,
                 reason=f"{self.waiting[model]} requests of {model} are already waiting",
                 code=ErrorCode.OVERLOADED,
-                retry_after_s=self._drain_time(self.waiting[model]),
+                retry_after_s=self.drain.seconds(self.waiting[model], self.clock()),
             )
         if refusal is not None:
             if delivery.reply:
@@ -173,7 +178,7 @@ class SchedulerService:
             submit, otel_context.get_current(), worker_id=direct.worker_id
         )
         self.core.admitted(pending.sched_request(), direct.worker_id, self.clock())
-        self.dispatches.append(self.clock())
+        self.drain.dispatched(self.clock())
         for progress in self._early.take(rid):
             self._on_run_event(progress)
         self.wake.set()
@@ -192,13 +197,6 @@ class SchedulerService:
                 scheduler_id=self.config.scheduler_id,
             )  # fmt: skip
             self._spawn(self.bus.publish(subjects.router_credits(router), grant))
-
-    def _drain_time(self, waiting: int) -> float:
-        """Seconds until ``waiting`` requests are dispatched at the recent rate (at least 1)."""
-        now = self.clock()
-        recent = [t for t in self.dispatches if now - t <= DRAIN_WINDOW_S]
-        rate = len(recent) / DRAIN_WINDOW_S
-        return round(max(1.0, waiting / rate if rate else DRAIN_WINDOW_S), 1)
 
     def _leaves_queue(self, pending: Pending) -> None:
         model = pending.submit.request.model
@@ -304,8 +302,8 @@ class SchedulerService:
     def _on_run_event(self, progress: RequestProgress) -> None:
         now, rid = self.clock(), progress.request_id
         pending = self.pending.get(rid)
-        if pending is None and self._early.hold(progress, now):  # its report may be on its way
-            return
+        if may_be_unreported(pending) and self._early.hold(progress, now):
+            return  # a router's report of its run on credit may be on its way
         if progress.phase == "started":
             if pending is not None and pending.worker_id == progress.worker_id:
                 pending.started = True
@@ -408,7 +406,7 @@ class SchedulerService:
         if not isinstance(action, Preempt):  # it leaves the queue
             self._leaves_queue(pending)
         if isinstance(action, Dispatch):
-            self.dispatches.append(self.clock())
+            self.drain.dispatched(self.clock())
         token = otel_context.attach(pending.context)
         try:
             if isinstance(action, Dispatch):

@@ -9,12 +9,14 @@ import msgspec
 from opentelemetry import context as otel_context
 
 from thunderagent import schemas as s
+from thunderagent.scheduler.drain import DRAIN_WINDOW_S, DrainRate
 from thunderagent.scheduler.pending import (
     EARLY_PROGRESS_S,
     DirectRun,
     EarlyProgress,
     Pending,
     direct_run,
+    may_be_unreported,
 )
 
 
@@ -115,3 +117,23 @@ def test_a_run_the_engine_failed_for_good_reaches_the_core_as_failed() -> None:
         svc.pending[rid] = pending
         svc._on_run_event(s.RequestProgress(request_id=rid, worker_id="w0", phase=phase, ts=5.0))
     assert ends.ends == [("failed", "r1"), ("finished", "r2"), ("finished", "r3")]
+
+
+def test_progress_is_kept_for_a_report_only_where_a_run_on_credit_may_be_booked() -> None:
+    pending = _pending()
+    assert may_be_unreported(None), "an unknown id: its report may be on its way"
+    assert may_be_unreported(pending), "a waiting resend a run on credit would serve"
+    pending.output = [7]
+    assert not may_be_unreported(pending), "a continuation waits: its old run's end is stale"
+    pending.output, pending.worker_id = [], "w0"
+    assert not may_be_unreported(pending), "it runs: progress is of its run or stale"
+
+
+def test_the_retry_hint_is_the_queue_over_the_recent_dispatch_rate() -> None:
+    drain = DrainRate()
+    assert drain.seconds(5, 100.0) == DRAIN_WINDOW_S, "nothing went out: the whole window"
+    for i in range(20):  # 2 per second over the window
+        drain.dispatched(90.5 + i * 0.5)
+    assert drain.seconds(10, 100.0) == 5.0
+    assert drain.seconds(1, 100.0) == 1.0, "never below a second"
+    assert drain.seconds(10, 200.0) == DRAIN_WINDOW_S, "old dispatches do not count"
