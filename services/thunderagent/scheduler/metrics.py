@@ -49,6 +49,7 @@ def events_by_kind(service: SchedulerService) -> list[Observation]:
     counts = stats() if stats is not None else {}
     skip = ("waiting", "running", "pd_inflight")  # levels, not counts
     out = [Observation(n, {"event": k}) for k, n in counts.items() if k not in skip]
-    # the service's own: runs on credit of a request whose resend ran or runs, stopped
-    out.append(Observation(service.second_runs, {"event": "second_runs_stopped"}))
+    # the service's own: runs on credit of a request whose resend ran or runs (each stopped
+    # where it still ran)
+    out.append(Observation(service.second_runs, {"event": "second_runs"}))
     return out

@@ -103,7 +103,8 @@ class SchedulerService:
         self.waiting = Counter[str]()
         """model -> requests not on a worker yet (the bounded global queue)."""
         self.second_runs = 0
-        """Runs on credit of a request whose resend ran or runs, stopped (``DirectRun``)."""
+        """Runs on credit of a request whose resend ran or runs (``DirectRun``), each stopped
+        where it still ran."""
         self.drain = DrainRate()
         self.registry = WorkerRegistry()
         self.issuer = CreditIssuer()
