@@ -300,19 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="thunder")
     p.add_argument("--sched-param", action="append", default=[], metavar="FIELD=VALUE",
                    help="a knob of the stack's scheduler (repeatable)")  # fmt: skip
-    p.add_argument(
-        "--via",
-        choices=ENTRY_POINTS,
-        default="nats",
-        help="send our requests over NATS (ThunderClient) or over HTTP through the OpenAI "
-        "gateway (/v1/completions), as the baselines get theirs; gateway-embedded: the "
-        "gateway routes in its own process (--embed-router)",
-    )
-    p.add_argument(
-        "--routers", type=at_least(1), default=1,
-        help="router replicas (one queue group; each keeps its own view of the requests it "
-        "routed); none with --via gateway-embedded, whose gateway routes itself",
-    )  # fmt: skip
+    _entry_arguments(p)
     p.add_argument(
         "--baseline",
         type=parse_baselines,
@@ -327,6 +315,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", dest="json_out", type=output_file, default=None)
     return p
+
+
+def _entry_arguments(p: argparse.ArgumentParser) -> None:
+    """Where our requests enter the stack, and how many routers take them."""
+    p.add_argument(
+        "--via",
+        choices=ENTRY_POINTS,
+        default="nats",
+        help="send our requests over NATS (ThunderClient) or over HTTP through the OpenAI "
+        "gateway (/v1/completions), as the baselines get theirs; gateway-embedded: the "
+        "gateway routes in its own process (--embed-router)",
+    )
+    p.add_argument(
+        "--routers", type=at_least(1), default=1,
+        help="router replicas (one queue group; each keeps its own view of the requests it "
+        "routed); none with --via gateway-embedded, whose gateway routes itself",
+    )  # fmt: skip
 
 
 def _fleet_arguments(p: argparse.ArgumentParser) -> None:
