@@ -10,6 +10,7 @@ with its spread, can.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 
@@ -77,7 +78,28 @@ def table(repeats: dict) -> str:
             f"| {_cell(row, 'wait_p99_ms', '.0f')} | {_cell(row, 'prefix_hit_ratio', '.3f')} "
             f"| {_cell(row, 'hot_ttft_p99_ms', '.0f')} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *_capacity_lines(repeats["max_speed_meeting_slo"])])
+
+
+def _capacity_lines(per_copy: dict[str, list[float | None]]) -> list[str]:
+    """Each policy's capacity over the copies: met in every copy, in at least half of them,
+    and the count of copies at each (a cell on the edge meets the SLO in some copies only)."""
+    lines = [
+        "Capacity over the copies (the highest swept speed meeting the SLO in each):",
+        "",
+        "| policy | in every copy | in at least half | copies at each |",
+        "|---|---|---|---|",
+    ]
+    for policy, speeds in per_copy.items():
+        ranked = sorted(speeds, key=lambda s: -math.inf if s is None else s, reverse=True)
+        half = ranked[(len(ranked) - 1) // 2]
+        counts = ", ".join(f"{_speed(s)} in {speeds.count(s)}" for s in dict.fromkeys(ranked))
+        lines.append(f"| {policy} | {_speed(ranked[-1])} | {_speed(half)} | {counts} |")
+    return lines
+
+
+def _speed(s: float | None) -> str:
+    return "none swept" if s is None else f"{s:g}x"
 
 
 def _cell(row: dict, name: str, fmt: str) -> str:

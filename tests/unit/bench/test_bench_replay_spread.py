@@ -59,6 +59,16 @@ def test_each_cell_gets_the_stats_of_its_figures_over_the_copies() -> None:
     table = replay_spread.table(out)
     assert "| thunder | 1 | 110 ± 10 (100-120) | 55 ± 5 (50-60) | 0.500 ± 0.000" in table
     assert "seeds 4-6" in table and "±0.5 ms" in table
+    assert "| thunder | none swept | 1x | 2x in 1, 1x in 1, none swept in 1 |" in table
+
+
+def test_capacity_over_copies_names_what_every_copy_and_half_of_them_meet() -> None:
+    docs = [_doc([_entry("thunder", 5.0, 100.0)], {"thunder": s}) for s in (5.0, None, 5.0, 4.0)]
+    table = replay_spread.table(replay_spread.spread(docs, [0, 1, 2, 3], 20.0))
+    assert "| thunder | none swept | 5x | 5x in 2, 4x in 1, none swept in 1 |" in table
+    docs = [_doc([_entry("llm_d", 4.0, 100.0)], {"llm_d": s}) for s in (4.0, 4.0, 3.0)]
+    table = replay_spread.table(replay_spread.spread(docs, [0, 1, 2], 20.0))
+    assert "| llm_d | 3x | 4x | 4x in 2, 3x in 1 |" in table
 
 
 def test_a_figure_missing_from_any_copy_is_left_out_and_one_copy_has_no_spread() -> None:
@@ -68,7 +78,8 @@ def test_a_figure_missing_from_any_copy_is_left_out_and_one_copy_has_no_spread()
     (cell,) = out["cells"]
     assert "hot_ttft_p99_ms" not in cell
     assert cell["ttft_p99_ms"]["sd"] == 0.0 and out["arrival_jitter_ms"] == 0.0
-    assert replay_spread.table(out).rstrip().endswith("| – |")
+    (row,) = [r for r in replay_spread.table(out).splitlines() if r.startswith("| dynamo_kv | 1 |")]
+    assert row.endswith("| – |")
 
 
 def test_the_cli_runs_every_copy_and_reports_the_spread(tmp_path: Path, capsys) -> None:
