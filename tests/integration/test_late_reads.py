@@ -9,6 +9,7 @@ engines; the late router is played by the test, which sends what a router sends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import msgspec
@@ -87,6 +88,27 @@ async def _run_on_credit(nc, request: GenerateRequest, reply: str, router: str) 
     await nc.publish(subjects.sched_direct(MODEL), encode(notice))
 
 
+@contextlib.asynccontextmanager
+async def _w0_busy(nats_url: str, blocker_tokens: int):
+    """A stack whose scheduler runs one request per worker, w0 busy with a long one: a request
+    for w0 waits in the queue. Yields the stack, the scheduler, a connection and the blocker's
+    inbox."""
+    async with inproc_stack(nats_url) as stack:
+        await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0,
+                               scheduler_params={"max_running": 1})  # fmt: skip
+        await routable(nats_url, 2)
+        nc = await connect(nats_url, name="late-router")
+        blocker_inbox = await _Inbox(nc, "_INBOX.late.blocker").start()
+        blocker = GenerateRequest(model=MODEL, request_id="blocker", token_ids=[6] * 20,
+                                  max_tokens=blocker_tokens, sampling=SLOW)  # fmt: skip
+        await _schedule(nc, blocker, blocker_inbox.subject, "r-b")
+        await wait_for(lambda: blocker_inbox.of(TokenChunk), 10.0, "w0 busy")
+        try:
+            yield stack, stack.services["scheduler"].runtime, nc, blocker_inbox
+        finally:
+            await nc.close()
+
+
 async def test_a_first_send_read_after_its_resend_ran_is_stopped(nats_server):
     async with inproc_stack(nats_server.url) as stack:
         await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0)
@@ -115,13 +137,7 @@ async def test_a_first_send_read_after_its_resend_ran_is_stopped(nats_server):
 
 
 async def test_a_first_send_read_while_its_resend_waits_serves_it_once(nats_server):
-    async with inproc_stack(nats_server.url) as stack:
-        await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0,
-                               scheduler_params={"max_running": 1})  # fmt: skip
-        await routable(nats_server.url, 2)
-        sched = stack.services["scheduler"].runtime
-        nc = await connect(nats_server.url, name="late-router")
-        blocker_inbox = await _Inbox(nc, "_INBOX.late.blocker").start()
+    async with _w0_busy(nats_server.url, 200) as (stack, sched, nc, blocker_inbox):
         inbox = await _Inbox(nc, "_INBOX.late.b").start()
         dropped: list[Dropped] = []
 
@@ -129,10 +145,6 @@ async def test_a_first_send_read_while_its_resend_waits_serves_it_once(nats_serv
             dropped.append(msgspec.json.decode(msg.data, type=Dropped))
 
         await nc.subscribe(subjects.router_dropped("r-b"), cb=on_dropped)
-        blocker = GenerateRequest(model=MODEL, request_id="blocker", token_ids=[6] * 20,
-                                  max_tokens=200, sampling=SLOW)  # fmt: skip
-        await _schedule(nc, blocker, blocker_inbox.subject, "r-b")
-        await wait_for(lambda: blocker_inbox.of(TokenChunk), 10.0, "w0 busy")
         request = GenerateRequest(model=MODEL, request_id="late-2", token_ids=[5] * 20,
                                   max_tokens=20, sampling=SLOW)  # fmt: skip
         resend = msgspec.structs.replace(request, retry=1)
@@ -148,7 +160,6 @@ async def test_a_first_send_read_while_its_resend_waits_serves_it_once(nats_serv
         await wait_for(lambda: "late-2" not in sched.pending, 10.0, "its one run's end")
         await asyncio.sleep(0.5)  # a queued copy would start on w0 now
         ran_on_w0 = "late-2" in stack.services["worker-w0"].runtime.running
-        await nc.close()
     final = inbox.of(FinalReply)
     assert len(final) == 1 and final[0].usage.completion_tokens == 20
     assert sum(len(c.token_ids) for c in inbox.of(TokenChunk)) == 20, "one run streamed"
@@ -159,18 +170,8 @@ async def test_a_run_on_credit_that_ends_before_its_report_ends_its_resend_too(n
     """The run on credit's progress and the router's report of it travel apart: a short run
     can end before the report reaches the scheduler. Its progress is kept for the report, so
     the resend it serves ends with it instead of being booked as running for good."""
-    async with inproc_stack(nats_server.url) as stack:
-        await start_full_stack(stack, workers=2, profile="tiny", speedup=1.0,
-                               scheduler_params={"max_running": 1})  # fmt: skip
-        await routable(nats_server.url, 2)
-        sched = stack.services["scheduler"].runtime
-        nc = await connect(nats_server.url, name="late-router")
-        blocker_inbox = await _Inbox(nc, "_INBOX.late.blocker3").start()
+    async with _w0_busy(nats_server.url, 100) as (_, sched, nc, blocker_inbox):
         inbox = await _Inbox(nc, "_INBOX.late.c").start()
-        blocker = GenerateRequest(model=MODEL, request_id="blocker-3", token_ids=[6] * 20,
-                                  max_tokens=100, sampling=SLOW)  # fmt: skip
-        await _schedule(nc, blocker, blocker_inbox.subject, "r-b")
-        await wait_for(lambda: blocker_inbox.of(TokenChunk), 10.0, "w0 busy")
         request = GenerateRequest(model=MODEL, request_id="late-3", token_ids=[5] * 20,
                                   max_tokens=4)  # fmt: skip
         await _schedule(nc, msgspec.structs.replace(request, retry=1), inbox.subject, "r-b")
@@ -187,5 +188,4 @@ async def test_a_run_on_credit_that_ends_before_its_report_ends_its_resend_too(n
         assert sched.waiting[MODEL] == 0
         await wait_for(lambda: blocker_inbox.of(FinalReply), 30.0, "w0 free again")
         await asyncio.sleep(0.5)  # a queued copy would start on w0 now
-        await nc.close()
     assert not inbox.replies, "the resend never ran: the run on credit served it"
