@@ -126,6 +126,10 @@ def test_the_cli_runs_every_copy_and_reports_the_spread(tmp_path: Path, capsys) 
     printed = capsys.readouterr().out
     assert "Over 3 copies (seeds 7-9" in printed and "12 runs" in printed
     assert "Over 3 copies" in report.read_text()
+    for policy, speeds in rep["max_speed_meeting_slo"].items():  # the capacity over copies
+        every = min(speeds, key=lambda v: -1.0 if v is None else v)
+        shown = "none swept" if every is None else f"{every:g}x"
+        assert f"| {policy} | {shown} |" in printed
 
 
 def test_repeats_and_jitter_are_checked_when_parsed(capsys) -> None:
