@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from thunderagent.engine import AllCleared, CacheEvent, EngineCore, Removed, Request
+from thunderagent.engine import CacheEvent, EngineCore, Request
 from thunderagent.engine.core import StepOutcome
 from thunderagent.fleet import (
     AcceptedRuns,
@@ -47,6 +47,7 @@ from thunderagent.fleet import (
 from thunderagent.hashing import BlockHasher, BlockHashes
 from thunderagent.prefix_index.feed import stored_hashes
 from thunderagent.replay.actions import SchedulerActions
+from thunderagent.replay.kv_batches import kv_batch
 from thunderagent.replay.pd import TransferLinks
 from thunderagent.replay.records import LostRequests, Record, ReplayConfig, ReplayResult
 from thunderagent.replay.shadows import ReplayShadows, found_tokens
@@ -55,14 +56,6 @@ from thunderagent.router_core import RouterCore
 from thunderagent.scheduling import SCHEDULERS, Dispatch, SchedRequest
 from thunderagent.scheduling.credits import CreditIssuer, CreditWallet
 from thunderagent.schemas import (
-    AllCleared as WireCleared,
-)
-from thunderagent.schemas import (
-    BlocksRemoved,
-    BlocksStored,
-    KvEvent,
-    KvEventBatch,
-    Medium,
     RouteDecision,
     WorkerRegistration,
     WorkerRole,
@@ -465,36 +458,10 @@ class Replay(SchedulerActions):
             self._announce(w, outcome.events, t)
 
     def _announce(self, w: int, events: list[CacheEvent], t: float) -> None:
-        batch = self._kv_batch(w, events, t)
+        batch = kv_batch(self.ids[w], self.kv_seq[w] + 1, events, self.check, t)
         if batch is None:
             return
+        self.kv_seq[w] = batch.seq
         self.router.apply_kv(batch, t)
         for hashes in stored_hashes(batch):
             self.scheduler.on_prefix_cached(self.ids[w], hashes, t)
-
-    def _kv_batch(self, w: int, cache_events: list[CacheEvent], t: float) -> KvEventBatch | None:
-        """Engine events -> one ``KvEventBatch``. Block keys are the trace's chained primary
-        hashes; output blocks (keys no prompt has) are left out: nothing can ever match them."""
-        check = self.check
-        events: list[KvEvent] = []
-        for ev in cache_events:
-            if isinstance(ev, AllCleared):
-                events.append(WireCleared())
-                continue
-            keys = [k for k in ev.block_hashes if k in check]
-            if not keys:
-                continue
-            medium = Medium(ev.medium.value)
-            if isinstance(ev, Removed):
-                events.append(BlocksRemoved(hashes=keys, medium=medium))
-            else:
-                parent = ev.parent_key if ev.parent_key in check else None
-                stored = BlocksStored(
-                    hashes=keys, check_hashes=[check[k] for k in keys], parent_hash=parent,
-                    medium=medium,
-                )  # fmt: skip
-                events.append(stored)
-        if not events:
-            return None
-        self.kv_seq[w] += 1
-        return KvEventBatch(worker_id=self.ids[w], seq=self.kv_seq[w], ts=t, events=events)
