@@ -4,7 +4,8 @@
 works on that scheduler's waiting entries, queues, spill pool, admission and running table.
 
 * **Spilled requests first**, anywhere with room, in key order; the scan stops once every
-  worker is full.
+  worker is full. A worker caching less of a request than its best candidate takes it only
+  while no request homed there waits (``SchedParams.spill_past_queues``).
 * **Per-worker queues**, merged by key; a worker whose head cannot go is done for the pass (no
   head-of-line bypass, so no starvation); with preemption on, a head may take a running
   request's place.
@@ -12,8 +13,9 @@ works on that scheduler's waiting entries, queues, spill pool, admission and run
   spilled request on every open worker, and only a commit or an ended run changes a worker's
   books meanwhile; both clear ``_rooms``.
 * **A spilled request is not tried again where nothing changed**: when it found no room on a
-  worker, the worker's headroom and grouping version are kept on the entry, and while both are
-  the same the try would compute the same need against the same room. Only requests whose try
+  worker (or was passed over for the worker's own queue), the worker's headroom, grouping
+  version and whether its queue holds a request are kept on the entry (``_books``), and while
+  they are the same the try would have the same outcome. Only requests whose try
   has no other outcome are skipped so: no deadline (the clock can doom it), no step of a
   program paused now (the try parks or resumes it), no PD gate (its answer depends on other
   workers). Past capacity this was most of a replay's time (thunder at 3x on the conversation
@@ -113,21 +115,31 @@ class DispatchPass:
         self, entry: Entry, memo: dict | None, open_: set[str], now: float, out: list[Action]
     ) -> tuple[bool, bool]:
         """Try a spilled request on its candidates, skipping those its memo says would fail
-        again: (it left the pool, some worker's books or ``open_`` changed meanwhile)."""
-        known, versions = self.admission.workers, self.groups.versions
+        again: (it left the pool, some worker's books or ``open_`` changed meanwhile). A
+        candidate caching less of it than the best one is passed over while requests homed
+        there wait (``SchedParams.spill_past_queues``): that worker is short of room too, and
+        the re-prefill would only add to the work both queues wait behind."""
+        known = self.admission.workers
         changed = False
         opens = entry.opens or {}
-        for w, _ in self._eligible(entry.req):
+        cands = self._eligible(entry.req)
+        best = max((c for _, c in cands), default=0)
+        past_queues = self.params.spill_past_queues
+        for w, cached in cands:
             if (w not in open_ and w in known) or opens.get(w, now) > now:
                 continue
             books = None
             if memo is not None and w in known:
-                books = (self._room(w), versions.get(w, 0))
+                books = self._books(w)
                 if memo.get(w) == books:
                     if not books[0].fits(0):
                         open_.discard(w)
                         changed = True
                     continue
+            if cached < best and not past_queues and self._head(w) is not None:
+                if books is not None:
+                    memo[w] = books  # type: ignore[index]
+                continue
             if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
                 return True, True
             if books is not None:
@@ -137,12 +149,16 @@ class DispatchPass:
                 changed = True
         return False, changed
 
+    def _books(self, w: str) -> tuple:
+        """What a spilled request's try on ``w`` depends on besides the request: its headroom,
+        its grouping version, whether requests homed there wait."""
+        return self._room(w), self.groups.versions.get(w, 0), self._head(w) is not None
+
     def _books_now(self, open_: set[str]) -> tuple[dict[str, tuple], list[str], int]:
-        """The open workers' books (headroom, grouping version), those of them now full, and
-        the books' generation (``_books_gen``)."""
-        versions = self.groups.versions
-        books = {w: (self._room(w), versions.get(w, 0)) for w in open_}
-        closed = [w for w, (room, _) in books.items() if not room.fits(0)]
+        """The open workers' books (``_books``), those of them now full, and the books'
+        generation (``_books_gen``)."""
+        books = {w: self._books(w) for w in open_}
+        closed = [w for w, (room, *_) in books.items() if not room.fits(0)]
         return books, closed, self._books_gen(books)
 
     def _dispatch_queued(self, now: float, out: list[Action]) -> None:

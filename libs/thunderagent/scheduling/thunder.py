@@ -53,8 +53,8 @@ class _Entry:
     regrouped: bool = False
     """Released from a hold without its prefix: never held again (no endless waiting)."""
     no_room: dict[str, tuple] | None = None
-    """Spilled: worker -> (its headroom, its grouping version) when this request last found no
-    room there; the same pair again means the same answer (``DispatchPass._dispatch_spilled``)."""
+    """Spilled: worker -> its books (``DispatchPass._books``) when this request last found no
+    room there; the same books again mean the same answer (``DispatchPass._dispatch_spilled``)."""
     settled: int = -1
     """The books generation (``DispatchPass._books_gen``) under which its memo covered every
     open worker it may go to: while it lasts, a pass skips this request at once."""

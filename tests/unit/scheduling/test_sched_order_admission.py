@@ -207,6 +207,24 @@ def test_without_paying_for_hits_every_candidate_opens_at_the_spill() -> None:
     assert s.poll(0.5) == [Dispatch("r", "w1")]
 
 
+@pytest.mark.parametrize(("past_queues", "first"), [(False, "q1"), (True, "r")])
+def test_a_spilled_request_leaves_its_hit_only_for_a_worker_nobody_waits_for(past_queues, first):
+    """``r`` (its hit on busy w0) is open to w1 from 1.3 s, but w1 is busy too and ``q1``,
+    homed there, waits: the room w1 frees goes to ``q1``, and ``r`` re-prefills there only
+    once nobody waits for w1. With ``spill_past_queues`` the spilled request goes first."""
+    s = _spill_with_a_hit(attention_parity_tokens=0.0, spill_past_queues=past_queues)
+    s.submit(req("busy1", cands=[("w1", 0)]), 0.0)
+    s.submit(req("q1", 0.1, cands=[("w1", 0)]), 0.1)
+    assert sent(s.poll(0.1)) == ["busy1"]
+    assert s.poll(0.5) == []  # spilled: w1 opens to it at 1.3
+    assert s.poll(1.3) == []  # and has no room
+    s.on_finished("busy1", "w1", 1.4)
+    assert sent(s.poll(1.4)) == [first]
+    if not past_queues:
+        s.on_finished("q1", "w1", 1.5)
+        assert sent(s.poll(1.5)) == ["r"]
+
+
 @pytest.mark.parametrize(
     ("window", "polls", "expected"),
     [
