@@ -140,7 +140,10 @@ class DispatchPass:
                 if books is not None:
                     memo[w] = books  # type: ignore[index]
                 continue
-            if self._try_dispatch(entry, w, now, out) or entry.state != SPILL:
+            if self._try_dispatch(entry, w, now, out):
+                self.counters["spilled_off_cache"] += cached < best
+                return True, True
+            if entry.state != SPILL:
                 return True, True
             if books is not None:
                 memo[w] = books  # type: ignore[index]

@@ -123,6 +123,10 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             "rejected": 0,
             "preempted": 0,
             "cancelled": 0,
+            "spilled": 0,
+            # spilled requests sent where less of their prompt is cached than on their best
+            # candidate: the re-prefills spilling buys (``spill_past_queues`` bounds them)
+            "spilled_off_cache": 0,
         }
 
     # ---- driver events --------------------------------------------------------------------
@@ -337,6 +341,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
             entry = self.entries.get(rid)
             if entry is not None and entry.state == QUEUED:
                 entry.state = SPILL
+                self.counters["spilled"] += 1
                 bisect.insort(self.spill, (entry.key, entry.seq, rid))  # sorted: see dispatch
                 if self.params.spill_pays_for_hits:
                     self._open_later(entry, now)

@@ -200,6 +200,7 @@ def test_a_spilled_request_takes_its_hit_when_the_holder_frees_first() -> None:
     assert s.poll(0.5) == []
     s.on_finished("busy", "w0", 0.9)
     assert s.poll(0.9) == [Dispatch("r", "w0")]
+    assert (s.stats()["spilled"], s.stats()["spilled_off_cache"]) == (1, 0)
 
 
 def test_without_paying_for_hits_every_candidate_opens_at_the_spill() -> None:
@@ -223,6 +224,7 @@ def test_a_spilled_request_leaves_its_hit_only_for_a_worker_nobody_waits_for(pas
     if not past_queues:
         s.on_finished("q1", "w1", 1.5)
         assert sent(s.poll(1.5)) == ["r"]
+    assert (s.stats()["spilled"], s.stats()["spilled_off_cache"]) == (1, 1)
 
 
 @pytest.mark.parametrize(
