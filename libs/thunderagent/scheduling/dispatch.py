@@ -136,7 +136,8 @@ class DispatchPass:
                         open_.discard(w)
                         changed = True
                     continue
-            if cached < best and not past_queues and self._head(w) is not None:
+            poorer = cached < best and not past_queues
+            if poorer and (books[2] if books is not None else self._head(w) is not None):
                 if books is not None:
                     memo[w] = books  # type: ignore[index]
                 continue

@@ -39,6 +39,13 @@ from thunderagent.scheduling.program_steps import PAUSED_STEP, ProgramSteps
 from thunderagent.scheduling.programs import ProgramTracker
 from thunderagent.scheduling.window import Window
 
+COUNTERS = (
+    "submitted", "direct", "dispatched", "rejected", "preempted", "cancelled", "spilled",
+    "spilled_off_cache",
+)  # fmt: skip
+"""What ``stats()`` counts besides the books it reads. ``spilled_off_cache``: spilled requests
+sent where less of their prompt is cached than on their best candidate, the re-prefills
+spilling buys (``SchedParams.spill_past_queues`` bounds them)."""
 NEED_ALPHA = 0.05
 """EMA weight of dispatched requests' KV needs (the size credits are counted in): ~20 requests."""
 
@@ -116,18 +123,7 @@ class ThunderScheduler(DispatchPass, ProgramSteps):
         """Each worker's admission state during one dispatch pass (see ``_has_room``)."""
         self._gen, self._gen_books = 0, {}
         """The spill pass's books generation and what it stands for (``_books_gen``)."""
-        self.counters = {
-            "submitted": 0,
-            "direct": 0,
-            "dispatched": 0,
-            "rejected": 0,
-            "preempted": 0,
-            "cancelled": 0,
-            "spilled": 0,
-            # spilled requests sent where less of their prompt is cached than on their best
-            # candidate: the re-prefills spilling buys (``spill_past_queues`` bounds them)
-            "spilled_off_cache": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ---- driver events --------------------------------------------------------------------
 
