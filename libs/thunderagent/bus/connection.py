@@ -168,32 +168,13 @@ async def connect(
         try:
             # nats-py retries a refused first connection itself when reconnects are allowed,
             # without a deadline: the attempt is bounded here, and retried with our backoff.
-            attempt = client.connect(
-                url,
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=events.on_error,
-                disconnected_cb=events.on_disconnect,
-                reconnected_cb=events.on_reconnect,
-                **options,
-            )
+            attempt = client.connect(url, **_connect_options(name, events, options))
             timeout = max(0.05, min(give_up_at - loop.time(), 5.0))
             await _until_connected_or_refused(attempt, events.login_refused, timeout)
             return client
         except Exception as err:  # nats-py raises several unrelated types for a refused connect
             await _discard(client)
-            # nats-py reports a refused login (or an untrusted certificate) to error_cb and keeps
-            # retrying until our timeout: neither gets better by waiting
-            refused = events.refused
-            if refused or _is_auth_error(err):
-                raise ConnectionError(
-                    f"NATS at {_safe(url)} refused {identity!r} (credentials from "
-                    f"{found.source}, CA {found.ca_file or 'system'}): "
-                    f"{refused[0] if refused else err}"
-                ) from err
+            _raise_if_refused(err, events, url, identity, found)
             if loop.time() + delay > give_up_at:
                 raise ConnectionError(_unreachable(url, err, deadline_s)) from err
             log.info("nats %s: connect failed (%r), retry in %.2fs", name, err, delay)
@@ -211,6 +192,36 @@ def _login_options(url: str, found: Credentials) -> dict:
     if tls is not None:
         options["tls"] = tls
     return options
+
+
+def _connect_options(name: str, events: _ConnectionEvents, login: dict) -> dict:
+    """nats-py's options for one attempt: bounded, reconnecting forever after, our callbacks."""
+    return {
+        "name": name,
+        "connect_timeout": 2,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "error_cb": events.on_error,
+        "disconnected_cb": events.on_disconnect,
+        "reconnected_cb": events.on_reconnect,
+        **login,
+    }
+
+
+def _raise_if_refused(
+    err: Exception, events: _ConnectionEvents, url: str, identity: str, found: Credentials
+) -> None:
+    """Stop the connect loop on a refused login (or an untrusted certificate): neither gets
+    better by waiting."""
+    # nats-py reports them to error_cb and keeps retrying until our timeout
+    refused = events.refused
+    if refused or _is_auth_error(err):
+        raise ConnectionError(
+            f"NATS at {_safe(url)} refused {identity!r} (credentials from "
+            f"{found.source}, CA {found.ca_file or 'system'}): "
+            f"{refused[0] if refused else err}"
+        ) from err
 
 
 class _ConnectionEvents:

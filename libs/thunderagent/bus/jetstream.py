@@ -155,6 +155,29 @@ def _start_config(start_seq: int, new_only: bool) -> ConsumerConfig:
     return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
 
 
+async def _attach_ordered(
+    consumer: StreamConsumer,
+    js: Any,
+    stream: str,
+    subject: str,
+    config: ConsumerConfig,
+    on_msg: Any,
+) -> None:
+    """Attach an ordered, ephemeral subscription from ``config``, and the way to recreate it
+    from a sequence after a reconnect."""
+
+    async def subscribe_from(start: int) -> Any:
+        cfg = _start_config(start, new_only=False)
+        return await js.subscribe(
+            subject, stream=stream, ordered_consumer=True, config=cfg, cb=on_msg
+        )
+
+    sub = await js.subscribe(
+        subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
+    )
+    consumer.attach(sub, subscribe_from)
+
+
 class StreamConsumer:
     """A running consumer; ``stop`` unsubscribes (the durable keeps its position).
 
@@ -261,17 +284,7 @@ class JetStreamMixin:
             return consumer
 
         on_msg = self._stream_callback(stream, message_type, handler, owner, consumer, None)
-
-        async def subscribe_from(start: int) -> Any:
-            cfg = _start_config(start, new_only=False)
-            return await js.subscribe(
-                subject, stream=stream, ordered_consumer=True, config=cfg, cb=on_msg
-            )
-
-        sub = await js.subscribe(
-            subject, stream=stream, ordered_consumer=True, config=config, cb=on_msg
-        )
-        consumer.attach(sub, subscribe_from)
+        await _attach_ordered(consumer, js, stream, subject, config, on_msg)
         self._ephemeral_consumers().append(consumer)
         return consumer
 
