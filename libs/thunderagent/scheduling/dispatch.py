@@ -67,15 +67,12 @@ class DispatchPass:
         if not spill:  # the usual poll: no worker's room is read for nothing
             return
         open_ = {w for w in self.admission.workers if w not in self.gone}
-        open_ = {w for w in open_ if self._has_room(w, 0)}
+        books = _OpenBooks(self, {w for w in open_ if self._has_room(w, 0)})
         keep = []
         entries = self.entries
-        now_books: dict[str, tuple] | None = None
-        closed: list[str] = []
-        gen = 0
         pd, programs = self.params.pd_mode == "disaggregated", self.params.programs
         i, n = 0, len(spill)
-        while i < n and open_ and not (pd and self.gate.full()):
+        while i < n and books.open and not (pd and self.gate.full()):
             item = spill[i]
             i += 1
             entry = entries.get(item[2])
@@ -85,28 +82,16 @@ class DispatchPass:
             clocked = now < entry.all_open_at or (programs and entry.req.program_id is not None)
             if memo is None or clocked:
                 memo = self._no_room_memo(entry, now)
-            if memo is not None:
-                if now_books is None:
-                    now_books, closed, gen = self._books_now(open_)
-                if entry.settled == gen and not closed:
-                    keep.append(item)  # settled under these very books: every try is skipped
-                    continue
-                if now_books.items() <= memo.items():
-                    # settled: every open worker is as it was when this found no room there,
-                    # so each try would be skipped (and a full one dropped from ``open_``)
-                    entry.settled = gen
-                    if closed:
-                        open_.difference_update(closed)
-                        now_books = None
-                    keep.append(item)
-                    continue
-            gone, changed = self._try_spilled(entry, memo, open_, now, out)
+            if memo is not None and books.settle(entry, memo):
+                keep.append(item)  # every try would be skipped
+                continue
+            gone, changed = self._try_spilled(entry, memo, books.open, now, out)
             if changed:
-                now_books = None
+                books.now = None
             if not gone:
                 keep.append(item)
-                if memo is not None and now_books is not None:
-                    entry.settled = gen  # every eligible open worker is in its memo as it is now
+                if memo is not None:
+                    books.mark(entry)
         # ``spill`` is kept sorted (a sorted list is a heap too): what was kept, then the rest
         keep.extend(spill[i:])
         self.spill = keep
@@ -349,3 +334,36 @@ def _cold(room: Headroom, req: SchedRequest, hit_blocks: int, shared_only: bool)
     if shared_only and len(req.candidates) > 1:
         return hit_blocks <= min(c for _, c in req.candidates)
     return not hit_blocks
+
+
+class _OpenBooks:
+    """The open workers of one spill pass and their books (``DispatchPass._books_now``), read
+    when a memo is first compared with them and again after a try changed them."""
+
+    __slots__ = ("_pass", "closed", "gen", "now", "open")
+
+    def __init__(self, dispatch: DispatchPass, open_: set[str]) -> None:
+        self._pass, self.open = dispatch, open_
+        self.now: dict[str, tuple] | None = None
+        self.closed: list[str] = []
+        self.gen = 0
+
+    def settle(self, entry: Entry, memo: dict) -> bool:
+        """True: ``entry`` would find no room on any open worker it may go to, as its memo
+        says; marked settled under these books (``_books_gen``), a full worker leaves ``open``."""
+        if self.now is None:
+            self.now, self.closed, self.gen = self._pass._books_now(self.open)
+        if entry.settled == self.gen and not self.closed:
+            return True  # settled under these very books
+        if self.now.items() <= memo.items():
+            entry.settled = self.gen
+            if self.closed:
+                self.open.difference_update(self.closed)
+                self.now = None
+            return True
+        return False
+
+    def mark(self, entry: Entry) -> None:
+        """``entry``'s try left every eligible open worker in its memo as the books are now."""
+        if self.now is not None:
+            entry.settled = self.gen
