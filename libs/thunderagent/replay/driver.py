@@ -89,42 +89,19 @@ class Replay(SchedulerActions):
         self.wallet = CreditWallet()
         """The fast path as live: the scheduler lends the router room (no delay here)."""
         self.direct_dispatches = 0
-        n = config.workers
-        self.ids = [f"w{i:02d}" for i in range(n)]
-        self.slot = {w: i for i, w in enumerate(self.ids)}
-        self.cores = [EngineCore(config.profile) for _ in range(n)]
-        self.roles = list(config.roles) if config.roles is not None else ["both"] * n
-        if len(self.roles) != n:
-            raise ValueError(f"{len(self.roles)} roles for {n} workers")
-        self.accepted = [AcceptedRuns() for _ in range(n)]
-        self.shadows = self._shadows()
-        for w in range(n):
-            self.router.register(self._registration(w), 0.0)
-        self.links = TransferLinks(
-            config.profile.kv_bytes_per_token, config.link_bytes_per_s, via=config.pd_via
-        )
+        self._add_workers(config.workers)
         self.bootstrap_requests: dict[str, tuple[Request, int]] = {}
         """SGLang's PD: runs in a prealloc queue, with their prefill request and predicted hit."""
         self.migration: ReplayMigration | None = None
         """KV migration, when ``ReplayMigration.attach`` hooked it in (``migration.py``)."""
-        self.timers: list[tuple[float, int, str, object]] = []
-        self._timer_seq = 0
+        self._init_loop(config.workers)
         self.follow_up: Callable[[str, float], TraceRequest | None] | None = None
         """Closed loop: called when a request ends; returns the next request to arrive."""
         self.extra: list[str] = []
         self.meta: dict[str, TraceRequest] = {}
         self.resuming: set[str] = set()
-        self.prefill_tokens = 0
-        self.stalled_wakeups = 0
-        """Wakeups asked for the current instant and moved 1 µs later (see ``_poll``)."""
-        self._stalls = 0
         self.hasher = BlockHasher(block_size=1)  # block ids are given directly (one per block)
         self.check: dict[int, int] = {}
-        self.kv_seq = [-1] * n
-        self.busy = [0.0] * n
-        self.inflight: dict[int, tuple[float, StepOutcome]] = {}
-        self.heap: list[tuple[float, int]] = []
-        self.dirty: set[int] = set()
         self.records: dict[str, Record] = {}
         self.keys: dict[str, BlockHashes] = {}
         self.route_overlaps: dict[str, dict[str, int]] = {}
@@ -134,6 +111,36 @@ class Replay(SchedulerActions):
         self.decisions: dict[str, RouteDecision] = {}
         """Per request, its routing decision (a continuation is queued with it, as live)."""
         self.session: dict[str, str | None] = {}
+
+    def _add_workers(self, n: int) -> None:
+        """The fleet: n engine cores with their roles, registered with the router, and PD links."""
+        self.ids = [f"w{i:02d}" for i in range(n)]
+        self.slot = {w: i for i, w in enumerate(self.ids)}
+        self.cores = [EngineCore(self.cfg.profile) for _ in range(n)]
+        self.roles = list(self.cfg.roles) if self.cfg.roles is not None else ["both"] * n
+        if len(self.roles) != n:
+            raise ValueError(f"{len(self.roles)} roles for {n} workers")
+        self.accepted = [AcceptedRuns() for _ in range(n)]
+        self.shadows = self._shadows()
+        for w in range(n):
+            self.router.register(self._registration(w), 0.0)
+        self.links = TransferLinks(
+            self.cfg.profile.kv_bytes_per_token, self.cfg.link_bytes_per_s, via=self.cfg.pd_via
+        )
+
+    def _init_loop(self, n: int) -> None:
+        """The event loop's state at virtual time 0: clock, step and timer heaps, counters."""
+        self.timers: list[tuple[float, int, str, object]] = []
+        self._timer_seq = 0
+        self.prefill_tokens = 0
+        self.stalled_wakeups = 0
+        """Wakeups asked for the current instant and moved 1 µs later (see ``_poll``)."""
+        self._stalls = 0
+        self.kv_seq = [-1] * n
+        self.busy = [0.0] * n
+        self.inflight: dict[int, tuple[float, StepOutcome]] = {}
+        self.heap: list[tuple[float, int]] = []
+        self.dirty: set[int] = set()
         self.timeline: list[tuple[float, list[int]]] = []
         self.now = 0.0
         self.steps = 0
@@ -196,19 +203,24 @@ class Replay(SchedulerActions):
                 self._arrive(trace[i - 1], t)
                 if progress is not None and i % 500 == 0:
                     progress(500)
-            elif t_step == t:
-                _, w = heapq.heappop(heap)
-                self._complete(w, t)
-            elif t_timer == t:
-                _, _, kind, payload = heapq.heappop(timers)
-                self._timer(kind, payload, t)
             else:
-                self._wake = INF
-                self._refresh_loads(t)
+                self._handle_due(t, t_step, t_timer)
             self._poll(t)
         if progress is not None and n % 500:
             progress(n % 500)
         return self._result([r.request_id for r in trace[:i]], bounded=until is not None)
+
+    def _handle_due(self, t: float, t_step: float, t_timer: float) -> None:
+        """The instant's next event after arrivals: a step completion, a timer, else the wakeup."""
+        if t_step == t:
+            _, w = heapq.heappop(self.heap)
+            self._complete(w, t)
+        elif t_timer == t:
+            _, _, kind, payload = heapq.heappop(self.timers)
+            self._timer(kind, payload, t)
+        else:
+            self._wake = INF
+            self._refresh_loads(t)
 
     def _result(self, arrived: list[str], *, bounded: bool) -> ReplayResult:
         records = [self.records[r] for r in [*arrived, *self.extra]]
@@ -397,19 +409,9 @@ class Replay(SchedulerActions):
         self._apply_events(w, outcome, t)
         if self.migration is not None:  # warm-ups it ran are not trace requests: skipped below
             self.migration.on_step(w, outcome, t)
+        self._first_tokens(w, outcome, t)
         worker_id = self.ids[w]
         records = self.records
-        for run_id in outcome.first_token:
-            rec = records.get(run_id)
-            if rec is None or rec.worker != w or rec.status != "running":
-                continue
-            self.accepted[w].started(run_id)
-            phase = self.links.phase(run_id)
-            late = phase == "prefill" and self.links.decode_streams_first_token
-            if math.isnan(rec.first_token) and not late:
-                rec.first_token = t
-            if phase != "decode":  # each run starts once (continuations too)
-                self._started(rec, w, t, outcome)
         for fin in outcome.finished:
             rec = records.get(fin.request_id)
             if rec is None or rec.worker != w or rec.status != "running":
@@ -432,6 +434,20 @@ class Replay(SchedulerActions):
             self._completed(rec, worker_id, t)
         if self.links.awaiting_room(worker_id):  # SGLang's PD: room freed for a reservation?
             self._preallocate(w, t)
+
+    def _first_tokens(self, w: int, outcome: StepOutcome, t: float) -> None:
+        """The step's first tokens on ``w``: each TTFT recorded, each run reported started."""
+        for run_id in outcome.first_token:
+            rec = self.records.get(run_id)
+            if rec is None or rec.worker != w or rec.status != "running":
+                continue
+            self.accepted[w].started(run_id)
+            phase = self.links.phase(run_id)
+            late = phase == "prefill" and self.links.decode_streams_first_token
+            if math.isnan(rec.first_token) and not late:
+                rec.first_token = t
+            if phase != "decode":  # each run starts once (continuations too)
+                self._started(rec, w, t, outcome)
 
     def _started(self, rec: Record, w: int, t: float, outcome: StepOutcome) -> None:
         """The run's first token, as its adapter reports it (and, for an engine without KV

@@ -48,20 +48,8 @@ def summarize(
             f"{policy} x{speed}: {len(recs)} requests != {len(done)} completed + "
             f"{rejected} rejected + {result.in_flight} in flight"
         )
-    ttft_all = [
-        (r.first_token - r.arrival) * 1000.0 if not math.isnan(r.first_token) else math.inf
-        for r in recs
-    ]
-    prompt = sum(r.prompt_tokens for r in done)
-    cached = sum(r.cached_tokens for r in done)
-    recompute = sum(max(0, r.best_overlap_tokens - r.cached_tokens) for r in done)
     start = min((r.arrival for r in recs), default=0.0)
     span = result.makespan - start
-    out_tokens = sum(r.completion_tokens for r in done)
-    waits = [
-        r.first_token - r.arrival - alone_ttft_s(timing, r.prompt_tokens, r.cached_tokens, chunk)
-        for r in done
-    ]
     return {
         "policy": policy,
         "speed": speed,
@@ -70,12 +58,49 @@ def summarize(
         "rejected": rejected,
         "in_flight": result.in_flight,
         "rejected_reasons": dict(Counter(r.reason for r in recs if r.status == "rejected")),
+        **_latency_entries(result, done, span, rejected, timing, chunk, slo_ms),
+        **_work_entries(result, done, span, ideal, pooled),
+        "wall_s": wall_s,
+    }
+
+
+def _latency_entries(
+    result: ReplayResult,
+    done: list[Record],
+    span: float,
+    rejected: int,
+    timing: TimingModel,
+    chunk: int,
+    slo_ms: float,
+) -> dict:
+    """TTFT, SLO and queueing entries; a request with no first token misses the SLO."""
+    ttft_all = [
+        (r.first_token - r.arrival) * 1000.0 if not math.isnan(r.first_token) else math.inf
+        for r in result.records
+    ]
+    waits = [
+        r.first_token - r.arrival - alone_ttft_s(timing, r.prompt_tokens, r.cached_tokens, chunk)
+        for r in done
+    ]
+    return {
         "ttft_p99_all_ms": percentile(ttft_all, 99),
         "slo_met": percentile(ttft_all, 99) <= slo_ms and not rejected and not result.in_flight,
         "goodput_rps": sum(t <= slo_ms for t in ttft_all) / span if span > 0 else 0.0,
         "ttft_ms": summary([r.first_token - r.arrival for r in done], 1000.0),
         "e2e_ms": summary([r.finish - r.arrival for r in done], 1000.0),
         "queue_ms": summary(waits, 1000.0),
+    }
+
+
+def _work_entries(
+    result: ReplayResult, done: list[Record], span: float, ideal: float, pooled: float
+) -> dict:
+    """Throughput, prefix-cache hits against the ideal, and how the engines' work was spread."""
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    recompute = sum(max(0, r.best_overlap_tokens - r.cached_tokens) for r in done)
+    out_tokens = sum(r.completion_tokens for r in done)
+    return {
         "output_tok_s": out_tokens / span if span > 0 else 0.0,
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
         "ideal_hit_ratio": ideal,
@@ -83,9 +108,8 @@ def summarize(
         "prefill_recompute_ratio": recompute / prompt if prompt else 0.0,
         "load_imbalance": load_imbalance(result.busy_s),
         "busy_s": result.busy_s,
-        "preemptions": sum(r.preemptions for r in recs),
+        "preemptions": sum(r.preemptions for r in result.records),
         "engine_steps": result.steps,
         "scheduler": dict(result.sched_stats),  # its counters: credit, holds, spills, pauses
         "makespan_s": result.makespan,
-        "wall_s": wall_s,
     }
