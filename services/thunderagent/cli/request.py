@@ -34,29 +34,37 @@ async def _run(args: argparse.Namespace) -> int:
         return 3
     try:
         async for reply in client.stream(request):
-            if isinstance(reply, TokenChunk):
-                if not args.json:
-                    sys.stdout.write(reply.text)
-                    sys.stdout.flush()
-            elif isinstance(reply, FinalReply):
-                if args.json:
-                    print(msgspec.json.encode(reply).decode())
-                else:
-                    u = reply.usage
-                    print(
-                        f"\n[{reply.worker_id}] prompt {u.prompt_tokens} tokens "
-                        f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
-                        f"TTFT {reply.ttft_ms:.1f} ms, total {reply.e2e_ms:.1f} ms"
-                    )
-                return 0
-            elif isinstance(reply, ErrorReply):
-                if args.json:
-                    print(msgspec.json.encode(reply).decode())
-                print(f"error: {reply.code.value}: {reply.message}", file=sys.stderr)
-                return 1
+            code = _print_reply(reply, args.json)
+            if code is not None:
+                return code
         return 1
     finally:
         await client.close()
+
+
+def _print_reply(reply: TokenChunk | FinalReply | ErrorReply, as_json: bool) -> int | None:
+    """Print one reply; the exit code once the stream has ended (final or error), else None."""
+    if isinstance(reply, TokenChunk):
+        if not as_json:
+            sys.stdout.write(reply.text)
+            sys.stdout.flush()
+    elif isinstance(reply, FinalReply):
+        if as_json:
+            print(msgspec.json.encode(reply).decode())
+        else:
+            u = reply.usage
+            print(
+                f"\n[{reply.worker_id}] prompt {u.prompt_tokens} tokens "
+                f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
+                f"TTFT {reply.ttft_ms:.1f} ms, total {reply.e2e_ms:.1f} ms"
+            )
+        return 0
+    elif isinstance(reply, ErrorReply):
+        if as_json:
+            print(msgspec.json.encode(reply).decode())
+        print(f"error: {reply.code.value}: {reply.message}", file=sys.stderr)
+        return 1
+    return None
 
 
 def run_request(args: argparse.Namespace) -> int:

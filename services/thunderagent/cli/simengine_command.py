@@ -19,13 +19,24 @@ def add_simengine_command(add) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=at_least(0), default=30000)
     p.add_argument("--model", default=DEFAULT_MODEL)
+    _add_model_flags(p)
+    add_engine_layout_flags(p)
+    _add_clock_and_kv_flags(p)
+    _add_role_flags(p)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """What is simulated: the model-and-GPU profile, the KV page size, where KV events go."""
     p.add_argument("--profile", default="llama-3.1-8b-h100", choices=sorted(PRESETS))
     p.add_argument(
         "--page-size", dest="block_size", type=at_least(1), default=16,
         help="tokens per KV block (SGLang's flag name)",
     )  # fmt: skip
     p.add_argument("--kv-events-config", default=None, help="SGLang's --kv-events-config JSON")
-    add_engine_layout_flags(p)
+
+
+def _add_clock_and_kv_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's clock, then where KV lives and how fast it moves (tiers, pool, links)."""
     p.add_argument(
         "--speedup", type=positive, default=1.0, help="run the engine's clock this much faster"
     )
@@ -58,6 +69,10 @@ def add_simengine_command(add) -> None:
         "--kv-pull-gbps", type=float, default=0.0,
         help="pace KV pulls (migration) to this link speed in GB/s; 0: as fast as NIXL copies",
     )  # fmt: skip
+
+
+def _add_role_flags(p: argparse.ArgumentParser) -> None:
+    """What the engine answers as: its PD role, and timed or instant replies."""
     p.add_argument(
         "--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
         help="SGLang's PD role: prefill or decode engines pair on every request through the "

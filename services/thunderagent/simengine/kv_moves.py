@@ -196,19 +196,7 @@ class KvMover:
         present = await self.engine.between_steps(begin)
         if present is None:
             raise MoveError(507, f"no room for {len(keys)} blocks in the KV cache")
-        try:
-            seconds = await pool.read(
-                metadata,
-                addrs[present:],
-                record.slots,
-                timeout_s=timeout_s,
-                pace_bytes_per_s=self.pace_bytes_per_s,
-            )
-        except TransferFailed as err:
-            raise MoveError(502, str(err)) from err
-        bad = [i for i, s in enumerate(record.slots) if pool.checksum(s) != sums[present + i]]
-        if bad:
-            raise MoveError(502, f"{len(bad)} blocks differ from the source's (first: {bad[0]})")
+        seconds = await self._read_verified(record, present, addrs, sums, metadata, timeout_s)
         moved = len(record.slots)
 
         def commit() -> None:
@@ -224,6 +212,27 @@ class KvMover:
             "transfer_s": seconds,
             "verified": True,
         }
+
+    async def _read_verified(
+        self, record: _Import, present: int, addrs, sums, metadata, timeout_s
+    ) -> float:
+        """Copy the blocks missing here into the staged slots; its seconds, once every checksum
+        matches the source's."""
+        pool = self.pool
+        try:
+            seconds = await pool.read(
+                metadata,
+                addrs[present:],
+                record.slots,
+                timeout_s=timeout_s,
+                pace_bytes_per_s=self.pace_bytes_per_s,
+            )
+        except TransferFailed as err:
+            raise MoveError(502, str(err)) from err
+        bad = [i for i, s in enumerate(record.slots) if pool.checksum(s) != sums[present + i]]
+        if bad:
+            raise MoveError(502, f"{len(bad)} blocks differ from the source's (first: {bad[0]})")
+        return seconds
 
     def _namespace(self, body: Any) -> CacheNamespace | None:
         """The (tenant salt, LoRA adapter) the pulled blocks are cached under at the source."""

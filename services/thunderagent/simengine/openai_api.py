@@ -117,6 +117,12 @@ class OpenAIRoutes:
         if body.get("stream"):
             kind += ".chunk" if chat else ""
             return await self._stream(request, events, first, kind, rid, created, chat, finish)
+        return await self._whole(events, first, kind, rid, created, chat, finish)
+
+    async def _whole(
+        self, events, first, kind: str, rid: str, created: int, chat: bool, finish: str
+    ) -> web.Response:
+        """The answer in one reply (no ``stream``): every event's tokens, then the usage."""
         out: list[int] = list(first.token_ids)
         last = first
         async for ev in events:

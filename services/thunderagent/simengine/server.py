@@ -394,18 +394,9 @@ class SimEngineApp:
     def _parse_generate(self, body: Any) -> GenerateInput | web.Response:
         if not isinstance(body, dict):
             return _bad("body must be a JSON object")
-        ids = body.get("input_ids")
-        text = body.get("text")
-        if ids is None and text is None:
-            return _bad("one of input_ids or text is required")
-        if ids is None:
-            if not isinstance(text, str):
-                return _bad("text must be a string (batches are not supported)")
-            ids = self.tokenizer.encode(text)
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-            return _bad("input_ids must be a list of non-negative integers")
-        if not ids:
-            return _bad("the prompt is empty")
+        ids = self._prompt_ids(body)
+        if isinstance(ids, web.Response):
+            return ids
         params = body.get("sampling_params") or {}
         max_new = params.get("max_new_tokens", 128)
         if not isinstance(max_new, int) or max_new <= 0:
@@ -432,6 +423,21 @@ class SimEngineApp:
             lora_name=lora or None,
             stop_matched=hit[1] if hit is not None else None,
         )  # fmt: skip
+
+    def _prompt_ids(self, body: dict) -> list[int] | web.Response:
+        """The prompt's token ids: ``input_ids`` as given, else ``text`` tokenized."""
+        ids, text = body.get("input_ids"), body.get("text")
+        if ids is None and text is None:
+            return _bad("one of input_ids or text is required")
+        if ids is None:
+            if not isinstance(text, str):
+                return _bad("text must be a string (batches are not supported)")
+            ids = self.tokenizer.encode(text)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return _bad("input_ids must be a list of non-negative integers")
+        if not ids:
+            return _bad("the prompt is empty")
+        return ids
 
     def _chunk(
         self, req: GenerateInput, out_ids: list[int], ev, started: float, first_at: float | None

@@ -170,17 +170,8 @@ class Generation:
                 raise
             await self._progress("aborted")
             return None
-        except TimeoutError:  # the time limit: free the engine slot, tell the client why
-            await self.engine.abort(self.engine_rid)
-            if self.final is not None:
-                return self.final
-            why = (
-                "its deadline passed"
-                if limit < self.max_request_s
-                else (f"it ran past the worker's limit of {self.max_request_s:g} s")
-            )
-            await self._fail_with(ErrorCode.DEADLINE, f"request stopped: {why}")
-            return None
+        except TimeoutError:
+            return await self._timed_out(limit)
         except Exception as err:  # a bug or an engine answer nobody foresaw: nobody waits on
             log.exception("request %s: run failed", self.request_id)  # it forever
             with contextlib.suppress(Exception):  # the engine may still be generating it
@@ -189,6 +180,18 @@ class Generation:
                 return self.final
             await self._fail(err)
             return None
+
+    async def _timed_out(self, limit: float) -> FinalReply | None:
+        """The time limit passed: free the engine slot, tell the client why (if unanswered)."""
+        await self.engine.abort(self.engine_rid)
+        if self.final is not None:
+            return self.final
+        if limit < self.max_request_s:
+            why = "its deadline passed"
+        else:
+            why = f"it ran past the worker's limit of {self.max_request_s:g} s"
+        await self._fail_with(ErrorCode.DEADLINE, f"request stopped: {why}")
+        return None
 
     async def _run(self) -> FinalReply | None:
         req = self.work.request
@@ -423,11 +426,9 @@ class Generation:
         continuation (the client's stream goes on); only if it will not is the client told."""
         log.warning("request %s failed at the engine: %s", self.request_id, err)
         failed = RunFailed(
-            request_id=self.request_id,
-            worker_id=self.worker_id,
-            output_token_ids=self.all_output(),
-            reason=str(err)[:500],
-        )
+            request_id=self.request_id, worker_id=self.worker_id,
+            output_token_ids=self.all_output(), reason=str(err)[:500],
+        )  # fmt: skip
         ack = Ack(accepted=False)
         for _ in range(HAND_BACK_TRIES):
             try:

@@ -333,10 +333,7 @@ class WorkerMigration:
             if left <= 0:
                 log.info("pull for %s from %s: its %.3f s budget spent", request_id, src, budget)
                 return
-            pull = KvPullRequest(migration_id=mid, source_worker=src, offer=offer, timeout_s=left)
-            # the engine gives the import up at ``left``; the grace covers one that does not
-            pulled = await asyncio.wait_for(self.pull(pull), left + PULL_GRACE_S)
-            outcome = "done" if pulled.ok else "failed"
+            outcome = await self._copy(mid, src, offer, left)
         except (BusError, TimeoutError) as err:
             log.info("pull for %s from %s failed: %r", request_id, src, err)
         finally:
@@ -345,6 +342,13 @@ class WorkerMigration:
             done.set_result(None)  # before any await: the runs waiting on it must not hang
             if offer is not None and offer.blocks > 0:
                 await self._release_at(src, mid, hint.prefix_hash)
+
+    async def _copy(self, mid: str, src: str, offer: KvExportOffer, left: float) -> str:
+        """The offered blocks copied here within ``left`` seconds; the pull's outcome."""
+        pull = KvPullRequest(migration_id=mid, source_worker=src, offer=offer, timeout_s=left)
+        # the engine gives the import up at ``left``; the grace covers one that does not
+        pulled = await asyncio.wait_for(self.pull(pull), left + PULL_GRACE_S)
+        return "done" if pulled.ok else "failed"
 
     def _count_pull(
         self, span: Span, request_id: str, source: str, outcome: str, offer: KvExportOffer | None
