@@ -167,7 +167,8 @@ class SchedParams:
     and 0.97 ± 0.28 -> 1.11 ± 0.33 s (seed 1), against 3.77 ± 1.26 and 0.96 ± 0.24 with tokens
     there, at 4x equal or noisier."""
     decode_tokens_per_s: float = 40.0
-    """Per request; estimates only (service times, preemption gain, deadline feasibility)."""
+    """Per request; estimates only (service times, preemption gain, deadline feasibility, the
+    output a started run still has to generate in admission's KV count)."""
     resume_recompute_fraction: float = 0.1
     """Share of a preempted context re-prefilled on resume (its KV stays cached; some is lost)."""
     # --- PD (item 5)

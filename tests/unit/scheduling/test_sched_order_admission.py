@@ -333,6 +333,25 @@ def test_output_still_to_come_is_counted_after_the_start() -> None:
     assert sent(s.poll(15.0)) == ["r2"]  # 598 of 640 tokens each: 40 + 6 to come + 50 <= 100
 
 
+def test_a_run_past_its_expected_output_does_not_hide_a_fresh_runs_output() -> None:
+    """Each started run's output to come is counted down to zero on its own: ``old``, 30 s
+    past its expected 64 tokens, must not cancel the 40 blocks ``new`` will still generate."""
+    s = SCHEDULERS.create("fcfs")  # kv_watermark 1.0 of 100 blocks
+    s.update_worker(room(total=100, max_running=10, active_blocks=0), 0.0)
+    s.submit(req("old", prompt=160, out=64), 0.0)  # 10 + 4 blocks
+    assert sent(s.poll(0.0)) == ["old"]
+    s.on_started("old", "w0", 0.0)
+    s.submit(req("new", prompt=160, out=640), 30.0)  # 10 + 40 blocks
+    assert sent(s.poll(30.0)) == ["new"]
+    s.on_started("new", "w0", 30.0)
+    s.update_worker(room(total=100, max_running=10, active_blocks=30), 30.0)
+    s.submit(req("next", prompt=320, out=16), 30.0)  # 20 + 1 blocks
+    # 30 reported + 40 blocks of new's output to come + 21 = 91 <= 100; one more does not fit
+    assert sent(s.poll(30.0)) == ["next"]
+    s.submit(req("last", prompt=160, out=16), 30.0)  # 10 + 1 blocks: 91 + 11 > 100
+    assert sent(s.poll(30.0)) == []
+
+
 @pytest.mark.parametrize(
     ("what_changes", "want"),
     [("a cached prefix on w0", [Dispatch("r", "w0")]), ("room on w1", [Dispatch("r", "w1")]),
