@@ -66,8 +66,10 @@ class DispatchPass:
         spill = self.spill
         if not spill:  # the usual poll: no worker's room is read for nothing
             return
-        open_ = {w for w in self.admission.workers if w not in self.gone}
-        books = _OpenBooks(self, {w for w in open_ if self._has_room(w, 0)})
+        gone = self.gone
+        books = _OpenBooks(
+            self, {w for w in self.admission.workers if w not in gone and self._has_room(w, 0)}
+        )
         keep = []
         entries = self.entries
         pd, programs = self.params.pd_mode == "disaggregated", self.params.programs
